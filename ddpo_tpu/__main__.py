@@ -1,0 +1,3 @@
+from ddpo_tpu.train import main
+
+main()

@@ -1,0 +1,137 @@
+"""Compose a config with Hydra's compose API and validate it: schema (schema.py), then rules (rules.py).
+
+Used by the front end before anything starts (every sweep point), by the training process, and by tests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+from pydantic import ValidationError
+
+from ddpo_tpu.config import rules
+from ddpo_tpu.config.errors import ConfigError, Problem
+from ddpo_tpu.config.schema import RunConfig
+
+
+def conf_dir() -> Path:
+    """conf/ of a checkout, or the copy shipped in the wheel as ddpo_tpu/conf."""
+    here = Path(__file__).resolve().parent.parent  # ddpo_tpu/
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"ddpo_tpu's conf/ directory is missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
+
+
+@dataclass(frozen=True)
+class Validated:
+    cfg: RunConfig                  # typed, frozen
+    tree: dict[str, Any]            # the same config as plain containers (what gets saved)
+    report: list[dict[str, Any]]    # the parity report rows
+
+
+def overridden_keys(overrides: Iterable[str]) -> frozenset[str]:
+    keys = set()
+    for o in overrides:
+        k = o.split("=", 1)[0].lstrip("+~")
+        keys.add(k)
+    return frozenset(keys)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose conf/config.yaml with command-line style overrides. Raises ConfigError on composition errors."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=False)
+    except Exception as e:  # hydra and omegaconf raise several types; each becomes one problem line
+        raise ConfigError([_compose_problem(e, overrides)]) from e
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
+    msg = str(e).strip()
+    first = msg.splitlines()[0] if msg else type(e).__name__
+    m = re.search(r"full_key: (\S+)", msg) or re.search(r"override '([^']+)'", msg)
+    key = m.group(1) if m else "overrides"
+    value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), "")
+    if "not in struct" in msg or "Could not override" in msg:
+        return Problem(key, value, "unknown key", "check the spelling (see --cfg job for every key)")
+    m = re.search(r"Could not find '([^']+)'", msg)
+    if m:
+        group = m.group(1).split("/")[0]
+        listed = msg.split("Available options:", 1)[1].split("\n\n", 1)[0] if "Available options:" in msg else ""
+        options = re.findall(r"^\s+(\S+)\s*$", listed, flags=re.M)
+        return Problem(group, value or m.group(1), f"no such option ({first})",
+                       f"choose one of: {', '.join(options)}" if options else "see --help for the options")
+    return Problem(key, value, first.rstrip(".:"), "see --help for the syntax")
+
+
+def to_tree(cfg: DictConfig) -> dict[str, Any]:
+    problems = []
+    for key in _missing_keys(cfg):
+        problems.append(Problem(key, "???", "a value is required", f"set {key}=..."))
+    if problems:
+        raise ConfigError(problems)
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    tree.pop("hydra", None)
+    return tree
+
+
+def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    out = []
+    for k in cfg.keys():
+        if k == "hydra":
+            continue
+        if OmegaConf.is_missing(cfg, k):
+            out.append(f"{prefix}{k}")
+            continue
+        v = cfg._get_node(k)
+        if isinstance(v, DictConfig):
+            out.extend(_missing_keys(v, f"{prefix}{k}."))
+    return out
+
+
+def validate_tree(tree: dict[str, Any], overridden: frozenset[str] = frozenset()) -> Validated:
+    try:
+        cfg = RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError([_schema_problem(err, tree) for err in e.errors()]) from None
+    problems = rules.check(cfg, tree, overridden)
+    if problems:
+        raise ConfigError(problems)
+    return Validated(cfg, tree, rules.parity_report(cfg, tree))
+
+
+def validate(cfg: DictConfig, overridden: frozenset[str] = frozenset()) -> Validated:
+    return validate_tree(to_tree(cfg), overridden)
+
+
+def compose_and_validate(overrides: list[str]) -> Validated:
+    return validate(compose(overrides), overridden_keys(overrides))
+
+
+def _schema_problem(err: dict[str, Any], tree: dict[str, Any]) -> Problem:
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal["))]
+    # pydantic appends the union member it tried (e.g. 'bool', 'literal['auto']'); keep the config path only
+    loc = [p for p in loc if p not in ("bool", "int", "str", "float", "none", "list[str]")]
+    key = ".".join(loc) or "config"
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        parent = rules.lookup(tree, ".".join(loc[:-1])) if len(loc) > 1 else tree
+        valid = sorted(k for k in parent if k != loc[-1]) if isinstance(parent, dict) else []
+        return Problem(key, value, "unknown key", f"remove it; valid keys here: {', '.join(valid)}")
+    if kind == "missing":
+        return Problem(key, None, "required key is missing", f"set +{key}=...")
+    expected = err["msg"]
+    return Problem(key, value, expected[0].lower() + expected[1:], "see the comment of this key in conf/")

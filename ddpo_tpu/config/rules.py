@@ -1,0 +1,259 @@
+"""Semantic rules checked at compose time, after the schema: parity arithmetic against the topology's replica count,
+the reference's divisibility rules, topology consistency and cross-key ranges. Pure Python: no torch, no devices."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ddpo_tpu.config.errors import Problem
+from ddpo_tpu.config.schema import RunConfig
+
+
+def num_train_timesteps(cfg: RunConfig) -> int:
+    """Denoising steps trained per sample. int() as the reference does (not round())."""
+    return int(cfg.sample.num_steps * cfg.train.timestep_fraction)
+
+
+@dataclass(frozen=True)
+class Totals:
+    replicas: int
+    samples_per_epoch: int
+    total_train_batch: int
+    updates_per_epoch: float
+    train_timesteps: int
+
+
+def totals(cfg: RunConfig) -> Totals:
+    r = cfg.tpu_topology.replicas
+    s = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch * r
+    t = cfg.train.batch_size * cfg.train.gradient_accumulation_steps * r
+    return Totals(r, s, t, s * cfg.train.num_inner_epochs / t, num_train_timesteps(cfg))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+_MISSING = object()
+
+
+def lookup(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b or a == b and type(a) is type(b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a == b
+
+
+def _pick(keys: tuple[str, ...], overridden: frozenset[str]) -> str:
+    """Name the key the user touched, if any of the involved ones; else the first."""
+    for k in keys:
+        if k in overridden:
+            return k
+    return keys[0]
+
+
+def _product_fix(target: int, replicas: int, first: tuple[str, int], second: tuple[str, int],
+                 ok_first=lambda v: True) -> str:
+    """Per-replica settings a x b with a x b x replicas == target: one-key changes first, then pairs."""
+    (ka, a), (kb, b) = first, second
+    if target % replicas:
+        return f"{target} is not divisible by {replicas} replicas: use parity=none or another tpu_topology"
+    per = target // replicas
+    options = []
+    if per % b == 0 and ok_first(per // b):
+        options.append(f"{ka}={per // b}")
+    if per % a == 0:
+        options.append(f"{kb}={per // a}")
+    if not options:
+        for cand in sorted((d for d in range(1, per + 1) if per % d == 0), key=lambda d: abs(d - a)):
+            if ok_first(cand):
+                options.append(f"{ka}={cand} {kb}={per // cand}")
+                break
+    return "try " + ", or ".join(options) if options else f"no per-replica split of {per} fits"
+
+
+def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = frozenset()) -> list[Problem]:
+    """All rule violations of a schema-valid config. `tree` is the same config as plain dicts (for parity lookups)."""
+    problems: list[Problem] = []
+    topo, sample, train = cfg.tpu_topology, cfg.sample, cfg.train
+    tot = totals(cfg)
+    R = tot.replicas
+
+    # --- topology -------------------------------------------------------------------------------------------------
+    if topo.hosts * topo.chips_per_host != topo.chips:
+        problems.append(Problem("tpu_topology.chips", topo.chips,
+                                f"{topo.hosts} hosts x {topo.chips_per_host} chips per host = "
+                                f"{topo.hosts * topo.chips_per_host}",
+                                f"set tpu_topology.chips={topo.hosts * topo.chips_per_host}"))
+    if topo.processes != topo.hosts:
+        problems.append(Problem("tpu_topology.processes", topo.processes,
+                                f"one training process runs per host and there are {topo.hosts} hosts",
+                                f"set tpu_topology.processes={topo.hosts}"))
+    if topo.execution == "eager":
+        if topo.pjrt_device is not None:
+            problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
+                                    "eager execution does not use PJRT", "set tpu_topology.pjrt_device=null"))
+        if topo.accelerator.startswith("tpu"):
+            problems.append(Problem("tpu_topology.execution", topo.execution,
+                                    "TPUs run through XLA", "set tpu_topology.execution=xla_spmd (or xla for one chip)"))
+    else:
+        want = {"cpu": "CPU", "cuda": "CUDA"}.get(topo.accelerator, "TPU")
+        if topo.pjrt_device != want:
+            problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
+                                    f"accelerator {topo.accelerator} runs on PJRT device {want}",
+                                    f"set tpu_topology.pjrt_device={want}"))
+    if topo.execution in ("eager", "xla") and topo.chips != 1:
+        problems.append(Problem("tpu_topology.execution", topo.execution,
+                                f"{topo.execution} drives one device but the topology has {topo.chips} chips",
+                                "set tpu_topology.execution=xla_spmd to use them all"))
+    if topo.execution == "xla_spmd":
+        if topo.mesh.dp * topo.mesh.fsdp != topo.chips:
+            fix_dp = topo.chips // topo.mesh.fsdp if topo.chips % topo.mesh.fsdp == 0 else topo.chips
+            problems.append(Problem("tpu_topology.mesh.dp", topo.mesh.dp,
+                                    f"mesh dp {topo.mesh.dp} x fsdp {topo.mesh.fsdp} = "
+                                    f"{topo.mesh.dp * topo.mesh.fsdp} devices but the topology has {topo.chips} chips",
+                                    f"set tpu_topology.mesh.dp={fix_dp}"))
+        if topo.mesh.layout == "host_local" and (topo.mesh.dp, topo.mesh.fsdp) != (topo.hosts, topo.chips_per_host):
+            problems.append(Problem("tpu_topology.mesh.layout", topo.mesh.layout,
+                                    "host_local puts dp across hosts and fsdp within one",
+                                    f"set tpu_topology.mesh.dp={topo.hosts} tpu_topology.mesh.fsdp={topo.chips_per_host}"))
+        if topo.accelerator == "cpu" and topo.hosts != 1:
+            problems.append(Problem("tpu_topology.hosts", topo.hosts, "PJRT CPU runs on one host",
+                                    "set tpu_topology.hosts=1"))
+
+    # --- parity -----------------------------------------------------------------------------------------------------
+    par = cfg.parity
+    if par.samples_per_epoch is not None and tot.samples_per_epoch != par.samples_per_epoch:
+        k = _pick(("sample.batch_size", "sample.num_batches_per_epoch"), overridden)
+        fix = _product_fix(par.samples_per_epoch, R, ("sample.batch_size", sample.batch_size),
+                           ("sample.num_batches_per_epoch", sample.num_batches_per_epoch),
+                           ok_first=lambda v: v >= train.batch_size and v % train.batch_size == 0)
+        problems.append(Problem(k, lookup(tree, k),
+                                f"{sample.batch_size} x {sample.num_batches_per_epoch} batches x {R} replicas = "
+                                f"{tot.samples_per_epoch} samples/epoch, parity {par.name} needs "
+                                f"{par.samples_per_epoch}", fix))
+    if par.total_train_batch is not None and tot.total_train_batch != par.total_train_batch:
+        k = _pick(("train.gradient_accumulation_steps", "train.batch_size"), overridden)
+        fix = _product_fix(par.total_train_batch, R, ("train.batch_size", train.batch_size),
+                           ("train.gradient_accumulation_steps", train.gradient_accumulation_steps),
+                           ok_first=lambda v: v <= sample.batch_size and sample.batch_size % v == 0)
+        problems.append(Problem(k, lookup(tree, k),
+                                f"{train.batch_size} x {train.gradient_accumulation_steps} accumulation x {R} replicas "
+                                f"= {tot.total_train_batch} per optimizer step, parity {par.name} needs "
+                                f"{par.total_train_batch}", fix))
+    for key, target in flatten(par.pinned).items():
+        got = lookup(tree, key)
+        if got is _MISSING:
+            problems.append(Problem(f"parity.pinned.{key}", target, "pins a key the config does not have",
+                                    "fix the parity config"))
+        elif not _same(got, target):
+            problems.append(Problem(key, got, f"parity {par.name} pins {target}",
+                                    f"set {key}={target}, or parity=none to leave the reference"))
+
+    # --- the reference's batch rules (always) -----------------------------------------------------------------------
+    if sample.batch_size < train.batch_size or sample.batch_size % train.batch_size:
+        k = _pick(("train.batch_size", "sample.batch_size"), overridden)
+        divisors = [d for d in range(sample.batch_size, 0, -1) if sample.batch_size % d == 0]
+        fix_tbs = next((d for d in divisors if d <= train.batch_size), 1)
+        problems.append(Problem(k, train.batch_size if k == "train.batch_size" else sample.batch_size,
+                                f"per-replica sample batch {sample.batch_size} must be >= and divisible by the "
+                                f"train batch {train.batch_size}",
+                                f"try train.batch_size={fix_tbs}"))
+    elif tot.samples_per_epoch % tot.total_train_batch:
+        k = _pick(("train.gradient_accumulation_steps", "train.batch_size"), overridden)
+        batches = sample.batch_size * sample.num_batches_per_epoch // train.batch_size
+        good = [d for d in range(1, batches + 1) if batches % d == 0]
+        fix_acc = min(good, key=lambda d: abs(d - train.gradient_accumulation_steps))
+        problems.append(Problem(k, lookup(tree, k),
+                                f"{tot.samples_per_epoch} samples/epoch is not a multiple of the total train batch "
+                                f"{tot.total_train_batch}: an optimizer step would straddle epochs",
+                                f"try train.gradient_accumulation_steps={fix_acc}"))
+    if tot.train_timesteps < 1:
+        problems.append(Problem("train.timestep_fraction", train.timestep_fraction,
+                                f"int({sample.num_steps} steps x {train.timestep_fraction}) = 0 timesteps to train",
+                                f"use train.timestep_fraction>={1 / sample.num_steps:.3g}"))
+
+    # --- cross-key ranges -------------------------------------------------------------------------------------------
+    st = cfg.stat_tracking
+    if st.min_count > st.buffer_size:
+        problems.append(Problem("stat_tracking.min_count", st.min_count,
+                                f"can never be reached with stat_tracking.buffer_size={st.buffer_size}",
+                                f"set stat_tracking.min_count<={st.buffer_size}"))
+    m = cfg.model
+    if (m.builder is None) == (m.pretrained is None):
+        problems.append(Problem("model.pretrained", m.pretrained,
+                                "set exactly one of model.pretrained (hub id or local dir) and model.builder",
+                                "e.g. model=tiny for the local test model, model=sd14 for Stable Diffusion 1.4"))
+    elif m.pretrained is not None and _looks_like_path(m.pretrained) and not os.path.isdir(
+            os.path.expanduser(m.pretrained)):
+        problems.append(Problem("model.pretrained", m.pretrained, "no such directory",
+                                "point model.pretrained at a local diffusers checkpoint or use a hub id"))
+    if m.dtype == "bfloat16" and train.mixed_precision != "bf16":
+        problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
+                                "set train.mixed_precision=bf16 or model.dtype=float32"))
+    if not m.lora.enabled and topo.accelerator.startswith("tpu") and topo.hbm_gib_per_chip and \
+            topo.hbm_gib_per_chip < 16:
+        problems.append(Problem("model.lora.enabled", False,
+                                f"a full UNet fine-tune with Adam does not fit {topo.hbm_gib_per_chip} GiB per chip",
+                                "set model.lora.enabled=true"))
+    p = cfg.prompts
+    if p.name == "from_file" and not p.file:
+        problems.append(Problem("prompts.file", p.file, "prompts=from_file needs a file", "set prompts.file=PATH"))
+    for key in ("file", "nouns_file", "activities_file"):
+        path = getattr(p, key)
+        if path and not os.path.isfile(os.path.expanduser(path)):
+            problems.append(Problem(f"prompts.{key}", path, "file not found", "give an existing text file"))
+    if cfg.resume not in ("auto", "never") and not os.path.exists(os.path.expanduser(cfg.resume)):
+        problems.append(Problem("resume", cfg.resume, "no such checkpoint",
+                                "use resume=auto, resume=never, or an existing checkpoint path"))
+    if cfg.xla.compilation_cache_dir not in (None, "auto") and not cfg.xla.compilation_cache_dir.strip():
+        problems.append(Problem("xla.compilation_cache_dir", cfg.xla.compilation_cache_dir, "empty path",
+                                "use auto, null or a directory"))
+    if any(s < 0 for s in cfg.xla.profile_steps):
+        problems.append(Problem("xla.profile_steps", cfg.xla.profile_steps, "steps are >= 0", "list step numbers"))
+    return problems
+
+
+def _looks_like_path(s: str) -> bool:
+    return s.startswith(("/", "./", "../", "~")) or os.sep in s and s.count("/") > 1
+
+
+def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of (constraint, target, effective, ok) for the console and the run dir."""
+    tot = totals(cfg)
+    par = cfg.parity
+    rows = [
+        {"constraint": "replicas (tpu_topology)", "target": None, "effective": tot.replicas, "ok": True},
+        {"constraint": "samples per epoch", "target": par.samples_per_epoch, "effective": tot.samples_per_epoch},
+        {"constraint": "total train batch", "target": par.total_train_batch, "effective": tot.total_train_batch},
+        {"constraint": "optimizer updates per epoch",
+         "target": (par.samples_per_epoch * cfg.train.num_inner_epochs / par.total_train_batch
+                    if par.samples_per_epoch and par.total_train_batch else None),
+         "effective": tot.updates_per_epoch},
+        {"constraint": "train timesteps per sample", "target": None, "effective": tot.train_timesteps},
+    ]
+    for key, target in flatten(par.pinned).items():
+        rows.append({"constraint": key, "target": target, "effective": lookup(tree, key)})
+    for row in rows:
+        row.setdefault("ok", row["target"] is None or _same(row["effective"], row["target"]))
+    return rows

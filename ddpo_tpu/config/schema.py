@@ -1,0 +1,151 @@
+"""The typed schema of every config group. Unknown keys and wrong types are rejected with their dotted key.
+
+Only pydantic and the standard library are imported here: validation runs before torch is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    # strict: "4" is not an int and 1.5 is not an int; ints are accepted where floats are expected.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class LoraConfig(_Strict):
+    enabled: bool
+    rank: int = Field(gt=0)
+    alpha: float = Field(gt=0)
+    target_modules: list[str] = Field(min_length=1)
+
+
+class ModelConfig(_Strict):
+    name: str
+    builder: Literal["tiny"] | None
+    pretrained: str | None
+    revision: str | None
+    local_files_only: bool
+    cache_dir: str
+    dtype: Literal["float32", "bfloat16"]
+    lora: LoraConfig
+
+
+class RewardConfig(_Strict):
+    name: str
+    host_workers: int = Field(ge=0, le=64)
+    clip_model: str | None = None
+    mlp_path: str | None = None
+
+
+class SampleConfig(_Strict):
+    num_steps: int = Field(ge=1, le=1000)
+    eta: float = Field(gt=0, le=1)
+    guidance_scale: float = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    num_batches_per_epoch: int = Field(ge=1)
+
+
+class TrainConfig(_Strict):
+    batch_size: int = Field(ge=1)
+    gradient_accumulation_steps: int = Field(ge=1)
+    learning_rate: float = Field(gt=0, le=1)
+    adam_beta1: float = Field(ge=0, lt=1)
+    adam_beta2: float = Field(ge=0, lt=1)
+    adam_weight_decay: float = Field(ge=0)
+    adam_epsilon: float = Field(gt=0)
+    max_grad_norm: float = Field(gt=0)
+    num_inner_epochs: int = Field(ge=1)
+    cfg: bool
+    adv_clip_max: float = Field(gt=0)
+    clip_range: float = Field(gt=0, lt=1)
+    timestep_fraction: float = Field(gt=0, le=1)
+    mixed_precision: Literal["no", "bf16"]
+
+
+class StatTrackingConfig(_Strict):
+    per_prompt: bool
+    buffer_size: int = Field(ge=1)
+    min_count: int = Field(ge=1)
+
+
+class PromptsConfig(_Strict):
+    name: Literal["imagenet_animals", "simple_animals", "nouns_activities", "from_file"]
+    file: str | None
+    nouns_file: str | None
+    activities_file: str | None
+
+
+class MeshConfig(_Strict):
+    dp: int = Field(ge=1)
+    fsdp: int = Field(ge=1)
+    layout: Literal["auto", "host_local"]
+
+
+class TopologyConfig(_Strict):
+    name: str
+    accelerator: Literal["cpu", "cuda", "tpu_v4", "tpu_v5e", "tpu_v6e"]
+    execution: Literal["eager", "xla", "xla_spmd"]
+    pjrt_device: Literal["CPU", "TPU", "CUDA"] | None
+    hosts: int = Field(ge=1)
+    chips_per_host: int = Field(ge=1)
+    chips: int = Field(ge=1)
+    hbm_gib_per_chip: float = Field(ge=0)
+    processes: int = Field(ge=1)
+    mesh: MeshConfig
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: devices the global batch is split over (1 unless SPMD)."""
+        return self.mesh.dp * self.mesh.fsdp if self.execution == "xla_spmd" else 1
+
+
+class ParityConfig(_Strict):
+    name: str
+    samples_per_epoch: int | None = Field(default=None, ge=1)
+    total_train_batch: int | None = Field(default=None, ge=1)
+    pinned: dict[str, Any]
+
+
+class XlaConfig(_Strict):
+    sync_every_n_denoising_steps: int = Field(ge=0, le=1000)
+    sync_every_n_sampling_batches: int = Field(ge=1)
+    sync_before_reward_gather: bool
+    gather: Literal["device", "host"]
+    shuffle_timesteps: bool
+    debug_level: int = Field(ge=0, le=2)
+    flags: list[str]
+    libtpu_init_args: list[str]
+    compilation_cache_dir: str | None
+    profile_steps: list[int]
+
+
+class LoggerConfig(_Strict):
+    name: Literal["none", "wandb"]
+    mode: Literal["online", "offline", "disabled"]
+    project: str
+
+
+class RunConfig(_Strict):
+    """The whole composed config (hydra's own section removed)."""
+
+    run_name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    output_root: str
+    seed: int = Field(ge=0, lt=2**31)
+    num_epochs: int = Field(ge=1)
+    save_freq: int = Field(ge=1)
+    checkpoint_limit: int = Field(ge=1)
+    resume: str
+    lock_accelerator: Literal["auto"] | bool
+    sample: SampleConfig
+    train: TrainConfig
+    stat_tracking: StatTrackingConfig
+    model: ModelConfig
+    reward: RewardConfig
+    prompts: PromptsConfig
+    tpu_topology: TopologyConfig
+    parity: ParityConfig
+    xla: XlaConfig
+    logger: LoggerConfig

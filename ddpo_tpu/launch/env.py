@@ -1,0 +1,112 @@
+"""The one module that reads or writes environment variables.
+
+The launcher (parent process) composes the config, then builds the training process's environment from it here:
+torch_xla reads PJRT_DEVICE, XLA_FLAGS, LIBTPU_INIT_ARGS, CPU_NUM_DEVICES, ... once, at import, so they must be final
+before the child starts. Variables the config now owns are refused when found in the caller's environment, each with
+the key to set instead, so a forgotten `export` can never silently change a run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Mapping
+
+from ddpo_tpu.config.schema import RunConfig
+
+# legacy or owned variable -> the config key that replaces it
+OWNED_VARIABLES: dict[str, str] = {
+    "DDPO_TPU_SYNC_EVERY_STEP": "xla.sync_every_n_denoising_steps",
+    "DDPO_TPU_SYNC_EVERY_BATCH": "xla.sync_every_n_sampling_batches",
+    "DDPO_TPU_USE_ACCELERATE_GATHER": "xla.gather (device or host)",
+    "DDPO_TPU_SHUFFLE_TIMESTEPS": "xla.shuffle_timesteps",
+    "XLA_USE_BF16": "train.mixed_precision=bf16 (and model.dtype)",
+    "XLA_DOWNCAST_BF16": "train.mixed_precision=bf16 (and model.dtype)",
+    "PT_XLA_DEBUG": "xla.debug_level",
+    "PT_XLA_DEBUG_LEVEL": "xla.debug_level",
+    "XLA_IR_DEBUG": "xla.debug_level=2",
+    "XLA_HLO_DEBUG": "xla.debug_level=2",
+    "PJRT_DEVICE": "tpu_topology (e.g. tpu_topology=cpu, tpu_topology=v6e-8)",
+    "CPU_NUM_DEVICES": "tpu_topology (e.g. tpu_topology=cpu_spmd4)",
+    "XLA_USE_SPMD": "tpu_topology.execution=xla_spmd",
+    "XLA_FLAGS": "xla.flags (a list: xla.flags=[--xla_foo=1])",
+    "LIBTPU_INIT_ARGS": "xla.libtpu_init_args (a list)",
+    "XLA_PERSISTENT_CACHE_PATH": "xla.compilation_cache_dir",
+}
+
+# a run's own marker: the training process finds its run dir here (set by the launcher only)
+RUN_DIR_VARIABLE = "DDPO_TPU_RUN_DIR"
+
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
+
+
+def legacy_problems(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per owned variable set in the caller's environment."""
+    environ = os.environ if environ is None else environ
+    return [f"environment variable {name}={environ[name]!r} is not read by ddpo_tpu: set the config key {key} "
+            f"instead (and unset {name})" for name, key in OWNED_VARIABLES.items() if name in environ]
+
+
+def full_error_requested() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR", "") == "1"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "ddpo_tpu"
+
+
+def compilation_cache_dir(cfg: RunConfig) -> str | None:
+    """The persistent XLA compilation cache: auto = on for TPU topologies."""
+    value = cfg.xla.compilation_cache_dir
+    if value == "auto":
+        return str(cache_root() / "xla_cache") if cfg.tpu_topology.accelerator.startswith("tpu") else None
+    return None if value is None else str(Path(value).expanduser())
+
+
+def runtime_variables(cfg: RunConfig) -> dict[str, str]:
+    """The variables the config sets for the training process (XLA and PJRT knobs)."""
+    topo, xla = cfg.tpu_topology, cfg.xla
+    out: dict[str, str] = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2" if xla.debug_level == 0 else "0"}
+    if topo.execution == "eager":
+        # diffusers imports torch_xla whenever it is installed; pin it to the host so it never claims an accelerator
+        out["PJRT_DEVICE"] = "CPU"
+        return out
+    out["PJRT_DEVICE"] = topo.pjrt_device or "CPU"
+    if topo.pjrt_device == "CPU":
+        out["CPU_NUM_DEVICES"] = str(topo.chips_per_host)
+    if xla.flags:
+        out["XLA_FLAGS"] = " ".join(xla.flags)
+    if xla.libtpu_init_args:
+        out["LIBTPU_INIT_ARGS"] = " ".join(xla.libtpu_init_args)
+    if xla.debug_level >= 1:
+        out["PT_XLA_DEBUG_LEVEL"] = "1"
+    if xla.debug_level >= 2:
+        out["XLA_IR_DEBUG"] = "1"
+        out["XLA_HLO_DEBUG"] = "1"
+    return out
+
+
+def child_environment(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The exact environment of the training process: the caller's, minus owned variables, plus the config's."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k not in OWNED_VARIABLES}
+    env.update(runtime_variables(cfg))
+    env[RUN_DIR_VARIABLE] = str(run_dir)
+    return env
+
+
+def redacted(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment as saved in the run dir: values of secrets replaced."""
+    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(env.items())}
+
+
+def run_dir_from_environment() -> Path | None:
+    value = os.environ.get(RUN_DIR_VARIABLE)
+    return Path(value) if value else None
+
+
+def tpu_worker_id() -> int | None:
+    """On a TPU VM pod, the worker index the VM image exports (used only for messages)."""
+    value = os.environ.get("TPU_WORKER_ID") or os.environ.get("CLOUD_TPU_TASK_ID")
+    return int(value) if value and value.isdigit() else None

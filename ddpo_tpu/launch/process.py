@@ -1,0 +1,41 @@
+"""Start the training process with the environment built from config, tee its output into the run dir, forward
+signals to it, and report how it ended. One process per job: the XLA runtime lives once per process and the
+accelerator is exclusive, so sweep points never share one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER_MODULE = "ddpo_tpu.worker"
+
+# exit codes of the training process (documented in the README)
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoint; the same command resumes
+
+
+def run_training(env: dict[str, str], log_path: Path) -> int:
+    cmd = [sys.executable, "-m", WORKER_MODULE]
+    # a new session: a terminal's Ctrl-C reaches only us, and we forward it once (no double interrupt)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with open(log_path, "ab", buffering=0) as log:
+            assert proc.stdout is not None
+            for line in iter(proc.stdout.readline, b""):
+                log.write(line)
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

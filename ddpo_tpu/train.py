@@ -1,0 +1,117 @@
+"""The entrypoint: `python -m ddpo_tpu.train [+experiment=NAME] [overrides] [-m]` (console script `ddpo-train`).
+
+The front end never imports torch. It
+1. refuses environment variables that the config owns (launch/env.py),
+2. composes and validates the config of every run (every point of a sweep) before anything is written or started,
+3. lets Hydra create each job's run dir, saves the resolved config, the parity report and the exact environment there,
+4. starts the training process (ddpo_tpu.worker) with that environment, one job at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from ddpo_tpu.config.compose import conf_dir, overridden_keys, validate
+from ddpo_tpu.config.errors import ConfigError
+from ddpo_tpu.launch import env as envmod
+from ddpo_tpu.launch import process
+
+_failures: list[str] = []
+_last_code: list[int] = []
+
+
+def _fail(lines: list[str], code: int = process.EXIT_CONFIG) -> None:
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+    print("ddpo_tpu: nothing was started.", file=sys.stderr)
+    sys.exit(code)
+
+
+def expand_sweep(overrides: list[str]) -> list[list[str]]:
+    """The jobs Hydra's basic sweeper will run, in the same order (cartesian product of the sweep overrides)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    axes = []
+    for o in parsed:
+        if o.is_sweep_override():
+            if o.is_interval_sweep():
+                raise ConfigError([], f"{o.input_line}: interval sweeps need a sweeper plugin; list the values")
+            key = o.get_key_element()
+            axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(p) for p in itertools.product(*axes)]
+
+
+def preflight(argv: list[str]) -> None:
+    """Everything that must hold before Hydra writes a single file."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.shell_completion:
+        return
+    legacy = envmod.legacy_problems()
+    if legacy:
+        _fail(legacy)
+    if args.cfg or args.info:
+        return  # showing the config is allowed even when it would not validate
+    from ddpo_tpu.config.compose import compose_and_validate
+
+    points = expand_sweep(args.overrides) if args.multirun else [args.overrides]
+    errors: list[str] = []
+    for i, point in enumerate(points):
+        try:
+            compose_and_validate(point)
+        except ConfigError as e:
+            if envmod.full_error_requested():
+                raise
+            where = f"[job {i}: {' '.join(point)}] " if args.multirun else ""
+            errors.extend(where + str(p) for p in e.problems)
+    if errors:
+        if args.multirun:
+            errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
+        _fail(errors)
+
+
+def _job(cfg) -> None:
+    """One Hydra job: save what the run is, then run it in a fresh training process."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from ddpo_tpu.console import print_start
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    validated = validate(cfg, overridden_keys(hc.overrides.task))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(validated.tree), run_dir / "config.yaml")
+    (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
+    child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
+    (run_dir / "env.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
+    print_start(validated, run_dir)
+    code = process.run_training(child_env, run_dir / "train.log")
+    _last_code.append(code)
+    if code != process.EXIT_OK:
+        _failures.append(f"{' '.join(hc.overrides.task) or '(no overrides)'}: exit code {code}, log {run_dir / 'train.log'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    preflight(argv)
+
+    import hydra
+
+    sys.argv = [sys.argv[0], *argv]
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)()
+    if _failures:
+        for f in _failures:
+            print(f"ddpo_tpu: job failed: {f}", file=sys.stderr)
+        sys.exit(_last_code[-1] if len(_last_code) == 1 else process.EXIT_FAILED)
+
+
+if __name__ == "__main__":
+    main()
