@@ -1,0 +1,1 @@
+"""DDPO algorithm pieces (advantages / per-prompt stat tracking, ...)."""

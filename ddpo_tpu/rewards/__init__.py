@@ -1,0 +1,35 @@
+"""Rewards for DDPO: interface, registry and the built-in rewards.
+
+Usage::
+
+    from ddpo_tpu.rewards import make_reward, to_uint8_images
+    reward = make_reward("jpeg_compressibility")
+    rewards = reward(to_uint8_images(images), prompts)   # float32 (B,)
+
+Other reward modules register themselves with ``@register_reward("name")``
+when they are imported.
+"""
+
+from ddpo_tpu.rewards.base import (
+    REWARDS,
+    Reward,
+    RewardError,
+    make_reward,
+    register_reward,
+    to_uint8_images,
+)
+
+# Built-in rewards (numpy + PIL only); importing registers them.
+from ddpo_tpu.rewards import jpeg as _jpeg  # noqa: F401,E402
+from ddpo_tpu.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # noqa: E402
+
+__all__ = [
+    "REWARDS",
+    "Reward",
+    "RewardError",
+    "make_reward",
+    "register_reward",
+    "to_uint8_images",
+    "JpegCompressibility",
+    "JpegIncompressibility",
+]
