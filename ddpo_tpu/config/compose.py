@@ -69,9 +69,12 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
     m = re.search(r"Could not find '([^']+)'", msg)
     if m:
         group = m.group(1).split("/")[0]
-        listed = msg.split("Available options:", 1)[1].split("\n\n", 1)[0] if "Available options:" in msg else ""
+        listed = re.split(r"Available options(?: in '[^']*')?:", msg, maxsplit=1)
+        listed = listed[1].split("Config search path", 1)[0] if len(listed) > 1 else ""
         options = re.findall(r"^\s+(\S+)\s*$", listed, flags=re.M)
-        return Problem(group, value or m.group(1), f"no such option ({first})",
+        value = next((o.split("=", 1)[1] for o in overrides
+                      if "=" in o and o.split("=", 1)[0].lstrip("+~") == group), m.group(1))
+        return Problem(group, value, "no such option",
                        f"choose one of: {', '.join(options)}" if options else "see --help for the options")
     return Problem(key, value, first.rstrip(".:"), "see --help for the syntax")
 

@@ -110,7 +110,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 f"one training process runs per host and there are {topo.hosts} hosts",
                                 f"set tpu_topology.processes={topo.hosts}"))
     if topo.execution == "eager":
-        if topo.pjrt_device is not None:
+        if topo.pjrt_device is not None and not topo.accelerator.startswith("tpu"):
             problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
                                     "eager execution does not use PJRT", "set tpu_topology.pjrt_device=null"))
         if topo.accelerator.startswith("tpu"):
@@ -126,13 +126,18 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
         problems.append(Problem("tpu_topology.execution", topo.execution,
                                 f"{topo.execution} drives one device but the topology has {topo.chips} chips",
                                 "set tpu_topology.execution=xla_spmd to use them all"))
-    if topo.execution == "xla_spmd":
+    chips_ok = topo.hosts * topo.chips_per_host == topo.chips
+    if topo.execution == "xla_spmd" and chips_ok:
         if topo.mesh.dp * topo.mesh.fsdp != topo.chips:
-            fix_dp = topo.chips // topo.mesh.fsdp if topo.chips % topo.mesh.fsdp == 0 else topo.chips
-            problems.append(Problem("tpu_topology.mesh.dp", topo.mesh.dp,
+            if topo.chips % topo.mesh.fsdp == 0:
+                fix = f"set tpu_topology.mesh.dp={topo.chips // topo.mesh.fsdp}"
+            else:
+                fix = f"set tpu_topology.mesh.dp={topo.chips} tpu_topology.mesh.fsdp=1"
+            k = _pick(("tpu_topology.mesh.dp", "tpu_topology.mesh.fsdp"), overridden)
+            problems.append(Problem(k, topo.mesh.dp if k.endswith("dp") else topo.mesh.fsdp,
                                     f"mesh dp {topo.mesh.dp} x fsdp {topo.mesh.fsdp} = "
                                     f"{topo.mesh.dp * topo.mesh.fsdp} devices but the topology has {topo.chips} chips",
-                                    f"set tpu_topology.mesh.dp={fix_dp}"))
+                                    fix))
         if topo.mesh.layout == "host_local" and (topo.mesh.dp, topo.mesh.fsdp) != (topo.hosts, topo.chips_per_host):
             problems.append(Problem("tpu_topology.mesh.layout", topo.mesh.layout,
                                     "host_local puts dp across hosts and fsdp within one",
@@ -170,8 +175,11 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
             problems.append(Problem(key, got, f"parity {par.name} pins {target}",
                                     f"set {key}={target}, or parity=none to leave the reference"))
 
-    # --- the reference's batch rules (always) -----------------------------------------------------------------------
-    if sample.batch_size < train.batch_size or sample.batch_size % train.batch_size:
+    # --- the reference's batch rules (always; a parity problem on the same keys already carries a fix) ------------
+    parity_batch_problem = any(p.key.startswith(("sample.", "train.")) and "parity" in p.reason for p in problems)
+    if parity_batch_problem:
+        pass
+    elif sample.batch_size < train.batch_size or sample.batch_size % train.batch_size:
         k = _pick(("train.batch_size", "sample.batch_size"), overridden)
         divisors = [d for d in range(sample.batch_size, 0, -1) if sample.batch_size % d == 0]
         fix_tbs = next((d for d in divisors if d <= train.batch_size), 1)
@@ -191,7 +199,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     if tot.train_timesteps < 1:
         problems.append(Problem("train.timestep_fraction", train.timestep_fraction,
                                 f"int({sample.num_steps} steps x {train.timestep_fraction}) = 0 timesteps to train",
-                                f"use train.timestep_fraction>={1 / sample.num_steps:.3g}"))
+                                f"use train.timestep_fraction>={_min_fraction(sample.num_steps)}"))
 
     # --- cross-key ranges -------------------------------------------------------------------------------------------
     st = cfg.stat_tracking
@@ -232,6 +240,14 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     if any(s < 0 for s in cfg.xla.profile_steps):
         problems.append(Problem("xla.profile_steps", cfg.xla.profile_steps, "steps are >= 0", "list step numbers"))
     return problems
+
+
+def _min_fraction(num_steps: int) -> float:
+    """The smallest 3-decimal fraction that trains at least one timestep (rounded up, checked)."""
+    v = math.ceil(1000 / num_steps) / 1000
+    while int(num_steps * v) < 1:
+        v += 0.001
+    return round(min(v, 1.0), 3)
 
 
 def _looks_like_path(s: str) -> bool:

@@ -30,8 +30,8 @@ OWNED_VARIABLES: dict[str, str] = {
     "PJRT_DEVICE": "tpu_topology (e.g. tpu_topology=cpu, tpu_topology=v6e-8)",
     "CPU_NUM_DEVICES": "tpu_topology (e.g. tpu_topology=cpu_spmd4)",
     "XLA_USE_SPMD": "tpu_topology.execution=xla_spmd",
-    "XLA_FLAGS": "xla.flags (a list: xla.flags=[--xla_foo=1])",
-    "LIBTPU_INIT_ARGS": "xla.libtpu_init_args (a list)",
+    "XLA_FLAGS": 'xla.flags (a list, quoted for the shell: \'xla.flags=["--xla_foo=1"]\')',
+    "LIBTPU_INIT_ARGS": 'xla.libtpu_init_args (a list, quoted for the shell: \'xla.libtpu_init_args=["--flag=1"]\')',
     "XLA_PERSISTENT_CACHE_PATH": "xla.compilation_cache_dir",
 }
 

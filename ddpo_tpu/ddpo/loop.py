@@ -1,0 +1,312 @@
+"""The DDPO epoch loop, written once against the runtime interface (ddpo_tpu/runtime). Read top to bottom:
+
+  setup     load the model, add LoRA, build the optimizer, the prompt source, the reward, the stat tracker
+  epoch:
+    sample     per batch: prompts -> text embeddings -> DDIM trajectory with log-probs -> uint8 images to the host
+    reward     host rewards overlap the sampling of the next batch (thread pool)
+    advantages per-prompt (or whole-batch) normalisation, clipped
+    train      shuffle samples and time axes on the device, PPO-clip micro-steps, one optimizer step per window
+    save       metrics line, image grid, trained weights every save_freq epochs
+
+All randomness comes from host generators seeded by (seed, epoch, stream), so every backend sees the same prompts,
+noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddpo_tpu.config.compose import Validated
+from ddpo_tpu.config.rules import num_train_timesteps
+from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.ddpo.ppo import ppo_loss
+from ddpo_tpu.ddpo.stat_tracking import PerPromptStatTracker, global_advantages
+from ddpo_tpu.diffusion.ddim import DDIMTables
+from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, sample_trajectory
+from ddpo_tpu.runtime import Runtime, make_runtime
+from ddpo_tpu.runtime.base import Counters
+from ddpo_tpu.rundir import RunDir
+
+STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
+
+
+def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0) -> int:
+    return int(np.random.SeedSequence([seed, epoch, stream, sub]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def say(rt: Runtime, msg: str) -> None:
+    if rt.is_main:
+        print(msg, flush=True)
+
+
+@dataclass
+class EpochSamples:
+    """One epoch's trajectories, global batch first, on the device."""
+
+    latents: torch.Tensor       # (N, T+1, C, h, w)
+    log_probs: torch.Tensor     # (N, T)
+    step_indices: torch.Tensor  # (N, T)
+    embeds: torch.Tensor        # (N, L, D)
+    advantages: torch.Tensor    # (N,)
+
+
+@dataclass
+class PhaseClock:
+    rt: Runtime
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def measure(self, name: str):
+        clock = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0, self.c0 = time.perf_counter(), clock.rt.counters()
+
+            def __exit__(self, *exc):
+                d: Counters = clock.rt.counters().minus(self.c0)
+                clock.phases[name] = {"seconds": round(time.perf_counter() - self.t0, 4),
+                                      "compilations": d.compilations, "compile_seconds": round(d.compile_time_s, 4),
+                                      "host_transfers": d.host_transfers,
+                                      **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {})}
+
+        return _Ctx()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir):
+        from ddpo_tpu.models.from_config import load_from_config
+        from ddpo_tpu.models.lora import make_trainable
+        from ddpo_tpu.prompts import make_prompt_source
+        from ddpo_tpu.rewards import make_reward
+
+        self.cfg, self.rt, self.out = cfg, rt, out
+        self.mixed = cfg.train.mixed_precision == "bf16"
+        torch.manual_seed(cfg.seed)  # adapter init: drawn on the host, identical on every backend
+        comps = load_from_config(cfg.model)
+        self.tokenizer, self.scheduler = comps.tokenizer, comps.scheduler
+        make_trainable(comps.unet, cfg.model)
+        self.unet = comps.unet.to(rt.device)
+        self.vae = comps.vae.to(rt.device)
+        self.text_encoder = comps.text_encoder.to(rt.device)
+        # after .to(device): moving to an XLA device may replace the Parameter objects
+        self.params = [p for p in self.unet.parameters() if p.requires_grad]
+        t = cfg.train
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                           weight_decay=t.adam_weight_decay, eps=t.adam_epsilon)
+        self.tables = DDIMTables.from_scheduler(self.scheduler, cfg.sample.num_steps, rt.device)
+        p = cfg.prompts
+        self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,
+                                          activities_file=p.activities_file)
+        self.reward = make_reward(cfg.reward.name)
+        self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
+        self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)
+        self.global_batch = cfg.sample.batch_size * rt.replicas
+        self.train_batch = cfg.train.batch_size * rt.replicas
+        self.train_timesteps = num_train_timesteps(cfg)
+        self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # micro-steps per update
+        self.latent_shape = (self.unet.config.in_channels, self.unet.config.sample_size, self.unet.config.sample_size)
+        with torch.no_grad():
+            self.neg_embed = self.encode([""])  # (1, L, D): the unconditional prompt
+        self.global_step = 0
+        self.start_epoch = 0
+
+    # --- pieces -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids
+        ids = self.rt.shard_batch(ids.to(self.rt.device)) if len(prompts) > 1 else ids.to(self.rt.device)
+        return self.text_encoder(ids)[0]
+
+    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray:
+        if self.pool is None:
+            return self.reward(images, prompts)
+        return self.pool.submit(self.reward, images, prompts)
+
+    def sample_epoch(self, epoch: int) -> tuple[list[torch.Tensor], list[str], list[Any], np.ndarray]:
+        cfg, rt = self.cfg, self.rt
+        prompt_rng = np.random.default_rng(stream_seed(cfg.seed, epoch, STREAM_PROMPTS))
+        noise_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_NOISE))
+        self.unet.eval()
+        parts, prompts_all, pending, first_images = [], [], [], None
+        B, T = self.global_batch, self.tables.num_steps
+        uncond = self.neg_embed.expand(B, -1, -1)
+        for b in range(cfg.sample.num_batches_per_epoch):
+            prompts = self.prompts.sample(B, prompt_rng)
+            init = torch.randn((B, *self.latent_shape), generator=noise_gen)
+            noise = torch.randn((T, B, *self.latent_shape), generator=noise_gen)
+            cond = self.encode(prompts)
+            with rt.autocast(self.mixed):
+                traj = sample_trajectory(self.unet, self.tables, cond, uncond, init, noise, eta=cfg.sample.eta,
+                                         guidance_scale=cfg.sample.guidance_scale, rt=rt,
+                                         sync_every=cfg.xla.sync_every_n_denoising_steps)
+                images = decode_to_uint8(self.vae, traj.latents[:, -1])
+            host_images = rt.to_host(images).numpy()  # the one device-to-host copy of this batch
+            pending.append(self._score(host_images, prompts))
+            parts.append((traj, cond))
+            prompts_all.extend(prompts)
+            if first_images is None:
+                first_images = host_images
+            if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
+                rt.sync()
+            say(rt, f"[epoch {epoch}] sampling batch {b + 1}/{cfg.sample.num_batches_per_epoch} done")
+        return parts, prompts_all, pending, first_images
+
+    def advantages(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
+        if self.cfg.stat_tracking.per_prompt:
+            return self.tracker.update(prompts, rewards)
+        return global_advantages(rewards)
+
+    def train_epoch(self, epoch: int, s: EpochSamples) -> list[dict[str, float]]:
+        cfg, rt = self.cfg, self.rt
+        self.unet.train()
+        N, T = s.log_probs.shape
+        dev = rt.device
+        logs = []
+        micro = 0
+        stats = torch.zeros(3, device=dev)
+        for inner in range(cfg.train.num_inner_epochs):
+            gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
+            # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
+            perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
+            if cfg.xla.shuffle_timesteps:
+                tperm = torch.argsort(torch.rand((N, T), generator=gen).to(dev), dim=1)
+            else:
+                tperm = torch.arange(T).expand(N, T).contiguous().to(dev)
+            lat = s.latents.index_select(0, perm)
+            tperm = tperm  # per sample (after the sample shuffle: a fresh draw per position, like the reference)
+            gat = lambda x: torch.gather(x, 1, tperm.view(N, T, *([1] * (x.dim() - 2))).expand(N, T, *x.shape[2:]))
+            cur, nxt = gat(lat[:, :-1]), gat(lat[:, 1:])
+            old_lp = gat(s.log_probs.index_select(0, perm))
+            idx = gat(s.step_indices.index_select(0, perm))
+            emb = s.embeds.index_select(0, perm)
+            adv = s.advantages.index_select(0, perm)
+            rt.sync()
+            uncond = self.neg_embed.expand(self.train_batch, -1, -1) if cfg.train.cfg else None
+            for b in range(N // self.train_batch):
+                sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch).to(dev)
+                b_cur, b_nxt, b_lp, b_idx = (x.index_select(0, sel) for x in (cur, nxt, old_lp, idx))
+                b_emb, b_adv = emb.index_select(0, sel), adv.index_select(0, sel)
+                for j in range(self.train_timesteps):
+                    jt = torch.full((1,), j, dtype=torch.long).to(dev)
+                    x_j, next_j = b_cur.index_select(1, jt).squeeze(1), b_nxt.index_select(1, jt).squeeze(1)
+                    lp_old, i_j = b_lp.index_select(1, jt).squeeze(1), b_idx.index_select(1, jt).squeeze(1)
+                    with rt.autocast(self.mixed):
+                        eps = guided_noise_pred(self.unet, x_j, self.tables.timestep_at(i_j), b_emb, uncond,
+                                                cfg.sample.guidance_scale)
+                    _, lp = self.tables.step(eps.float(), i_j, x_j, cfg.sample.eta, prev_sample=next_j)
+                    loss, info = ppo_loss(lp, lp_old, b_adv, cfg.train.clip_range, cfg.train.adv_clip_max)
+                    (loss / self.window).backward()
+                    stats = stats + torch.stack([loss.detach(), info["approx_kl"], info["clipfrac"]])
+                    micro += 1
+                    if micro % self.window == 0:
+                        logs.append(self._update(epoch, stats / self.window))
+                        stats = torch.zeros(3, device=dev)
+                    else:
+                        rt.sync()
+        return logs
+
+    def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:
+        rt = self.rt
+        with (rt.profile(self.out.path, self.global_step) if self.global_step in self.cfg.xla.profile_steps
+              else _null()):
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
+            rt.optimizer_step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=False)
+        host = rt.to_host(torch.cat([stats, norm.reshape(1).float()])).tolist()  # one copy per optimizer step
+        self.global_step += 1
+        rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step, "loss": host[0],
+               "approx_kl": host[1], "clipfrac": host[2], "grad_norm": host[3]}
+        if rt.is_main:
+            self.out.log(rec)
+        return rec
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        from ddpo_tpu.models.lora import trainable_state_dict
+
+        state = trainable_state_dict(self.unet, self.cfg.model, to_host=False)
+        names = list(state)
+        flat = torch.cat([state[k].reshape(-1).float() for k in names])
+        host = self.rt.to_host(flat)  # one transfer for all trained weights
+        out, offset = {}, 0
+        for k in names:
+            n = state[k].numel()
+            out[k] = host[offset:offset + n].view(state[k].shape).to(state[k].dtype).clone()
+            offset += n
+        return out
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg, rt, out = self.cfg, self.rt, self.out
+        say(rt, f"ddpo_tpu: {rt.describe()}; {cfg.num_epochs} epochs of {self.global_batch} x "
+                f"{cfg.sample.num_batches_per_epoch} samples, {self.train_timesteps} train timesteps")
+        for epoch in range(self.start_epoch, cfg.num_epochs):
+            clock = PhaseClock(rt)
+            say(rt, f"[epoch {epoch}] sampling start")
+            with clock.measure("sampling"):
+                parts, prompts, pending, first_images = self.sample_epoch(epoch)
+            with clock.measure("reward"):
+                if cfg.xla.sync_before_reward_gather:
+                    rt.sync()
+                rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in pending])
+            say(rt, f"[epoch {epoch}] rewards gathered: mean {rewards.mean():.4f} std {rewards.std():.4f}")
+            with clock.measure("advantages"):
+                adv = self.advantages(prompts, rewards)
+                samples = EpochSamples(
+                    latents=torch.cat([t.latents for t, _ in parts]),
+                    log_probs=torch.cat([t.log_probs for t, _ in parts]),
+                    step_indices=torch.cat([t.step_indices for t, _ in parts]),
+                    embeds=torch.cat([c for _, c in parts]),
+                    advantages=rt.shard_batch(torch.as_tensor(adv, dtype=torch.float32).to(rt.device)),
+                )
+                del parts
+            say(rt, f"[epoch {epoch}] training start")
+            with clock.measure("training"):
+                steps = self.train_epoch(epoch, samples)
+            del samples
+            with clock.measure("checkpoint"):
+                last = epoch + 1 == cfg.num_epochs
+                if (epoch + 1) % cfg.save_freq == 0 or last:
+                    state = self.trainable_state()
+                    if rt.is_main:
+                        out.save_weights(f"epoch_{epoch:04d}", state)
+                        if last:
+                            out.save_weights("final", state)
+            if rt.is_main:
+                out.save_image_grid(epoch, first_images, prompts, rewards)
+                mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
+                out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step,
+                         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                         "num_samples": int(rewards.size), "loss": mean("loss"), "approx_kl": mean("approx_kl"),
+                         "clipfrac": mean("clipfrac"),
+                         "new_compilations": sum(p["compilations"] for p in clock.phases.values()),
+                         "phases": clock.phases})
+            say(rt, f"[epoch {epoch}] done: reward {rewards.mean():.4f} +- {rewards.std():.4f}, "
+                    f"{len(steps)} updates, " + ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
+                                                         for k, v in clock.phases.items()))
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run(validated: Validated, run_dir: Path) -> int:
+    rt = make_runtime(validated.cfg)
+    trainer = Trainer(validated.cfg, rt, RunDir(run_dir))
+    trainer.fit()
+    say(rt, "ddpo_tpu: run complete")
+    return 0

@@ -1,0 +1,66 @@
+"""The DDPO sampler: DDIM with classifier-free guidance that records the trajectory (latents, log-probs, step
+indices) needed to re-score it at train time.
+
+Written for XLA: per-step inputs are fresh device data (noise and step indices uploaded from the host), constants are
+gathered on the device (DDIMTables), nothing is read back inside the loop, and the graph is cut every
+`sync_every` steps so the same few graphs serve every step, batch and epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.diffusion.ddim import DDIMTables
+from ddpo_tpu.runtime.base import Runtime
+
+
+@dataclass
+class Trajectory:
+    latents: Tensor        # (B, T + 1, C, h, w): x_T ... x_0
+    log_probs: Tensor      # (B, T): log pi(x_{t-1} | x_t) at sampling time
+    step_indices: Tensor   # (B, T): position in the schedule of each step (0 = noisiest)
+
+
+def guided_noise_pred(unet, latents: Tensor, timesteps: Tensor, cond: Tensor, uncond: Tensor | None,
+                      guidance_scale: float) -> Tensor:
+    """UNet epsilon with classifier-free guidance (uncond=None: no guidance)."""
+    if uncond is None:
+        return unet(latents, timesteps, encoder_hidden_states=cond).sample
+    out = unet(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
+               encoder_hidden_states=torch.cat([uncond, cond])).sample
+    out_uncond, out_cond = out.chunk(2)
+    return out_uncond + guidance_scale * (out_cond - out_uncond)
+
+
+@torch.no_grad()
+def sample_trajectory(unet, tables: DDIMTables, cond: Tensor, uncond: Tensor, init_latents: Tensor,
+                      noise: Tensor, *, eta: float, guidance_scale: float, rt: Runtime, sync_every: int) -> Trajectory:
+    """Run the full DDIM schedule. `init_latents` (B,C,h,w) and `noise` (T,B,C,h,w) are host tensors drawn from the
+    run's generator, so every backend samples the same trajectory for the same seed."""
+    batch = init_latents.shape[0]
+    x = rt.shard_batch(init_latents.to(rt.device, dtype=cond.dtype))
+    latents, log_probs, indices = [x], [], []
+    for i in range(tables.num_steps):
+        # an index per sample, uploaded as data: the traced graph is the same for every i
+        idx = torch.full((batch,), i, dtype=torch.long).to(rt.device)
+        t = tables.timestep_at(idx)
+        eps = guided_noise_pred(unet, x, t, cond, uncond, guidance_scale)
+        z = rt.shard_batch(noise[i].to(rt.device, dtype=x.dtype))
+        x, log_prob = tables.step(eps, idx, x, eta, noise=z)
+        latents.append(x)
+        log_probs.append(log_prob)
+        indices.append(idx)
+        if sync_every and (i + 1) % sync_every == 0 and i + 1 < tables.num_steps:
+            rt.sync()
+    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), torch.stack(indices, dim=1))
+
+
+@torch.no_grad()
+def decode_to_uint8(vae, latents: Tensor) -> Tensor:
+    """VAE decode to uint8 (B, H, W, 3) on the device: a quarter of the bytes of float images cross to the host."""
+    images = vae.decode(latents / vae.config.scaling_factor).sample
+    images = (images.float() / 2 + 0.5).clamp(0, 1)
+    return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)

@@ -1,0 +1,92 @@
+"""What a run leaves in its directory: metrics.jsonl (one line per optimizer step and one per epoch), sample image
+grids, and trained weights as .safetensors. Files are written whole (temp name, fsync, rename) so a killed run never
+leaves a half-written one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.metrics_path = self.path / "metrics.jsonl"
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        line = json.dumps(record, default=_jsonable) + "\n"
+        with open(self.metrics_path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        out = []
+        for line in self.metrics_path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if kind is None or rec.get("kind") == kind:
+                    out.append(rec)
+        return out
+
+    def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> Path:
+        """A grid of an epoch's first images (uint8, B x H x W x 3) with a caption file of prompts and rewards."""
+        from PIL import Image
+
+        n = min(len(images), 16)
+        cols = min(n, 4)
+        rows = math.ceil(n / cols)
+        h, w = images.shape[1:3]
+        grid = np.zeros((rows * h, cols * w, 3), dtype=np.uint8)
+        for i in range(n):
+            r, c = divmod(i, cols)
+            grid[r * h:(r + 1) * h, c * w:(c + 1) * w] = images[i]
+        out = self.path / "samples" / f"epoch_{epoch:04d}.png"
+        import io
+
+        buf = io.BytesIO()
+        Image.fromarray(grid).save(buf, format="PNG")
+        atomic_write_bytes(out, buf.getvalue())
+        captions = [{"prompt": p, "reward": float(r)} for p, r in zip(prompts[:n], rewards[:n])]
+        atomic_write_bytes(out.with_suffix(".json"), (json.dumps(captions, indent=1) + "\n").encode())
+        return out
+
+    def save_weights(self, name: str, state: dict, metadata: dict[str, str] | None = None) -> Path:
+        from safetensors.torch import save
+
+        out = self.path / "weights" / f"{name}.safetensors"
+        atomic_write_bytes(out, save(state, metadata=metadata))
+        return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x)}")

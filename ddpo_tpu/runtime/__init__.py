@@ -1,0 +1,23 @@
+"""The runtime interface the epoch loop is written against, and its backends.
+
+eager.py: plain torch on CPU or CUDA. xla.py: torch_xla on one device or SPMD over a mesh (one process per host);
+it is the only module of ddpo_tpu that imports torch_xla.
+"""
+
+from __future__ import annotations
+
+from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.runtime.base import Runtime
+
+
+def make_runtime(cfg: RunConfig) -> Runtime:
+    if cfg.tpu_topology.execution == "eager":
+        from ddpo_tpu.runtime.eager import EagerRuntime
+
+        return EagerRuntime(cfg)
+    from ddpo_tpu.runtime.xla import XlaRuntime
+
+    return XlaRuntime(cfg)
+
+
+__all__ = ["Runtime", "make_runtime"]

@@ -1,0 +1,75 @@
+"""The small interface between the one epoch loop and a backend."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Counters:
+    """Cumulative counts since the runtime started. XLA backends fill them from torch_xla's metrics (exact)."""
+
+    compilations: int = 0           # real (uncached) graph compilations
+    compile_time_s: float = 0.0
+    host_transfers: int = 0         # device-to-host copies
+    cpu_fallbacks: dict[str, int] = field(default_factory=dict)  # aten::op -> count (ops XLA ran on the host)
+
+    def minus(self, earlier: "Counters") -> "Counters":
+        fallbacks = {k: v - earlier.cpu_fallbacks.get(k, 0) for k, v in self.cpu_fallbacks.items()}
+        return Counters(self.compilations - earlier.compilations, self.compile_time_s - earlier.compile_time_s,
+                        self.host_transfers - earlier.host_transfers, {k: v for k, v in fallbacks.items() if v})
+
+
+class Runtime(abc.ABC):
+    """What the loop needs from a backend: where tensors live, when work is materialised, how results reach the
+    host, and how the global batch is laid out over devices. The loop always works on the global batch
+    (per-replica batch x replicas); SPMD backends shard it, single-device backends just hold it."""
+
+    name: str
+    device: torch.device
+    replicas: int = 1          # devices the global batch is split over
+    process_index: int = 0     # this process among all hosts' processes
+    process_count: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_index == 0
+
+    def sync(self) -> None:
+        """Materialise pending work (XLA: cut and run the graph). A no-op for eager backends."""
+
+    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Lay a tensor whose dim 0 is the global batch out over the data-parallel devices."""
+        return tensor
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """One device-to-host copy of a (replicated) result."""
+        return tensor.detach().to("cpu")
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def counters(self) -> Counters:
+        return Counters(host_transfers=self._transfers)
+
+    _transfers: int = 0
+
+    def autocast(self, enabled: bool):
+        if not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def describe(self) -> str:
+        return f"{self.name} on {self.device} ({self.replicas} replica(s), process {self.process_index}/{self.process_count})"
+
+    def profile(self, run_dir, step: int):
+        """A context capturing a profiler trace of one step into the run dir (XLA backends)."""
+        return contextlib.nullcontext()
+
+    def clock(self) -> float:
+        return time.perf_counter()

@@ -1,0 +1,123 @@
+"""torch_xla backends: one device, or SPMD over a mesh of every device of every host (one process per host).
+
+The only module of ddpo_tpu that imports torch_xla; it is imported by the training process after the launcher has
+fixed PJRT_DEVICE, XLA_FLAGS, LIBTPU_INIT_ARGS, CPU_NUM_DEVICES (launch/env.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+import torch_xla.runtime as xr
+
+from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.launch import env as envmod
+from ddpo_tpu.runtime.base import Counters, Runtime
+
+
+class LaunchMismatch(RuntimeError):
+    """The processes or devices found do not match the configured topology."""
+
+
+class XlaRuntime(Runtime):
+    def __init__(self, cfg: RunConfig):
+        topo = cfg.tpu_topology
+        self.spmd = topo.execution == "xla_spmd"
+        cache = envmod.compilation_cache_dir(cfg)
+        if cache:
+            # before any computation, as torch_xla requires
+            Path(cache).mkdir(parents=True, exist_ok=True)
+            xr.initialize_cache(cache, readonly=False)
+        if self.spmd:
+            xr.use_spmd()  # before any XLA tensor exists
+        self.device = torch_xla.device()
+        self.process_index = xr.process_index() if hasattr(xr, "process_index") else xr.global_ordinal()
+        self.process_count = xr.process_count()
+        self.name = "xla_spmd" if self.spmd else "xla"
+        self._check_launch(cfg)
+        self.mesh = None
+        self.replicas = 1
+        if self.spmd:
+            import torch_xla.distributed.spmd as xs
+
+            self._xs = xs
+            n = xr.global_runtime_device_count()
+            mesh_shape = (topo.mesh.dp, topo.mesh.fsdp)
+            self.mesh = xs.Mesh(np.arange(n), mesh_shape, ("dp", "fsdp"))
+            self.replicas = n
+        self.cache_dir = cache
+
+    def _check_launch(self, cfg: RunConfig) -> None:
+        topo = cfg.tpu_topology
+        if self.process_count != topo.processes:
+            worker = envmod.tpu_worker_id()
+            raise LaunchMismatch(
+                f"tpu_topology={topo.name} expects {topo.processes} training processes (one per host) but this run "
+                f"has {self.process_count}{f' (this is worker {worker})' if worker is not None else ''}: launch the "
+                f"same command on all workers (scripts/launch_pod.py --tpu NAME --zone ZONE ...), not only worker 0")
+        if self.spmd:
+            n = xr.global_runtime_device_count()
+            if n != topo.chips:
+                raise LaunchMismatch(f"tpu_topology={topo.name} expects {topo.chips} devices but PJRT sees {n}: "
+                                     f"choose the tpu_topology of this machine")
+
+    # --- execution ----------------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        torch_xla.sync()
+
+    def shard_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.spmd:
+            spec = (("dp", "fsdp"),) + (None,) * (tensor.dim() - 1)
+            self._xs.mark_sharding(tensor, self.mesh, spec)
+        return tensor
+
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Annotate a pending result as replicated, so its host copy is one plain transfer (a sharded tensor's
+        .cpu() compiles a new graph every call)."""
+        if self.spmd:
+            self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
+        return tensor
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = self.replicate(tensor.detach())
+        torch_xla.sync()
+        return tensor.cpu()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        torch_xla.sync()
+
+    # --- telemetry ----------------------------------------------------------------------------------------------
+    def counters(self) -> Counters:
+        compile_data = met.metric_data("CompileTime")
+        transfer_data = met.metric_data("TransferFromDeviceTime")
+        fallbacks = {name: met.counter_value(name) for name in met.counter_names() if name.startswith("aten::")}
+        return Counters(
+            compilations=met.counter_value("UncachedCompile") or 0,
+            compile_time_s=(compile_data[1] / 1e9) if compile_data else 0.0,
+            host_transfers=transfer_data[0] if transfer_data else 0,
+            cpu_fallbacks={k: v for k, v in fallbacks.items() if v},
+        )
+
+    def profile(self, run_dir, step: int):
+        import torch_xla.debug.profiler as xp
+
+        @contextlib.contextmanager
+        def trace():
+            out = Path(run_dir) / "profile" / f"step_{step}"
+            out.mkdir(parents=True, exist_ok=True)
+            server = getattr(self, "_profiler_server", None) or xp.start_server(9012)
+            self._profiler_server = server
+            xp.start_trace(str(out))
+            try:
+                yield
+            finally:
+                torch_xla.sync()
+                xp.stop_trace()
+
+        return trace()

@@ -1,0 +1,122 @@
+"""The front end as users run it: `python -m ddpo_tpu.train ...` in a subprocess, in an empty directory, with the
+environment's owned variables removed. None of these tests starts a training run: an invalid config must be refused
+before anything is written or started."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpo_tpu.config.compose import conf_dir
+from ddpo_tpu.launch.env import OWNED_VARIABLES
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 60
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def cli(cwd: Path, *args: str, env: dict[str, str] | None = None):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    return proc, time.monotonic() - start
+
+
+def written(cwd: Path) -> list[str]:
+    return sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*"))
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    proc, _ = cli(tmp_path, "+experiment=compressibility_parity", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "pretrained: CompVis/stable-diffusion-v1-4" in out
+    assert re.search(r"^  batch_size: 4$", out, re.M)
+    assert re.search(r"^  num_batches_per_epoch: 8$", out, re.M)
+    assert re.search(r"^  gradient_accumulation_steps: 4$", out, re.M)
+    assert "name: v6e-8" in out and "num_steps: 50" in out
+    assert "hydra:" not in out  # job config only
+    assert written(tmp_path) == []
+
+
+def test_invalid_config_is_refused_fast_and_writes_nothing(tmp_path):
+    proc, wall = cli(tmp_path, "+experiment=compressibility_parity", "sample.batch_size=3")
+    print(f"refusal took {wall:.2f} s wall")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert wall < 3.0, f"refusing a config took {wall:.2f} s"
+    err = proc.stderr
+    assert "sample.batch_size=3" in err and "try sample.batch_size=4" in err
+    assert "192 samples/epoch" in err and "needs 256" in err
+    assert "Traceback" not in err + proc.stdout
+    assert "nothing was started" in err
+    assert not (tmp_path / "outputs").exists() and written(tmp_path) == []
+
+
+def test_full_error_on_request(tmp_path):
+    proc, _ = cli(tmp_path, "+experiment=compressibility_parity", "sample.batch_size=3",
+                  env=clean_env(HYDRA_FULL_ERROR="1"))
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr and "sample.batch_size=3" in proc.stderr
+    assert written(tmp_path) == []
+
+
+@pytest.mark.parametrize("name,value,key", [
+    ("DDPO_TPU_SYNC_EVERY_STEP", "2", "xla.sync_every_n_denoising_steps"),
+    ("PJRT_DEVICE", "TPU", "tpu_topology"),
+    ("XLA_FLAGS", "--xla_dump_to=/tmp/x", "xla.flags"),
+])
+def test_legacy_variable_is_refused(tmp_path, name, value, key):
+    proc, _ = cli(tmp_path, "+experiment=smoke", env=clean_env(**{name: value}))
+    assert proc.returncode != 0
+    assert name in proc.stderr and key in proc.stderr
+    assert "Traceback" not in proc.stderr and "nothing was started" in proc.stderr
+    assert written(tmp_path) == []
+
+
+def test_multirun_validates_every_point_before_starting(tmp_path):
+    proc, _ = cli(tmp_path, "-m", "+experiment=smoke", "train.clip_range=0.0001,-1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "train.clip_range=-1" in proc.stderr and "greater than 0" in proc.stderr
+    assert "job 1" in proc.stderr and "job 0" not in proc.stderr  # only the invalid point is named
+    assert "2 sweep point(s) checked" in proc.stderr
+    assert "Launching" not in out and "Traceback" not in out
+    assert not (tmp_path / "outputs").exists() and written(tmp_path) == []
+
+
+def test_unknown_group_option_is_refused(tmp_path):
+    proc, _ = cli(tmp_path, "model=nope")
+    assert proc.returncode == 2
+    assert "error: model=" in proc.stderr and "no such option" in proc.stderr
+    assert "Traceback" not in proc.stderr and written(tmp_path) == []
+
+
+def test_help_lists_groups_and_options(tmp_path):
+    proc, _ = cli(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    listed = dict(re.findall(r"^(\w+): (.+)$", proc.stdout.split("== Config ==")[0], re.M))
+    groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in conf_dir().iterdir() if p.is_dir()}
+    assert {"model", "tpu_topology", "experiment", "parity", "prompts", "reward", "sampler", "xla"} <= set(groups)
+    for group, options in groups.items():
+        assert group in listed, f"--help does not list {group}"
+        assert sorted(o.strip() for o in listed[group].split(",")) == options
+    assert written(tmp_path) == []
+
+
+def test_info(tmp_path):
+    proc, _ = cli(tmp_path, "--info")
+    assert proc.returncode == 0, proc.stderr
+    assert "Hydra" in proc.stdout and str(conf_dir()) in proc.stdout
+    assert written(tmp_path) == []

@@ -1,0 +1,486 @@
+"""Compose-time validation through the compose API (in-process): every experiment on every topology it claims, the
+field notes' overrides, one negative test per rule of rules.check, the schema, and the parity report."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpo_tpu.config.compose import compose_and_validate, conf_dir
+from ddpo_tpu.config.errors import ConfigError, Problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+PARITY_EXPERIMENTS = {
+    "compressibility_parity": ("ddpo_pytorch_compressibility", 256, 64, "jpeg_compressibility"),
+    "incompressibility_parity": ("ddpo_pytorch_incompressibility", 256, 64, "jpeg_incompressibility"),
+    "aesthetic_parity": ("ddpo_pytorch_aesthetic", 256, 128, "aesthetic"),
+}
+SMOKE_TOPOLOGIES = {"eager_cpu": ("eager", 1), "cpu": ("xla", 1), "cpu_spmd4": ("xla_spmd", 4)}
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+
+
+def fails(overrides: list[str]) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        compose_and_validate(list(overrides))
+    return info.value
+
+
+def problem(err: ConfigError, key: str) -> Problem:
+    found = [p for p in err.problems if p.key == key]
+    assert found, f"no problem names {key!r}; got:\n{err}"
+    return found[0]
+
+
+def row(validated, constraint: str) -> dict:
+    rows = [r for r in validated.report if r["constraint"] == constraint]
+    assert len(rows) == 1, f"{constraint!r} not in the parity report: {[r['constraint'] for r in validated.report]}"
+    return rows[0]
+
+
+def suggested(fix: str) -> list[str]:
+    """The overrides of a fix's first alternative: 'try a=1, or b=2' -> [a=1]; 'set a=1 b=2' -> [a=1, b=2];
+    'use k>=0.5' -> [k=0.5]. Non-assignments ('set k<=16', prose) give []."""
+    m = re.match(r"(?:try|set|use) (.*)$", fix.strip())
+    if not m:
+        return []
+    first = re.split(r",? or ", m.group(1))[0]
+    out = []
+    for token in first.split():
+        token = token.rstrip(",")
+        a = re.fullmatch(r"([A-Za-z_][\w.]*)(=|>=)([^\s()]+)", token)
+        if a:
+            out.append(f"{a.group(1)}={a.group(3)}")
+    return out
+
+
+def apply(overrides: list[str], assignments: list[str]) -> list[str]:
+    out = list(overrides)
+    for a in assignments:
+        key = a.split("=", 1)[0]
+        out = [o for o in out if o.split("=", 1)[0].lstrip("+~") != key] + [a]
+    return out
+
+
+def follow_fixes(overrides: list[str]) -> list[str]:
+    """Apply the first suggested alternative of every problem once (what a user would type next)."""
+    err = fails(overrides)
+    assignments = [a for p in err.problems for a in suggested(p.fix)]
+    assert assignments, f"no problem suggests an override:\n{err}"
+    return apply(overrides, assignments)
+
+
+def test_suggested_parser():
+    assert suggested("try sample.batch_size=4") == ["sample.batch_size=4"]
+    assert suggested("try sample.batch_size=2, or sample.num_batches_per_epoch=4") == ["sample.batch_size=2"]
+    assert suggested("set tpu_topology.mesh.dp=4 tpu_topology.mesh.fsdp=4") == [
+        "tpu_topology.mesh.dp=4", "tpu_topology.mesh.fsdp=4"]
+    assert suggested("set train.clip_range=0.0001, or parity=none to leave the reference") == ["train.clip_range=0.0001"]
+    assert suggested("use train.timestep_fraction>=0.125") == ["train.timestep_fraction=0.125"]
+    assert suggested("set stat_tracking.min_count<=16") == []
+
+
+# --- every experiment composes on every topology it claims --------------------------------------------------------
+
+
+def test_experiment_list_is_the_tested_one():
+    shipped = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
+    assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke"]), "a new experiment needs a compose test here"
+
+
+@pytest.mark.parametrize("experiment", sorted(PARITY_EXPERIMENTS))
+def test_parity_experiment_validates_on_v6e_8(experiment):
+    parity, samples, train_batch, reward = PARITY_EXPERIMENTS[experiment]
+    v = compose_and_validate([f"+experiment={experiment}"])
+    cfg = v.cfg
+    assert cfg.tpu_topology.name == "v6e-8" and cfg.tpu_topology.replicas == 8
+    assert cfg.tpu_topology.execution == "xla_spmd" and cfg.tpu_topology.pjrt_device == "TPU"
+    assert cfg.parity.name == parity and cfg.reward.name == reward
+    assert cfg.model.pretrained == "CompVis/stable-diffusion-v1-4" and cfg.model.lora.enabled
+    assert cfg.sample.num_steps == 50 and cfg.sample.eta == 1.0 and cfg.sample.guidance_scale == 5.0
+    assert cfg.run_name == experiment
+    assert row(v, "samples per epoch")["effective"] == samples
+    assert row(v, "total train batch")["effective"] == train_batch
+    bad = [r for r in v.report if not r["ok"]]
+    assert not bad, bad
+    assert v.tree["tpu_topology"]["name"] == "v6e-8" and "hydra" not in v.tree
+
+
+@pytest.mark.parametrize("topology", sorted(SMOKE_TOPOLOGIES))
+def test_smoke_validates_on_its_topologies(topology):
+    execution, replicas = SMOKE_TOPOLOGIES[topology]
+    overrides = ["+experiment=smoke"] + ([] if topology == "eager_cpu" else [f"tpu_topology={topology}"])
+    v = compose_and_validate(overrides)
+    assert v.cfg.tpu_topology.name == topology
+    assert v.cfg.tpu_topology.execution == execution and v.cfg.tpu_topology.replicas == replicas
+    assert v.cfg.model.builder == "tiny" and v.cfg.parity.name == "none" and v.cfg.run_name == "smoke"
+    assert row(v, "samples per epoch")["effective"] == 8 * 2 * replicas
+    assert row(v, "total train batch")["effective"] == 4 * 2 * replicas
+    assert all(r["ok"] for r in v.report)
+
+
+@pytest.mark.parametrize("topology", ["v6e-16", "v6e-4", "v4-64", "v4-8", "v5e-8"])
+def test_compressibility_parity_on_other_topologies_with_the_suggested_values(topology):
+    overrides = ["+experiment=compressibility_parity", f"tpu_topology={topology}"]
+    chips = {"v6e-16": 16, "v6e-4": 4, "v4-64": 32, "v4-8": 4, "v5e-8": 8}[topology]
+    if chips != 8:
+        err = fails(overrides)
+        for p in err.problems:  # only the per-replica arithmetic is off, and each line says what to try
+            assert p.key in ("sample.batch_size", "sample.num_batches_per_epoch",
+                             "train.batch_size", "train.gradient_accumulation_steps"), str(err)
+            assert p.fix.startswith("try "), str(err)
+            assert f"x {chips} replicas" in p.reason, str(err)
+        overrides = follow_fixes(overrides)
+    v = compose_and_validate(overrides)  # one round of the printed suggestions is enough
+    assert v.cfg.tpu_topology.replicas == chips
+    samples, train_batch = row(v, "samples per epoch"), row(v, "total train batch")
+    assert (samples["target"], samples["effective"], samples["ok"]) == (256, 256, True)
+    assert (train_batch["target"], train_batch["effective"], train_batch["ok"]) == (64, 64, True)
+    assert row(v, "optimizer updates per epoch")["effective"] == 4
+    s, t = v.cfg.sample, v.cfg.train
+    assert s.batch_size * s.num_batches_per_epoch * chips == 256
+    assert t.batch_size * t.gradient_accumulation_steps * chips == 64
+    assert s.batch_size >= t.batch_size and s.batch_size % t.batch_size == 0
+
+
+# --- the field notes' overrides -----------------------------------------------------------------------------------
+
+
+def test_field_note_overrides_verbatim():
+    line = ("sample.batch_size=4 sample.num_batches_per_epoch=8 train.batch_size=2 "
+            "train.gradient_accumulation_steps=4 num_epochs=100 save_freq=1")
+    v = compose_and_validate(["+experiment=compressibility_parity", *line.split()])
+    c = v.cfg
+    assert (c.sample.batch_size, c.sample.num_batches_per_epoch) == (4, 8)
+    assert (c.train.batch_size, c.train.gradient_accumulation_steps) == (2, 4)
+    assert (c.num_epochs, c.save_freq) == (100, 1)
+    assert row(v, "samples per epoch")["effective"] == 256 and row(v, "total train batch")["effective"] == 64
+
+
+@pytest.mark.parametrize("steps", [1, 20, 100])
+@pytest.mark.parametrize("base", [[], ["+experiment=compressibility_parity"]], ids=["default", "compressibility"])
+def test_sample_num_steps_with_parity_none(base, steps):
+    v = compose_and_validate([*base, "parity=none", f"sample.num_steps={steps}"])
+    assert v.cfg.sample.num_steps == steps and v.cfg.parity.name == "none"
+    assert row(v, "train timesteps per sample")["effective"] == steps
+    assert all(r["ok"] for r in v.report)
+
+
+def test_sample_num_steps_without_parity_none_is_pinned():
+    err = fails(["+experiment=compressibility_parity", "sample.num_steps=20"])
+    assert "parity=none" in problem(err, "sample.num_steps").fix
+
+
+# --- one negative test per rule -----------------------------------------------------------------------------------
+
+V5E_SMALL = ["tpu_topology=v5e-8", "tpu_topology.hbm_gib_per_chip=8", "model=sd14", "model.lora.enabled=false"]
+CPU_2HOSTS = ["tpu_topology=cpu_spmd4", "tpu_topology.hosts=2", "tpu_topology.chips_per_host=2",
+              "tpu_topology.processes=2"]
+COMP = "+experiment=compressibility_parity"
+
+RULES = [
+    # topology
+    ("chips", ["tpu_topology=v6e-16", "tpu_topology.chips=12"], "tpu_topology.chips",
+     ["4 hosts x 4 chips per host = 16", "set tpu_topology.chips=16"]),
+    ("processes", ["tpu_topology=v6e-16", "tpu_topology.processes=1"], "tpu_topology.processes",
+     ["4 hosts", "set tpu_topology.processes=4"]),
+    ("pjrt_device_eager", ["tpu_topology.pjrt_device=CPU"], "tpu_topology.pjrt_device",
+     ["eager", "set tpu_topology.pjrt_device=null"]),
+    ("pjrt_device_cpu_xla", ["tpu_topology=cpu", "tpu_topology.pjrt_device=TPU"], "tpu_topology.pjrt_device",
+     ["set tpu_topology.pjrt_device=CPU"]),
+    ("pjrt_device_tpu", ["tpu_topology=v6e-8", "tpu_topology.pjrt_device=CPU"], "tpu_topology.pjrt_device",
+     ["tpu_v6e", "set tpu_topology.pjrt_device=TPU"]),
+    ("eager_on_tpu", ["tpu_topology=v6e-1", "tpu_topology.execution=eager", "tpu_topology.pjrt_device=null"],
+     "tpu_topology.execution", ["TPUs run through XLA", "xla"]),
+    ("eager_many_chips", ["tpu_topology=cpu_spmd4", "tpu_topology.execution=eager", "tpu_topology.pjrt_device=null"],
+     "tpu_topology.execution", ["4 chips", "set tpu_topology.execution=xla_spmd"]),
+    ("xla_many_chips", ["tpu_topology=v6e-8", "tpu_topology.execution=xla"], "tpu_topology.execution",
+     ["8 chips", "set tpu_topology.execution=xla_spmd"]),
+    ("mesh_product", ["tpu_topology=cpu_spmd4", "tpu_topology.mesh.dp=2"], "tpu_topology.mesh.dp",
+     ["dp 2 x fsdp 1 = 2 devices", "4 chips", "set tpu_topology.mesh.dp=4"]),
+    ("host_local", ["tpu_topology=v6e-16", "tpu_topology.mesh.layout=host_local"], "tpu_topology.mesh.layout",
+     ["set tpu_topology.mesh.dp=4 tpu_topology.mesh.fsdp=4"]),
+    ("cpu_multi_host", CPU_2HOSTS, "tpu_topology.hosts", ["one host", "set tpu_topology.hosts=1"]),
+    # the reference's batch rules
+    ("train_batch_larger", ["train.batch_size=8"], "train.batch_size",
+     ["sample batch 4", "train batch 8", "try train.batch_size=4"]),
+    ("train_batch_not_divisor", ["sample.batch_size=6", "train.batch_size=4"], "train.batch_size",
+     ["try train.batch_size=3"]),
+    ("samples_not_multiple", ["sample.batch_size=4", "sample.num_batches_per_epoch=1", "train.batch_size=2",
+                              "train.gradient_accumulation_steps=4"], "train.gradient_accumulation_steps",
+     ["4 samples/epoch", "total train batch 8", "try train.gradient_accumulation_steps=2"]),
+    ("timestep_fraction", ["train.timestep_fraction=0.1"], "train.timestep_fraction",
+     ["int(8 steps x 0.1) = 0", "train.timestep_fraction>=0.125"]),
+    # parity arithmetic
+    ("parity_sample_batch", [COMP, "sample.batch_size=3"], "sample.batch_size",
+     ["3 x 8 batches x 8 replicas = 192 samples/epoch", "needs 256", "try sample.batch_size=4"]),
+    ("parity_sample_batches", [COMP, "sample.num_batches_per_epoch=4"], "sample.num_batches_per_epoch",
+     ["= 128 samples/epoch", "needs 256", "sample.num_batches_per_epoch=8"]),
+    ("parity_accumulation", [COMP, "train.gradient_accumulation_steps=2"], "train.gradient_accumulation_steps",
+     ["= 32 per optimizer step", "needs 64", "train.gradient_accumulation_steps=4"]),
+    ("parity_train_batch", [COMP, "train.batch_size=1"], "train.batch_size",
+     ["= 32 per optimizer step", "needs 64", "try train.batch_size=2"]),
+    # pinned keys, one per kind of value
+    ("pinned_float", [COMP, "train.clip_range=0.2"], "train.clip_range",
+     ["pins 0.0001", "set train.clip_range=0.0001", "parity=none"]),
+    ("pinned_int", [COMP, "sample.num_steps=20"], "sample.num_steps", ["pins 50", "set sample.num_steps=50"]),
+    ("pinned_top_level", [COMP, "num_epochs=10"], "num_epochs", ["pins 100", "set num_epochs=100"]),
+    ("pinned_eta", [COMP, "sample.eta=0.5"], "sample.eta", ["pins 1.0"]),
+    ("pinned_bool", [COMP, "train.cfg=false"], "train.cfg", ["pins True"]),
+    ("pinned_nested_bool", [COMP, "model.lora.enabled=false"], "model.lora.enabled", ["pins True"]),
+    ("pinned_model", [COMP, "model=sd15"], "model.name", ["sd15", "pins sd14"]),
+    ("pinned_prompts", [COMP, "prompts=simple_animals"], "prompts.name", ["pins imagenet_animals"]),
+    ("pinned_reward", [COMP, "reward=jpeg_incompressibility"], "reward.name", ["pins jpeg_compressibility"]),
+    ("pinned_stat_tracking", [COMP, "stat_tracking.buffer_size=32"], "stat_tracking.buffer_size", ["pins 16"]),
+    ("pinned_aesthetic_epochs", ["+experiment=aesthetic_parity", "num_epochs=100"], "num_epochs",
+     ["ddpo_pytorch_aesthetic pins 200"]),
+    ("pinned_key_missing", [COMP, "+parity.pinned.train.foo=1"], "parity.pinned.train.foo",
+     ["pins a key the config does not have"]),
+    # cross-key ranges
+    ("min_count", ["stat_tracking.min_count=32"], "stat_tracking.min_count",
+     ["buffer_size=16", "stat_tracking.min_count<=16"]),
+    ("model_builder_and_pretrained", ["model.pretrained=CompVis/stable-diffusion-v1-4"], "model.pretrained",
+     ["exactly one"]),
+    ("model_neither", ["model=sd14", "model.pretrained=null"], "model.pretrained", ["exactly one"]),
+    ("model_local_path_missing", ["model=sd14", "model.pretrained=/nonexistent/ddpo_tpu_test/sd14"],
+     "model.pretrained", ["no such directory"]),
+    ("model_relative_path_missing", ["model=sd14", "model.pretrained=./no_such_ddpo_tpu_dir"],
+     "model.pretrained", ["no such directory"]),
+    ("bf16_weights", ["model.dtype=bfloat16"], "model.dtype", ["train.mixed_precision=bf16"]),
+    ("full_finetune_small_hbm", V5E_SMALL, "model.lora.enabled", ["8.0 GiB", "set model.lora.enabled=true"]),
+    ("prompts_file_unset", ["prompts=from_file", "prompts.file=null"], "prompts.file", ["needs a file"]),
+    ("prompts_file_missing", ["prompts=from_file", "prompts.file=/nonexistent/ddpo_tpu_prompts.txt"],
+     "prompts.file", ["file not found"]),
+    ("nouns_file_missing", ["prompts=nouns_activities", "prompts.nouns_file=/nonexistent/nouns.txt"],
+     "prompts.nouns_file", ["file not found"]),
+    ("activities_file_missing", ["prompts=nouns_activities", "prompts.activities_file=/nonexistent/act.txt"],
+     "prompts.activities_file", ["file not found"]),
+    ("resume_missing", ["resume=/nonexistent/ddpo_tpu_ckpt"], "resume", ["no such checkpoint", "resume=auto"]),
+    ("compilation_cache_dir_empty", ["xla.compilation_cache_dir=''"], "xla.compilation_cache_dir",
+     ["empty path"]),
+    ("profile_steps_negative", ["xla.profile_steps=[3,-1]"], "xla.profile_steps", [">= 0"]),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragments", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
+def test_rule_names_key_and_fix(overrides, key, fragments):
+    err = fails(overrides)
+    p = problem(err, key)
+    text = str(err)
+    assert f"{key}=" in text
+    assert p.reason and p.fix, p  # a reason and a fix, rendered as "key=value: reason (fix)"
+    assert str(p) == f"{p.key}={'null' if p.value is None else p.value}: {p.reason} ({p.fix})"
+    assert str(p) in text.splitlines()
+    for fragment in fragments:
+        assert fragment in text, f"{fragment!r} not in:\n{text}"
+    assert "Traceback" not in text
+
+
+def test_problem_value_is_the_offending_value():
+    err = fails([COMP, "sample.batch_size=3"])
+    assert problem(err, "sample.batch_size").value == 3
+    assert str(err).splitlines()[0].startswith("sample.batch_size=3: 3 x 8 batches x 8 replicas = 192 samples/epoch")
+    assert str(err).splitlines()[0].endswith("(try sample.batch_size=4)")
+
+
+def test_every_problem_is_reported_at_once():
+    err = fails(["stat_tracking.min_count=32", "model.dtype=bfloat16", "resume=/nonexistent/ddpo_tpu_ckpt"])
+    assert {p.key for p in err.problems} >= {"stat_tracking.min_count", "model.dtype", "resume"}
+    assert len(str(err).splitlines()) == len(err.problems)
+
+
+def test_rules_do_not_over_fire(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog\n")
+    (tmp_path / "sd").mkdir()
+    for overrides in (
+        ["model.dtype=bfloat16", "train.mixed_precision=bf16"],
+        ["prompts=from_file", f"prompts.file={prompts}"],
+        ["prompts=nouns_activities", f"prompts.nouns_file={prompts}", f"prompts.activities_file={prompts}"],
+        [f"resume={tmp_path}"], ["resume=never"],
+        ["model=sd14", f"model.pretrained={tmp_path / 'sd'}"],
+        ["xla.profile_steps=[0,5]"], ["xla.compilation_cache_dir=null"], [f"xla.compilation_cache_dir={tmp_path}"],
+        ["tpu_topology=v6e-16", "tpu_topology.mesh.layout=host_local", "tpu_topology.mesh.dp=4",
+         "tpu_topology.mesh.fsdp=4"],
+        ["tpu_topology=cpu_spmd4", "tpu_topology.mesh.dp=2", "tpu_topology.mesh.fsdp=2"],
+        ["train.timestep_fraction=0.125"],
+        ["stat_tracking.min_count=16", "stat_tracking.buffer_size=16"],
+        ["tpu_topology=v5e-8", "model=sd14", "model.lora.enabled=false"],  # 16 GiB is enough
+        [COMP, "train.learning_rate=0.0003", "sample.eta=1"],  # equal values in another spelling keep parity
+    ):
+        compose_and_validate(overrides)
+
+
+# following the printed fix of a single mistake gives a valid config
+FOLLOW = [
+    pytest.param(["tpu_topology=v6e-16", "tpu_topology.processes=1"], id="processes"),
+    pytest.param(["tpu_topology.pjrt_device=CPU"], id="pjrt_device_eager"),
+    pytest.param(["tpu_topology=v6e-8", "tpu_topology.pjrt_device=CPU"], id="pjrt_device_tpu"),
+    pytest.param(["tpu_topology=v6e-8", "tpu_topology.execution=xla"], id="xla_many_chips"),
+    pytest.param(["tpu_topology=cpu_spmd4", "tpu_topology.mesh.dp=2"], id="mesh_dp"),
+    pytest.param(["tpu_topology=v6e-16", "tpu_topology.mesh.layout=host_local"], id="host_local"),
+    pytest.param(["train.batch_size=8"], id="train_batch_larger"),
+    pytest.param(["sample.batch_size=6", "train.batch_size=4"], id="train_batch_not_divisor"),
+    pytest.param(["sample.batch_size=4", "sample.num_batches_per_epoch=1", "train.gradient_accumulation_steps=4"],
+                 id="samples_not_multiple"),
+    pytest.param(["train.timestep_fraction=0.1"], id="timestep_fraction_8_steps"),
+    pytest.param(["sample.num_steps=50", "train.timestep_fraction=0.01"], id="timestep_fraction_50_steps"),
+    pytest.param(["sample.num_steps=3", "train.timestep_fraction=0.1"], id="timestep_fraction_3_steps"),
+    pytest.param(["tpu_topology=v6e-8", "tpu_topology.mesh.fsdp=3"], id="mesh_fsdp_not_divisor"),
+    pytest.param([COMP, "sample.batch_size=3"], id="parity_sample_batch"),
+    pytest.param([COMP, "sample.num_batches_per_epoch=3"], id="parity_sample_batches"),
+    pytest.param(["tpu_topology=v6e-16", "tpu_topology.chips=12"], id="chips_typo"),
+    pytest.param(["tpu_topology=v6e-8", "tpu_topology.execution=eager"], id="eager_on_tpu"),
+    pytest.param([COMP, "train.clip_range=0.2"], id="pinned"),
+    pytest.param([COMP, "model=sd15"], id="pinned_model"),
+    pytest.param([COMP, "train.batch_size=4"], id="parity_train_batch"),
+    pytest.param(["model.dtype=bfloat16"], id="bf16_weights"),
+    pytest.param(V5E_SMALL, id="full_finetune_small_hbm"),
+    pytest.param(["resume=/nonexistent/ddpo_tpu_ckpt"], id="resume"),
+]
+
+
+@pytest.mark.parametrize("overrides", FOLLOW)
+def test_following_the_fix_gives_a_valid_config(overrides):
+    compose_and_validate(follow_fixes(overrides))
+
+
+# --- the schema ---------------------------------------------------------------------------------------------------
+
+
+def test_unknown_key_appended():
+    err = fails(["+train.foo=1"])
+    p = problem(err, "train.foo")
+    assert "unknown key" in p.reason and p.value == 1
+    assert "batch_size" in p.fix and "clip_range" in p.fix  # the valid keys of that section
+
+
+def test_unknown_key_without_plus():
+    err = fails(["train.foo=1"])  # Hydra refuses it during composition
+    p = problem(err, "train.foo")
+    assert "unknown key" in p.reason and p.fix
+    assert "Traceback" not in str(err)
+
+
+def test_unknown_top_level_key():
+    assert "unknown key" in problem(fails(["+foo=1"]), "foo").reason
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("train.batch_size=x", "train.batch_size", "integer"),
+    ("train.batch_size=1.5", "train.batch_size", "integer"),
+    ("train.batch_size='4'", "train.batch_size", "integer"),  # strict: a string is not an int
+    ("sample.eta=true", "sample.eta", "number"),
+    ("train.cfg=1", "train.cfg", "boolean"),
+    ("train.mixed_precision=fp16", "train.mixed_precision", "'bf16'"),
+    ("tpu_topology.execution=jit", "tpu_topology.execution", "xla_spmd"),
+])
+def test_wrong_type(override, key, expected):
+    p = problem(fails([override]), key)
+    assert expected in p.reason and p.fix
+
+
+@pytest.mark.parametrize("override,key,expected", [
+    ("sample.eta=0", "sample.eta", "greater than 0"),
+    ("sample.eta=1.5", "sample.eta", "less than or equal to 1"),
+    ("train.clip_range=-1", "train.clip_range", "greater than 0"),
+    ("train.clip_range=1", "train.clip_range", "less than 1"),
+    ("train.batch_size=0", "train.batch_size", "greater than or equal to 1"),
+    ("sample.num_steps=0", "sample.num_steps", "greater than or equal to 1"),
+    ("xla.debug_level=3", "xla.debug_level", "less than or equal to 2"),
+    ("seed=-1", "seed", "greater than or equal to 0"),
+    ("run_name=a/b", "run_name", "pattern"),
+])
+def test_out_of_range(override, key, expected):
+    p = problem(fails([override]), key)
+    assert expected in p.reason, p
+    assert str(p).startswith(f"{key}={override.split('=', 1)[1]}: ")
+
+
+@pytest.mark.parametrize("override,group", [("model=nope", "model"), ("tpu_topology=v7", "tpu_topology"),
+                                            ("+experiment=nope", "experiment")])
+def test_unknown_group_option_names_the_group(override, group):
+    err = fails([override])
+    assert err.problems[0].key == group and "no such option" in err.problems[0].reason
+    assert "Traceback" not in str(err)
+
+
+def test_unknown_group_option_lists_the_valid_options():
+    p = fails(["model=nope"]).problems[0]
+    for option in ("sd14", "sd15", "tiny"):
+        assert option in p.fix, p
+
+
+def test_missing_mandatory_value():
+    err = fails(["prompts=from_file"])
+    p = problem(err, "prompts.file")
+    assert p.value == "???" and "required" in p.reason and "prompts.file=" in p.fix
+
+
+# --- no torch at validation time; the parity report ---------------------------------------------------------------
+
+
+def test_validation_leaves_torch_unimported():
+    code = (
+        "import sys\n"
+        "from ddpo_tpu.config.compose import compose_and_validate\n"
+        "v = compose_and_validate(['+experiment=compressibility_parity'])\n"
+        "assert v.cfg.tpu_topology.name == 'v6e-8'\n"
+        "import ddpo_tpu.train, ddpo_tpu.launch.env\n"
+        "ddpo_tpu.train.preflight(['+experiment=smoke', 'tpu_topology=cpu_spmd4'])\n"
+        "heavy = [m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'peft') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+        "assert not heavy, heavy\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _owned()}
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "HEAVY []" in p.stdout
+
+
+def _owned():
+    from ddpo_tpu.launch.env import OWNED_VARIABLES
+
+    return OWNED_VARIABLES
+
+
+def test_parity_report_of_compressibility_parity():
+    v = compose_and_validate([COMP])
+    assert all(r["ok"] for r in v.report), [r for r in v.report if not r["ok"]]
+    expected = {"samples per epoch": (256, 256), "total train batch": (64, 64),
+                "optimizer updates per epoch": (4, 4), "replicas (tpu_topology)": (None, 8),
+                "train timesteps per sample": (None, 50)}
+    for constraint, (target, effective) in expected.items():
+        r = row(v, constraint)
+        assert (r["target"], r["effective"]) == (target, effective), r
+    pinned = {r["constraint"]: r for r in v.report}
+    for key, value in [("train.clip_range", 1e-4), ("sample.num_steps", 50), ("train.learning_rate", 3e-4),
+                       ("model.name", "sd14"), ("prompts.name", "imagenet_animals"),
+                       ("stat_tracking.min_count", 16)]:
+        assert pinned[key]["target"] == value and pinned[key]["effective"] == value and pinned[key]["ok"]
+    json.dumps(v.report)  # saved as parity.json in the run dir
+
+
+def test_parity_report_marks_drift_when_validating_a_tree_directly():
+    # the report itself flags a violated row (what the rules turn into an error)
+    from ddpo_tpu.config import rules
+    from ddpo_tpu.config.schema import RunConfig
+
+    tree = compose_and_validate([COMP]).tree
+    tree = json.loads(json.dumps(tree))
+    tree["train"]["clip_range"] = 0.2
+    tree["sample"]["batch_size"] = 2
+    cfg = RunConfig.model_validate(tree)
+    rows = {r["constraint"]: r for r in rules.parity_report(cfg, tree)}
+    assert rows["train.clip_range"]["ok"] is False and rows["train.clip_range"]["effective"] == 0.2
+    assert rows["samples per epoch"]["ok"] is False and rows["samples per epoch"]["effective"] == 128
+    assert rows["total train batch"]["ok"] is True
