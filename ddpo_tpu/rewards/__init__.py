@@ -23,6 +23,9 @@ from ddpo_tpu.rewards.base import (
 from ddpo_tpu.rewards import jpeg as _jpeg  # noqa: F401,E402
 from ddpo_tpu.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # noqa: E402
 
+# CLIP + LAION MLP; imports torch/transformers only when built
+from ddpo_tpu.rewards import aesthetic as _aesthetic  # noqa: F401,E402
+
 __all__ = [
     "REWARDS",
     "Reward",

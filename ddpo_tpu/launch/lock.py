@@ -1,0 +1,299 @@
+"""One training process per host holds the accelerator.
+
+On a TPU host a second Python process that touches the device grabs /dev/vfio/* from under a running job, so the
+training process takes an exclusive lock before it touches the accelerator, and a second launch is refused at once,
+naming the holder (pid, run dir, start time, command).
+
+How it works
+------------
+* ``fcntl.flock(LOCK_EX | LOCK_NB)`` on a file descriptor kept open for the life of the process. The kernel drops a
+  flock when the last descriptor of its open file description is closed, which happens when the process dies by
+  any means (exit, exception, SIGKILL, OOM killer): a lock left by a dead process is taken over with no clean-up
+  step and no pid guessing.
+* After taking the lock the holder writes who it is into the file as JSON (truncate, write, fsync), so a refused
+  launch can name it. The JSON is only ever believed while the flock is held; a stale JSON left by a dead holder
+  (flock free) is simply overwritten by the next acquire.
+* The lock file is never unlinked: unlinking a flock'ed path lets two processes hold locks on two different inodes.
+  ``release()`` empties the file while still holding the lock, then unlocks.
+* The descriptor is not inheritable (O_CLOEXEC / ``os.set_inheritable(fd, False)``), so programs started with exec
+  (a reward server, a shell) never keep the accelerator "held" after the trainer dies. A plain ``fork()`` copies
+  descriptors whatever their close-on-exec flag (multiprocessing/DataLoader workers); a fork handler closes the
+  child's copy, which drops only the child's reference and leaves the parent's lock in place.
+* The lock path must be on a host-local file system (flock over NFS is not reliable, and the lock is per host
+  anyway): ``default_lock_path(cache_root, accelerator)`` puts it under the local cache root.
+
+Who holds the lock
+------------------
+The training process (the child started by ``ddpo_tpu.launch.process``) holds it, not the front end that starts
+it: the lock must be released exactly when the process that owns the device dies. If the front end held it, a
+SIGKILLed front end would free the lock while its orphaned child still drives the TPU, and a child that outlived a
+crash would not be covered. The child takes the lock first thing, before importing torch/torch_xla (importing them
+takes seconds and may already open the device), so a refusal arrives well within 2 seconds. The front end may call
+``AcceleratorLock.holder()`` beforehand to refuse without starting a child at all; that check is advisory, the
+child's ``acquire()`` is the authority.
+
+This module reads no environment variables (paths come in as arguments) and uses the standard library only.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import pathlib
+import shlex
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["AcceleratorBusy", "AcceleratorLock", "LockHolder", "default_lock_path"]
+
+LOCK_FORMAT = 1
+# how long a refused acquire keeps looking when the file does not name a live holder yet: the holder may be between
+# its flock and its JSON write, or a holder() probe may be holding a shared lock for a few microseconds
+_GRACE_S = 0.5
+_POLL_S = 0.02
+
+
+def _format_time(started: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds (or last held) the accelerator lock, as written into the lock file by the holder."""
+
+    pid: int
+    run_dir: str
+    started: float  # time.time() at acquire
+    command: str
+    hostname: str
+
+    @property
+    def started_utc(self) -> str:
+        return _format_time(self.started)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": LOCK_FORMAT, **asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> LockHolder | None:
+        """The holder named by ``text``, or None when it is empty, truncated or not a holder record."""
+        try:
+            data = json.loads(text)
+            return cls(pid=int(data["pid"]), run_dir=str(data["run_dir"]), started=float(data["started"]),
+                       command=str(data.get("command", "")), hostname=str(data.get("hostname", "")))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class AcceleratorBusy(RuntimeError):
+    """Raised by ``AcceleratorLock.acquire`` when another process holds the accelerator of this host."""
+
+    def __init__(self, lock_path: pathlib.Path, holder: LockHolder | None):
+        self.lock_path = pathlib.Path(lock_path)
+        self.holder = holder
+        super().__init__(self._message())
+
+    def __reduce__(self):  # picklable (crosses process boundaries intact)
+        return (type(self), (self.lock_path, self.holder))
+
+    def _message(self) -> str:
+        advice = "or set lock_accelerator=false for CPU runs that share the host"
+        h = self.holder
+        if h is None:
+            return (f"the accelerator of this host is held by another process that has not named itself "
+                    f"(lock file {self.lock_path}): wait for it, stop it, {advice}")
+        details = [f"run dir {h.run_dir}", f"started {h.started_utc}"]
+        if h.command:
+            command = h.command if len(h.command) <= 300 else h.command[:297] + "..."
+            details.append(f"command {command}")
+        where = ""
+        if h.hostname and h.hostname != socket.gethostname():
+            # the same lock file seen from another host name (a shared file system or a renamed host)
+            details.append(f"host {h.hostname}")
+            where = f" on {h.hostname}"
+        return (f"the accelerator of this host is held by pid {h.pid} ({', '.join(details)}): wait for it, "
+                f"stop it (kill -TERM {h.pid}{where}: it checkpoints and exits), {advice} "
+                f"[lock file {self.lock_path}]")
+
+
+def default_lock_path(cache_root: pathlib.Path, accelerator: str) -> pathlib.Path:
+    """``cache_root/locks/<accelerator>.lock``; ``accelerator`` is a short name such as "tpu" (no path parts)."""
+    name = str(accelerator).strip()
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"accelerator must be a plain name such as 'tpu', got {accelerator!r}")
+    return pathlib.Path(cache_root) / "locks" / f"{name}.lock"
+
+
+def _read_holder(fd: int) -> LockHolder | None:
+    size = os.fstat(fd).st_size
+    if size <= 0:
+        return None
+    data = os.pread(fd, min(size, 1 << 20), 0)
+    return LockHolder.from_json(data.decode("utf-8", errors="replace"))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+# locks held by this process, so that a fork()ed child can drop its copies of their descriptors
+_held: set[AcceleratorLock] = set()
+
+
+def _close_in_forked_child() -> None:
+    for lock in list(_held):
+        lock._forget_after_fork()
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
+
+
+class AcceleratorLock:
+    """An exclusive, per-host lock on the accelerator, held by the training process for its lifetime.
+
+    ``acquire()`` takes it or raises ``AcceleratorBusy`` naming the holder; ``release()`` (or the end of the
+    process, however it ends) gives it back. Usable as a context manager. Not re-entrant across objects: a second
+    ``AcceleratorLock`` on the same path in the same process is refused like any other process.
+    """
+
+    def __init__(self, lock_path: pathlib.Path, run_dir: pathlib.Path, command: str = ""):
+        self.lock_path = pathlib.Path(lock_path)
+        self.run_dir = pathlib.Path(run_dir)
+        self.command = command or shlex.join(sys.argv)
+        self._fd: int | None = None
+        self._info: LockHolder | None = None
+
+    # --- state -------------------------------------------------------------------------------------------------
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    @property
+    def info(self) -> LockHolder | None:
+        """What this lock wrote into the lock file while it is held, else None."""
+        return self._info if self.held else None
+
+    def __repr__(self) -> str:
+        return f"AcceleratorLock({str(self.lock_path)!r}, held={self.held})"
+
+    # --- acquire / release -------------------------------------------------------------------------------------
+
+    def acquire(self, timeout: float | None = 0.0) -> AcceleratorLock:
+        """Take the lock. ``timeout`` 0 (the default) refuses at once when a live holder is named; a positive
+        timeout waits up to that many seconds; None waits for as long as it takes. Raises ``AcceleratorBusy``."""
+        if self.held:
+            return self
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except PermissionError:
+            # a lock file made by another user: name its holder when there is one
+            holder = AcceleratorLock.holder(self.lock_path)
+            if holder is not None:
+                raise AcceleratorBusy(self.lock_path, holder) from None
+            raise
+        os.set_inheritable(fd, False)
+        start = time.monotonic()
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise
+                holder = _read_holder(fd)
+                waited = time.monotonic() - start
+                named = holder is not None and (holder.hostname != socket.gethostname() or _pid_alive(holder.pid))
+                limit = _GRACE_S if timeout is not None and timeout < _GRACE_S and not named else timeout
+                if limit is not None and waited >= limit:
+                    raise AcceleratorBusy(self.lock_path, holder)
+                time.sleep(_POLL_S)
+            info = LockHolder(pid=os.getpid(), run_dir=str(self.run_dir.resolve()), started=time.time(),
+                              command=self.command, hostname=socket.gethostname())
+            data = (info.to_json() + "\n").encode("utf-8")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)  # drops the flock too, if it was taken
+            raise
+        self._fd, self._info = fd, info
+        _held.add(self)
+        return self
+
+    def release(self) -> None:
+        """Give the lock back (a no-op when not held). The file is emptied while still locked, then unlocked."""
+        fd, self._fd, self._info = self._fd, None, None
+        _held.discard(self)
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _forget_after_fork(self) -> None:
+        # in a fork()ed child: close our copy of the descriptor (the parent's lock stays), never LOCK_UN
+        fd, self._fd, self._info = self._fd, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> AcceleratorLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    # --- who holds it ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def holder(lock_path: pathlib.Path) -> LockHolder | None:
+        """Who holds the lock now: None when the lock is free (whatever a stale file says) or missing.
+
+        Probes with a shared, non-blocking flock (released at once), which never blocks the holder; the file is
+        not created. A holder that has the lock but has not finished writing its record is waited for briefly
+        (its write follows its flock by microseconds); one that never names itself (not an AcceleratorLock) reads
+        as None, so this is an advisory check: ``acquire()`` is the authority and refuses such a holder too."""
+        lock_path = pathlib.Path(lock_path)
+        try:
+            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            deadline = time.monotonic() + _GRACE_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise
+                else:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    return None  # free: whatever the file says is stale
+                holder = _read_holder(fd)
+                if holder is not None or time.monotonic() >= deadline:
+                    return holder
+                time.sleep(_POLL_S)
+        finally:
+            os.close(fd)
