@@ -63,9 +63,10 @@ def preflight(argv: list[str]) -> None:
 
     points = expand_sweep(args.overrides) if args.multirun else [args.overrides]
     errors: list[str] = []
+    locks = set()
     for i, point in enumerate(points):
         try:
-            compose_and_validate(point)
+            locks.add(envmod.accelerator_lock_path(compose_and_validate(point).cfg))
         except ConfigError as e:
             if envmod.full_error_requested():
                 raise
@@ -75,6 +76,13 @@ def preflight(argv: list[str]) -> None:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
+    # a busy accelerator is refused before a run dir exists (the training process takes the lock itself)
+    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
+
+    for path in filter(None, locks):
+        holder = AcceleratorLock.holder(path)
+        if holder is not None:
+            _fail([str(AcceleratorBusy(path, holder))], process.EXIT_BUSY)
 
 
 def _job(cfg) -> None:

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from conftest import read_metrics, run_train
 
 ONE_EPOCH = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1", "train.gradient_accumulation_steps=2",
-             "reward.host_workers=0"]
+             "reward.host_workers=0", "model.lora.enabled=true", "train.clip_range=1e-4", "save_freq=1"]
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +65,18 @@ def test_xla_epoch_reports_compilations(first_epoch_runs):
     epoch = read_metrics(first_epoch_runs["cpu"], "epoch")[0]
     assert epoch["new_compilations"] > 0  # the first epoch compiles; later epochs are covered by the XLA tests
     assert epoch["phases"]["sampling"]["host_transfers"] >= 1
+
+
+@pytest.mark.slow
+def test_smoke_run_learns_jpeg_compressibility(tmp_path, model_cache):
+    """The README's main job, as configured: the mean reward of the last two epochs beats the first epoch."""
+    proc = run_train(["+experiment=smoke", f"model.cache_dir={model_cache}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    epochs = read_metrics(tmp_path / "outputs" / "smoke", "epoch")
+    rewards = [e["reward_mean"] for e in epochs]
+    assert [e["epoch"] for e in epochs] == list(range(20))
+    margin = float(np.mean(rewards[-2:])) - rewards[0]
+    print(f"smoke rewards: first {rewards[0]:.4f}, last two {rewards[-2:]}, margin {margin:.4f} kB")
+    assert margin > 0.005, rewards
+    weights = load_file(str(tmp_path / "outputs" / "smoke" / "weights" / "final.safetensors"))
+    assert len(weights) > 10  # the full UNet (smoke trains it without LoRA)

@@ -105,7 +105,9 @@ class Trainer:
         p = cfg.prompts
         self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,
                                           activities_file=p.activities_file)
-        self.reward = make_reward(cfg.reward.name)
+        # reward-specific keys of the reward group (clip_model, mlp_path, ...) go to the reward's constructor
+        extra = cfg.reward.model_dump(exclude={"name", "host_workers"}, exclude_none=True)
+        self.reward = make_reward(cfg.reward.name, **extra)
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)
         self.global_batch = cfg.sample.batch_size * rt.replicas
@@ -181,8 +183,10 @@ class Trainer:
                 tperm = torch.argsort(torch.rand((N, T), generator=gen).to(dev), dim=1)
             else:
                 tperm = torch.arange(T).expand(N, T).contiguous().to(dev)
+            # materialise the permutations first: on torch_xla 2.9 (PJRT CPU) an index_select whose index is a
+            # pending sort aborts the process (xla/shape.h "buffer != nullptr"); one small graph, same every epoch
+            rt.sync()
             lat = s.latents.index_select(0, perm)
-            tperm = tperm  # per sample (after the sample shuffle: a fresh draw per position, like the reference)
             gat = lambda x: torch.gather(x, 1, tperm.view(N, T, *([1] * (x.dim() - 2))).expand(N, T, *x.shape[2:]))
             cur, nxt = gat(lat[:, :-1]), gat(lat[:, 1:])
             old_lp = gat(s.log_probs.index_select(0, perm))

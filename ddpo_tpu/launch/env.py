@@ -64,6 +64,18 @@ def compilation_cache_dir(cfg: RunConfig) -> str | None:
     return None if value is None else str(Path(value).expanduser())
 
 
+def accelerator_lock_path(cfg: RunConfig) -> Path | None:
+    """Where the host-wide accelerator lock lives, or None when this run takes no lock (lock_accelerator)."""
+    enabled = cfg.lock_accelerator
+    if enabled == "auto":
+        enabled = cfg.tpu_topology.accelerator != "cpu"
+    if not enabled:
+        return None
+    from ddpo_tpu.launch.lock import default_lock_path
+
+    return default_lock_path(cache_root(), cfg.tpu_topology.accelerator)
+
+
 def runtime_variables(cfg: RunConfig) -> dict[str, str]:
     """The variables the config sets for the training process (XLA and PJRT knobs)."""
     topo, xla = cfg.tpu_topology, cfg.xla

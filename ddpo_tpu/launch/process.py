@@ -15,6 +15,7 @@ WORKER_MODULE = "ddpo_tpu.worker"
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
+EXIT_BUSY = 3        # another training process holds this host's accelerator
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoint; the same command resumes
 
 
