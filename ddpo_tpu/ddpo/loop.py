@@ -116,7 +116,11 @@ class Trainer:
         self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # micro-steps per update
         self.latent_shape = (self.unet.config.in_channels, self.unet.config.sample_size, self.unet.config.sample_size)
         with torch.no_grad():
-            self.neg_embed = self.encode([""])  # (1, L, D): the unconditional prompt
+            neg = self.encode([""])  # (1, L, D): the unconditional prompt
+            # expanded once and materialised here: a view created per epoch would join (and change) the next graph
+            self.uncond_sample = rt.shard_batch(neg.expand(self.global_batch, -1, -1).contiguous())
+            self.uncond_train = rt.shard_batch(neg.expand(self.train_batch, -1, -1).contiguous())
+        rt.sync()
         self.global_step = 0
         self.start_epoch = 0
 
@@ -140,7 +144,7 @@ class Trainer:
         self.unet.eval()
         parts, prompts_all, pending, first_images = [], [], [], None
         B, T = self.global_batch, self.tables.num_steps
-        uncond = self.neg_embed.expand(B, -1, -1)
+        uncond = self.uncond_sample
         for b in range(cfg.sample.num_batches_per_epoch):
             prompts = self.prompts.sample(B, prompt_rng)
             init = torch.randn((B, *self.latent_shape), generator=noise_gen)
@@ -174,7 +178,7 @@ class Trainer:
         dev = rt.device
         logs = []
         micro = 0
-        stats = torch.zeros(3, device=dev)
+        stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
         for inner in range(cfg.train.num_inner_epochs):
             gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
             # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
@@ -194,7 +198,7 @@ class Trainer:
             emb = s.embeds.index_select(0, perm)
             adv = s.advantages.index_select(0, perm)
             rt.sync()
-            uncond = self.neg_embed.expand(self.train_batch, -1, -1) if cfg.train.cfg else None
+            uncond = self.uncond_train if cfg.train.cfg else None
             for b in range(N // self.train_batch):
                 sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch).to(dev)
                 b_cur, b_nxt, b_lp, b_idx = (x.index_select(0, sel) for x in (cur, nxt, old_lp, idx))
@@ -213,7 +217,7 @@ class Trainer:
                     micro += 1
                     if micro % self.window == 0:
                         logs.append(self._update(epoch, stats / self.window))
-                        stats = torch.zeros(3, device=dev)
+                        stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
                     else:
                         rt.sync()
         return logs
@@ -236,16 +240,7 @@ class Trainer:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         from ddpo_tpu.models.lora import trainable_state_dict
 
-        state = trainable_state_dict(self.unet, self.cfg.model, to_host=False)
-        names = list(state)
-        flat = torch.cat([state[k].reshape(-1).float() for k in names])
-        host = self.rt.to_host(flat)  # one transfer for all trained weights
-        out, offset = {}, 0
-        for k in names:
-            n = state[k].numel()
-            out[k] = host[offset:offset + n].view(state[k].shape).to(state[k].dtype).clone()
-            offset += n
-        return out
+        return self.rt.state_to_host(trainable_state_dict(self.unet, self.cfg.model, to_host=False))
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def fit(self) -> None:

@@ -51,6 +51,12 @@ class Runtime(abc.ABC):
         """One device-to-host copy of a (replicated) result."""
         return tensor.detach().to("cpu")
 
+    def state_to_host(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host copies of materialised tensors (weights, optimizer state): plain copies, no computation, so saving
+        never compiles a graph whenever it first happens."""
+        self.sync()
+        return {k: self.to_host(v).contiguous() for k, v in state.items()}
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 

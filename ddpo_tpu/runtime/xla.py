@@ -88,6 +88,11 @@ class XlaRuntime(Runtime):
         torch_xla.sync()
         return tensor.cpu()
 
+    def state_to_host(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        torch_xla.sync()
+        # device data after the sync: each .cpu() is a plain transfer (no graph); replicated under SPMD
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         torch_xla.sync()
