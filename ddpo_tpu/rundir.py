@@ -43,6 +43,21 @@ class RunDir:
             f.flush()
             os.fsync(f.fileno())
 
+    def truncate_after_epoch(self, epoch: int) -> None:
+        """Drop records of epochs after `epoch` (work a killed run did past its last checkpoint), atomically, so
+        each epoch is logged once in a resumed run."""
+        if not self.metrics_path.exists():
+            return
+        keep = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if rec.get("kind") == "event" or rec.get("epoch", -1) <= epoch:
+                keep.append(line)
+        atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
+
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []

@@ -138,6 +138,8 @@ class RunConfig(_Strict):
     save_freq: int = Field(ge=1)
     checkpoint_limit: int = Field(ge=1)
     resume: str
+    force_resume: bool
+    on_nonfinite_reward: Literal["stop", "skip"]
     lock_accelerator: Literal["auto"] | bool
     sample: SampleConfig
     train: TrainConfig

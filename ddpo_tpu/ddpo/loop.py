@@ -14,8 +14,10 @@ noise and shuffles for the same seed, and a run restarted at an epoch boundary c
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddpo_tpu import checkpoint as ckpt
 from ddpo_tpu.config.compose import Validated
 from ddpo_tpu.config.rules import num_train_timesteps
 from ddpo_tpu.config.schema import RunConfig
@@ -80,14 +83,44 @@ class PhaseClock:
         return _Ctx()
 
 
+class Preempted(Exception):
+    """SIGTERM: the trainer reached a safe point and wrote a checkpoint."""
+
+
+class StopRequest:
+    """SIGTERM sets a flag checked at safe points (between sampling batches, at the end of an epoch); a second
+    SIGTERM (or SIGINT) exits at once."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        if self.requested:
+            print(f"ddpo_tpu: second {signal.Signals(signum).name}: exiting now", flush=True)
+            import os
+
+            os._exit(128 + signum)
+        self.requested = True
+        print(f"ddpo_tpu: {signal.Signals(signum).name} received: stopping at the next safe point", flush=True)
+
+
+class NonFinite(RuntimeError):
+    pass
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir):
+    def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir, tree: dict | None = None,
+                 stop: StopRequest | None = None):
         from ddpo_tpu.models.from_config import load_from_config
         from ddpo_tpu.models.lora import make_trainable
         from ddpo_tpu.prompts import make_prompt_source
         from ddpo_tpu.rewards import make_reward
 
         self.cfg, self.rt, self.out = cfg, rt, out
+        self.tree = tree if tree is not None else cfg.model_dump()
+        self.stop = stop or StopRequest()
         self.mixed = cfg.train.mixed_precision == "bf16"
         torch.manual_seed(cfg.seed)  # adapter init: drawn on the host, identical on every backend
         comps = load_from_config(cfg.model)
@@ -123,6 +156,65 @@ class Trainer:
         rt.sync()
         self.global_step = 0
         self.start_epoch = 0
+        self.run_id = uuid.uuid4().hex[:12]
+        self.last_saved_epoch = -1
+        self._resume()
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out.path / "checkpoints"
+
+    def _resume(self) -> None:
+        from ddpo_tpu.models.lora import load_trainable_state_dict
+
+        cfg = self.cfg
+        if cfg.resume == "never" and ckpt.complete(self.ckpt_root):
+            raise ckpt.ResumeRefused(f"resume=never but {self.ckpt_root} holds checkpoints of an earlier run: use "
+                                     f"resume=auto to continue it or a new run_name to start over")
+        path = ckpt.find_resume(self.out.path, cfg.resume)
+        if path is None:
+            self.out.truncate_after_epoch(-1)  # a run killed before its first checkpoint starts clean
+            return
+        loaded = ckpt.load(path, self.tree, force=cfg.force_resume)
+        load_trainable_state_dict(self.unet, cfg.model, {k: v.to(self.rt.device) for k, v in loaded.trainable.items()})
+        self.optimizer.load_state_dict(loaded.optimizer)
+        self.tracker.load_state_dict(loaded.tracker)
+        self.start_epoch, self.global_step = loaded.epoch + 1, loaded.global_step
+        self.run_id, self.last_saved_epoch = loaded.run_id, loaded.epoch
+        self.out.truncate_after_epoch(loaded.epoch)  # epochs after the checkpoint are logged again, once
+        self.rt.sync()
+        if self.rt.is_main:
+            self.out.log({"kind": "event", "event": "resumed", "epoch": loaded.epoch, "global_step": self.global_step,
+                          "checkpoint": str(path)})
+        say(self.rt, f"ddpo_tpu: resumed from {path} (epoch {loaded.epoch} done, global step {self.global_step})")
+
+    def save_checkpoint(self, epoch: int, tracker_state: dict) -> None:
+        """Weights, optimizer and stat tracker as they are at the end of `epoch`."""
+        trainable = self.trainable_state()
+        opt = self.optimizer.state_dict()
+        flat = {f"{k}/{n}": t for k, v in opt["state"].items() for n, t in v.items() if torch.is_tensor(t)}
+        host = self.rt.state_to_host(flat)  # one sync, then plain copies
+        opt["state"] = {k: {n: host.get(f"{k}/{n}", t) for n, t in v.items()} for k, v in opt["state"].items()}
+        if self.rt.is_main:
+            path = ckpt.save(self.ckpt_root, epoch=epoch, global_step=self.global_step, trainable=trainable,
+                             optimizer=opt, tracker=tracker_state, run_id=self.run_id, tree=self.tree,
+                             limit=self.cfg.checkpoint_limit)
+            self.out.save_weights(f"epoch_{epoch:04d}", trainable)
+            if epoch + 1 == self.cfg.num_epochs:
+                self.out.save_weights("final", trainable)
+            say(self.rt, f"[epoch {epoch}] checkpoint {path}")
+        self.last_saved_epoch = epoch
+
+    def _stop_if_requested(self, epoch_done: int, tracker_state: dict) -> None:
+        """At a safe point: write the state as of the end of `epoch_done` (unless saved already) and stop."""
+        if not self.stop.requested:
+            return
+        if epoch_done >= 0 and self.last_saved_epoch != epoch_done:
+            self.save_checkpoint(epoch_done, tracker_state)
+        if self.rt.is_main:
+            self.out.log({"kind": "event", "event": "preempted", "epoch": epoch_done, "global_step": self.global_step})
+        raise Preempted(f"stopped after epoch {epoch_done}; the same command resumes")
 
     # --- pieces -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -164,6 +256,7 @@ class Trainer:
             if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
                 rt.sync()
             say(rt, f"[epoch {epoch}] sampling batch {b + 1}/{cfg.sample.num_batches_per_epoch} done")
+            self._stop_if_requested(epoch - 1, self.tracker.state_dict())
         return parts, prompts_all, pending, first_images
 
     def advantages(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
@@ -231,6 +324,10 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=False)
         host = rt.to_host(torch.cat([stats, norm.reshape(1).float()])).tolist()  # one copy per optimizer step
         self.global_step += 1
+        if not all(np.isfinite(host)):
+            raise NonFinite(f"non-finite loss or gradient at global step {self.global_step} (loss {host[0]}, "
+                            f"grad norm {host[3]}): stopped; the last checkpoint is intact. Try a lower "
+                            f"train.learning_rate or train.mixed_precision=no")
         rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step, "loss": host[0],
                "approx_kl": host[1], "clipfrac": host[2], "grad_norm": host[3]}
         if rt.is_main:
@@ -248,6 +345,7 @@ class Trainer:
         say(rt, f"ddpo_tpu: {rt.describe()}; {cfg.num_epochs} epochs of {self.global_batch} x "
                 f"{cfg.sample.num_batches_per_epoch} samples, {self.train_timesteps} train timesteps")
         for epoch in range(self.start_epoch, cfg.num_epochs):
+            tracker_at_start = self.tracker.state_dict()  # what a checkpoint of epoch-1 holds
             clock = PhaseClock(rt)
             say(rt, f"[epoch {epoch}] sampling start")
             with clock.measure("sampling"):
@@ -256,9 +354,23 @@ class Trainer:
                 if cfg.xla.sync_before_reward_gather:
                     rt.sync()
                 rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in pending])
+                bad = ~np.isfinite(rewards)
+                if bad.any() and cfg.on_nonfinite_reward == "stop":
+                    raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) in "
+                                    f"epoch {epoch}: stopped; the last checkpoint is intact (on_nonfinite_reward=skip "
+                                    f"gives those samples zero advantage instead)")
             say(rt, f"[epoch {epoch}] rewards gathered: mean {rewards.mean():.4f} std {rewards.std():.4f}")
             with clock.measure("advantages"):
-                adv = self.advantages(prompts, rewards)
+                if bad.any():
+                    say(rt, f"[epoch {epoch}] {int(bad.sum())} non-finite reward(s): zero advantage for those samples")
+                    keep = ~bad
+                    adv = np.zeros_like(rewards, dtype=np.float32)
+                    adv[keep] = self.advantages([p for p, k in zip(prompts, keep) if k], rewards[keep])
+                    rewards = np.where(bad, np.nan, rewards)
+                else:
+                    adv = self.advantages(prompts, rewards)
+                if not np.isfinite(adv).all():
+                    raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; the last checkpoint is intact")
                 samples = EpochSamples(
                     latents=torch.cat([t.latents for t, _ in parts]),
                     log_probs=torch.cat([t.log_probs for t, _ in parts]),
@@ -273,17 +385,13 @@ class Trainer:
             del samples
             with clock.measure("checkpoint"):
                 last = epoch + 1 == cfg.num_epochs
-                if (epoch + 1) % cfg.save_freq == 0 or last:
-                    state = self.trainable_state()
-                    if rt.is_main:
-                        out.save_weights(f"epoch_{epoch:04d}", state)
-                        if last:
-                            out.save_weights("final", state)
+                if (epoch + 1) % cfg.save_freq == 0 or last or self.stop.requested:
+                    self.save_checkpoint(epoch, self.tracker.state_dict())
             if rt.is_main:
                 out.save_image_grid(epoch, first_images, prompts, rewards)
                 mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
                 out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step,
-                         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                         "reward_mean": float(np.nanmean(rewards)), "reward_std": float(np.nanstd(rewards)),
                          "num_samples": int(rewards.size), "loss": mean("loss"), "approx_kl": mean("approx_kl"),
                          "clipfrac": mean("clipfrac"),
                          "new_compilations": sum(p["compilations"] for p in clock.phases.values()),
@@ -291,6 +399,7 @@ class Trainer:
             say(rt, f"[epoch {epoch}] done: reward {rewards.mean():.4f} +- {rewards.std():.4f}, "
                     f"{len(steps)} updates, " + ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
                                                          for k, v in clock.phases.items()))
+            self._stop_if_requested(epoch, self.tracker.state_dict())
         if self.pool is not None:
             self.pool.shutdown()
 
@@ -304,8 +413,23 @@ class _null:
 
 
 def run(validated: Validated, run_dir: Path) -> int:
+    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
+    from ddpo_tpu.models.loading import ModelLoadError
+    from ddpo_tpu.rewards import RewardError
+
+    stop = StopRequest()
     rt = make_runtime(validated.cfg)
-    trainer = Trainer(validated.cfg, rt, RunDir(run_dir))
-    trainer.fit()
+    try:
+        trainer = Trainer(validated.cfg, rt, RunDir(run_dir), tree=validated.tree, stop=stop)
+        if trainer.start_epoch >= validated.cfg.num_epochs:
+            say(rt, f"ddpo_tpu: run complete (all {validated.cfg.num_epochs} epochs were done already)")
+            return 0
+        trainer.fit()
+    except Preempted as e:
+        say(rt, f"ddpo_tpu: preempted: {e}")
+        return EXIT_PREEMPTED
+    except (ckpt.ResumeRefused, NonFinite, RewardError, ModelLoadError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     say(rt, "ddpo_tpu: run complete")
     return 0

@@ -19,10 +19,23 @@ EXIT_BUSY = 3        # another training process holds this host's accelerator
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoint; the same command resumes
 
 
+def _terminate_with_parent() -> None:
+    """In the child, before exec: if the front end dies (SIGKILL, a dropped SSH session), the training process gets
+    SIGTERM, so it checkpoints and stops instead of running on as an orphan that holds the accelerator."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: no such guard
+        pass
+
+
 def run_training(env: dict[str, str], log_path: Path) -> int:
     cmd = [sys.executable, "-m", WORKER_MODULE]
     # a new session: a terminal's Ctrl-C reaches only us, and we forward it once (no double interrupt)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
 
     def forward(signum, _frame):
         if proc.poll() is None:

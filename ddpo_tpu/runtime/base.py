@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+# ops torch_xla may run on the host, with the reason; anything else in a phase's cpu_fallbacks is a regression
+KNOWN_CPU_FALLBACKS = {
+    "aten::upsample_nearest2d_backward": "PJRT CPU has no lowering for it (TPU lowers it); training only",
+}
+
+
 @dataclass
 class Counters:
     """Cumulative counts since the runtime started. XLA backends fill them from torch_xla's metrics (exact)."""

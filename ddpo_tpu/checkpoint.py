@@ -1,0 +1,161 @@
+"""Checkpoints that survive SIGKILL at any point, and exact resume.
+
+A checkpoint is a directory checkpoints/epoch_NNNN/ holding the trained weights (trainable.safetensors), the optimizer
+state (optimizer.pt), and state.json (epoch, global step, stat-tracker buffers, run id, the parity-relevant config).
+It is written under a temporary name, every file fsynced, then renamed into place: a directory with the final name is
+always complete. Host and device RNG states are not stored because there are none to store: all randomness is drawn
+from host generators seeded by (seed, epoch, stream) (ddpo/loop.py), so a run restarted at an epoch boundary draws
+exactly what the uninterrupted run drew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpo_tpu.config.rules import flatten
+
+FORMAT = 1
+_NAME = re.compile(r"^epoch_(\d{4,})$")
+
+# keys that may change between a checkpoint and its resume without changing what is trained
+RUN_CONTROL_KEYS = ("num_epochs", "save_freq", "checkpoint_limit", "resume", "force_resume", "lock_accelerator",
+                    "output_root", "run_name", "logger.", "xla.debug_level", "xla.profile_steps",
+                    "xla.compilation_cache_dir", "reward.host_workers", "model.cache_dir", "model.local_files_only",
+                    "model.pretrained")
+
+
+def parity_relevant(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sorted(flatten(tree).items()) if not k.startswith(RUN_CONTROL_KEYS)}
+
+
+def config_hash(tree: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parity_relevant(tree), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class ResumeRefused(RuntimeError):
+    pass
+
+
+@dataclass
+class Loaded:
+    path: Path
+    epoch: int
+    global_step: int
+    trainable: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    tracker: dict[str, Any]
+    run_id: str
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[str, torch.Tensor],
+         optimizer: dict[str, Any], tracker: dict[str, Any], run_id: str, tree: dict[str, Any], limit: int) -> Path:
+    """Write checkpoints/epoch_NNNN atomically, then rotate. Tensors must already be on the host."""
+    from safetensors.torch import save as st_save
+
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / f"epoch_{epoch:04d}"
+    tmp = ckpt_root / f".tmp-epoch_{epoch:04d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _write(tmp / "trainable.safetensors", st_save(trainable))
+    buf = io.BytesIO()
+    torch.save(optimizer, buf)
+    _write(tmp / "optimizer.pt", buf.getvalue())
+    state = {"format": FORMAT, "epoch": epoch, "global_step": global_step, "run_id": run_id, "tracker": tracker,
+             "config_hash": config_hash(tree), "config": parity_relevant(tree)}
+    _write(tmp / "state.json", (json.dumps(state, indent=1, default=str) + "\n").encode())
+    _fsync_dir(tmp)
+    if final.exists():  # the same epoch saved again (e.g. after SIGTERM): replace it whole
+        old = ckpt_root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    rotate(ckpt_root, limit)
+    return final
+
+
+def complete(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a temporary or half-deleted directory never matches the final name)."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def rotate(ckpt_root: Path, limit: int) -> None:
+    """Keep the newest `limit` complete checkpoints (never the newest one), and clear leftovers of killed writes."""
+    for leftover in ckpt_root.glob(".tmp-epoch_*"):
+        if not leftover.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in ckpt_root.glob(".old-epoch_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    done = complete(ckpt_root)
+    for old in done[:-max(limit, 1)]:
+        doomed = old.with_name(f".old-{old.name}-{os.getpid()}")
+        os.replace(old, doomed)  # out of the complete set in one step, then deleted
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def load(path: Path, tree: dict[str, Any], force: bool = False) -> Loaded:
+    from safetensors.torch import load_file
+
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format") != FORMAT:
+        raise ResumeRefused(f"resume={path}: checkpoint format {state.get('format')} is not {FORMAT}")
+    now = parity_relevant(json.loads(json.dumps(tree, default=str)))
+    then = state["config"]
+    changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    if changed and not force:
+        shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+        raise ResumeRefused(f"resume: the checkpoint {path} was trained with a different config ({shown}"
+                            f"{', ...' if len(changed) > 8 else ''}). Fix: restore those keys, start a new run "
+                            f"(run_name=...), or set force_resume=true")
+    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    return Loaded(path, state["epoch"], state["global_step"], load_file(str(path / "trainable.safetensors")),
+                  optimizer, state["tracker"], state["run_id"])
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to continue from: resume=auto -> the newest complete one in the run dir; a path -> that
+    checkpoint (or the newest inside it); never -> none."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        done = complete(run_dir / "checkpoints")
+        return done[-1] if done else None
+    path = Path(resume).expanduser()
+    if (path / "state.json").is_file():
+        return path
+    done = complete(path) or complete(path / "checkpoints")
+    if not done:
+        raise ResumeRefused(f"resume={resume}: no complete checkpoint there")
+    return done[-1]

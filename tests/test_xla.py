@@ -1,0 +1,111 @@
+"""Graph discipline on torch_xla's PJRT CPU device, measured with torch_xla's own counters (exact), through the real
+launcher. Each run is its own training process: SPMD needs xr.use_spmd() before any XLA tensor exists."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, clean_env, read_metrics, run_train
+from ddpo_tpu.runtime.base import KNOWN_CPU_FALLBACKS
+
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
+
+SMOKE = ["+experiment=smoke", "reward.host_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_cache):
+    """name -> run dir. Global batch 8 (sampling) and 4 (training) everywhere."""
+    specs = {
+        "single_3ep": ["tpu_topology=cpu", "num_epochs=3", "save_freq=1"],
+        "spmd4": ["tpu_topology=cpu_spmd4", "num_epochs=1", "sample.batch_size=2", "train.batch_size=1"],
+        "steps6": ["tpu_topology=cpu", "num_epochs=1", "sample.num_steps=6"],
+        "steps12": ["tpu_topology=cpu", "num_epochs=1", "sample.num_steps=12"],
+    }
+    out = {}
+    for name, extra in specs.items():
+        cwd = tmp_path_factory.mktemp(name)
+        proc = run_train([*SMOKE, *extra, f"model.cache_dir={model_cache}"], cwd, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        out[name] = cwd / "outputs" / "smoke"
+    return out
+
+
+def test_no_new_compilations_after_the_first_epoch(runs):
+    epochs = read_metrics(runs["single_3ep"], "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    assert epochs[0]["new_compilations"] > 0
+    for e in epochs[1:]:
+        assert e["new_compilations"] == 0, e["phases"]  # sampling, reward, advantages, training and checkpointing
+
+
+def test_graph_count_does_not_depend_on_the_number_of_steps(runs):
+    counts = {name: read_metrics(runs[name], "epoch")[0]["new_compilations"] for name in ("steps6", "steps12")}
+    counts["steps8"] = read_metrics(runs["single_3ep"], "epoch")[0]["new_compilations"]
+    assert len(set(counts.values())) == 1, counts
+
+
+def test_cpu_fallbacks_only_where_allowed(runs):
+    for e in read_metrics(runs["single_3ep"], "epoch"):
+        phases = e["phases"]
+        assert "cpu_fallbacks" not in phases["sampling"], phases["sampling"]
+        for phase, data in phases.items():
+            unexpected = set(data.get("cpu_fallbacks", {})) - set(KNOWN_CPU_FALLBACKS)
+            assert not unexpected, (phase, unexpected)
+
+
+def test_host_transfers_are_bounded_per_batch_and_per_step(runs):
+    for e in read_metrics(runs["single_3ep"], "epoch"):
+        p = e["phases"]
+        assert p["sampling"]["host_transfers"] == 2  # one copy of uint8 images per sampling batch (2 batches)
+        updates = 2
+        fallbacks = sum(p["training"].get("cpu_fallbacks", {}).values())  # each CPU fallback copies to the host
+        assert p["training"]["host_transfers"] == updates + fallbacks  # one metrics copy per optimizer step
+        assert p["reward"]["host_transfers"] == 0 and p["advantages"]["host_transfers"] == 0
+
+
+def test_spmd_matches_one_device(runs):
+    one = read_metrics(runs["single_3ep"], "epoch")[0], read_metrics(runs["single_3ep"], "step")[0]
+    spmd = read_metrics(runs["spmd4"], "epoch")[0], read_metrics(runs["spmd4"], "step")[0]
+    assert math.isclose(one[0]["reward_mean"], spmd[0]["reward_mean"], rel_tol=1e-4)
+    assert math.isclose(one[1]["loss"], spmd[1]["loss"], rel_tol=1e-4), (one[1]["loss"], spmd[1]["loss"])
+    assert spmd[1]["approx_kl"] < 1e-8 and spmd[1]["clipfrac"] == 0.0
+    log = (runs["spmd4"] / "train.log").read_text()
+    assert "xla_spmd" in log and "4 replica(s)" in log
+
+
+CACHE_PROBE = """
+import sys
+from ddpo_tpu.config.compose import compose_and_validate
+from ddpo_tpu.runtime import make_runtime
+import torch, torch_xla, torch_xla.debug.metrics as met
+cfg = compose_and_validate(["tpu_topology=cpu", f"xla.compilation_cache_dir={sys.argv[1]}"]).cfg
+rt = make_runtime(cfg)
+x = torch.arange(12.0).reshape(3, 4).to(rt.device)
+y = (x @ x.T).sin().sum()
+value = float(rt.to_host(y))
+found = (met.counter_value("PersistentCacheHit") or 0) + (met.counter_value("PersistentCacheDeserializeFailure") or 0)
+print(value, met.counter_value("PersistentCacheMiss") or 0, found, flush=True)
+"""
+
+
+def test_persistent_compilation_cache(tmp_path):
+    env = clean_env(PJRT_DEVICE="CPU")
+    cache = tmp_path / "xla_cache"
+    first = subprocess.run([sys.executable, "-c", CACHE_PROBE, str(cache)], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert any(cache.iterdir())
+    second = subprocess.run([sys.executable, "-c", CACHE_PROBE, str(cache)], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    v1, miss1, found1 = first.stdout.split()[-3:]
+    v2, miss2, found2 = second.stdout.split()[-3:]
+    # the first run writes the executable, the second finds it. (PJRT CPU executables fail to deserialize in
+    # torch_xla 2.9, counted as PersistentCacheDeserializeFailure; on TPU the same lookup is a PersistentCacheHit.)
+    assert v1 == v2 and int(miss1) == 1 and int(found1) == 0
+    assert int(found2) == 1 and int(miss2) == 0, (first.stdout[-300:], second.stdout[-300:])
