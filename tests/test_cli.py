@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ddpo_tpu.config.compose import conf_dir
 from ddpo_tpu.launch.env import OWNED_VARIABLES
@@ -120,3 +121,23 @@ def test_info(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Hydra" in proc.stdout and str(conf_dir()) in proc.stdout
     assert written(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cache):
+    from conftest import run_train
+
+    proc = run_train(["-m", "+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1",
+                      "reward.host_workers=0", f"model.cache_dir={model_cache}", "train.learning_rate=1e-4,3e-4"],
+                     tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    jobs = sorted((tmp_path / "outputs" / "smoke-multirun").iterdir())
+    assert [j.name.split("_")[0] for j in jobs] == ["0", "1"]
+    rates = []
+    for job in jobs:
+        assert (job / "metrics.jsonl").is_file() and (job / "weights" / "final.safetensors").is_file()
+        rates.append(yaml.safe_load((job / "config.yaml").read_text())["train"]["learning_rate"])
+    assert rates == [1e-4, 3e-4]
+    # one fresh training process per job, one after the other
+    assert proc.stdout.count("ddpo_tpu: run complete") == 2
+    assert proc.stdout.index("run complete") < proc.stdout.rindex("sampling start")

@@ -238,6 +238,8 @@ RULES = [
     ("pinned_nested_bool", [COMP, "model.lora.enabled=false"], "model.lora.enabled", ["pins True"]),
     ("pinned_model", [COMP, "model=sd15"], "model.name", ["sd15", "pins sd14"]),
     ("pinned_prompts", [COMP, "prompts=simple_animals"], "prompts.name", ["pins imagenet_animals"]),
+    ("gather_host_on_pod", [COMP, "tpu_topology=v6e-16", "sample.num_batches_per_epoch=4",
+                            "train.gradient_accumulation_steps=2", "xla.gather=host"], "xla.gather", ["xla.gather=device"]),
     ("pinned_reward", [COMP, "reward=jpeg_incompressibility"], "reward.name", ["pins jpeg_compressibility"]),
     ("pinned_stat_tracking", [COMP, "stat_tracking.buffer_size=32"], "stat_tracking.buffer_size", ["pins 16"]),
     ("pinned_aesthetic_epochs", ["+experiment=aesthetic_parity", "num_epochs=100"], "num_epochs",

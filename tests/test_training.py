@@ -80,3 +80,21 @@ def test_smoke_run_learns_jpeg_compressibility(tmp_path, model_cache):
     assert margin > 0.005, rewards
     weights = load_file(str(tmp_path / "outputs" / "smoke" / "weights" / "final.safetensors"))
     assert len(weights) > 10  # the full UNet (smoke trains it without LoRA)
+
+
+@pytest.mark.slow
+def test_bfloat16_lora_run_trains(tmp_path, model_cache):
+    proc = run_train([*ONE_EPOCH, "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                      f"model.cache_dir={model_cache}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    step = read_metrics(tmp_path / "outputs" / "smoke", "step")[0]
+    assert math.isfinite(step["loss"]) and step["grad_norm"] > 0
+    assert step["approx_kl"] < 1e-6  # same bf16 policy at sampling and at the first re-scoring
+
+
+def test_missing_model_is_one_clear_error(tmp_path):
+    proc = run_train(["+experiment=smoke", "model=sd14", "model.local_files_only=true"], tmp_path, timeout=300)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model.pretrained=CompVis/stable-diffusion-v1-4" in errors[0] and "Fix:" in errors[0]
+    assert "Traceback" not in proc.stdout

@@ -109,3 +109,50 @@ def test_persistent_compilation_cache(tmp_path):
     # torch_xla 2.9, counted as PersistentCacheDeserializeFailure; on TPU the same lookup is a PersistentCacheHit.)
     assert v1 == v2 and int(miss1) == 1 and int(found1) == 0
     assert int(found2) == 1 and int(miss2) == 0, (first.stdout[-300:], second.stdout[-300:])
+
+
+LAUNCH_PROBE = """
+from ddpo_tpu.config.compose import compose_and_validate
+from ddpo_tpu.runtime.xla import LaunchMismatch, XlaRuntime
+cfg = compose_and_validate(["+experiment=compressibility_parity", "tpu_topology=v6e-16",
+                            "sample.num_batches_per_epoch=4", "train.gradient_accumulation_steps=2"]).cfg
+rt = XlaRuntime.__new__(XlaRuntime)  # the check alone: this machine has no pod
+rt.process_count, rt.spmd = 1, True
+try:
+    rt._check_launch(cfg)
+except LaunchMismatch as e:
+    print(e)
+"""
+
+
+def test_a_pod_launched_on_one_worker_aborts_with_the_fix():
+    proc = subprocess.run([sys.executable, "-c", LAUNCH_PROBE], cwd=REPO, env=clean_env(PJRT_DEVICE="CPU"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "expects 4 training processes" in proc.stdout and "has 1" in proc.stdout
+    assert "launch the same command on all workers" in proc.stdout
+
+
+GATHER_PROBE = """
+import sys, torch
+import torch_xla.debug.metrics as met
+from ddpo_tpu.config.compose import compose_and_validate
+from ddpo_tpu.runtime import make_runtime
+cfg = compose_and_validate(["tpu_topology=cpu_spmd4", f"xla.gather={sys.argv[1]}"]).cfg
+rt = make_runtime(cfg)
+outs, compiles = [], []
+for k in range(3):
+    x = rt.shard_batch(torch.arange(8 * 5, dtype=torch.float32).reshape(8, 5).add(k).to(rt.device))
+    outs.append(rt.to_host((x * 3).to(torch.uint8)).tolist())
+    compiles.append(met.counter_value("UncachedCompile"))
+print(outs == [((torch.arange(40).reshape(8, 5) + k) * 3).tolist() for k in range(3)], compiles[1] == compiles[2])
+"""
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_spmd_gather_modes_bring_the_global_batch_to_the_host(mode):
+    env = clean_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    proc = subprocess.run([sys.executable, "-c", GATHER_PROBE, mode], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["True", "True"], proc.stdout  # exact values, no recompilation per call

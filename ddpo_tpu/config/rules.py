@@ -142,6 +142,9 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
             problems.append(Problem("tpu_topology.mesh.layout", topo.mesh.layout,
                                     "host_local puts dp across hosts and fsdp within one",
                                     f"set tpu_topology.mesh.dp={topo.hosts} tpu_topology.mesh.fsdp={topo.chips_per_host}"))
+        if cfg.xla.gather == "host" and topo.hosts > 1:
+            problems.append(Problem("xla.gather", "host", "a host-side gather sees only this host's shards on a pod",
+                                    "set xla.gather=device"))
         if topo.accelerator == "cpu" and topo.hosts != 1:
             problems.append(Problem("tpu_topology.hosts", topo.hosts, "PJRT CPU runs on one host",
                                     "set tpu_topology.hosts=1"))

@@ -51,6 +51,7 @@ class XlaRuntime(Runtime):
             self.mesh = xs.Mesh(np.arange(n), mesh_shape, ("dp", "fsdp"))
             self.replicas = n
         self.cache_dir = cache
+        self.gather = cfg.xla.gather
 
     def _check_launch(self, cfg: RunConfig) -> None:
         topo = cfg.tpu_topology
@@ -84,7 +85,16 @@ class XlaRuntime(Runtime):
         return tensor
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = self.replicate(tensor.detach())
+        """xla.gather=device: all-gather on the device (a replicated result), then one plain copy.
+        xla.gather=host: each device's batch shard is copied to the host and concatenated there (single host)."""
+        tensor = tensor.detach()
+        if self.spmd and self.gather == "host" and tensor.dim() > 0:
+            sharded = self._xs.mark_sharding(tensor, self.mesh, (("dp", "fsdp"),) + (None,) * (tensor.dim() - 1))
+            torch_xla.sync(wait=True)  # local shards are read directly: the computation must have finished
+            shards = sorted(sharded.local_shards, key=lambda s: s.indices[0].start if isinstance(s.indices[0], slice)
+                            else 0)
+            return torch.cat([s.unpadded_data for s in shards])
+        tensor = self.replicate(tensor)
         torch_xla.sync()
         return tensor.cpu()
 
