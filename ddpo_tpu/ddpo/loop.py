@@ -159,6 +159,9 @@ class Trainer:
         self.run_id = uuid.uuid4().hex[:12]
         self.last_saved_epoch = -1
         self._resume()
+        from ddpo_tpu.tracking import make_tracker
+
+        self.logger = make_tracker(cfg.logger, out.path, self.run_id, cfg.run_name, self.tree, rt.is_main)
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     @property
@@ -332,6 +335,8 @@ class Trainer:
                "approx_kl": host[1], "clipfrac": host[2], "grad_norm": host[3]}
         if rt.is_main:
             self.out.log(rec)
+            self.logger.log({f"train/{k}": v for k, v in rec.items() if k not in ("kind", "global_step")},
+                                 step=self.global_step)
         return rec
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -389,6 +394,8 @@ class Trainer:
                     self.save_checkpoint(epoch, self.tracker.state_dict())
             if rt.is_main:
                 out.save_image_grid(epoch, first_images, prompts, rewards)
+                self.logger.log_images(self.global_step, first_images[:16],
+                                            [f"{p} | {r:.4f}" for p, r in zip(prompts[:16], rewards[:16])])
                 mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
                 out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step,
                          "reward_mean": float(np.nanmean(rewards)), "reward_std": float(np.nanstd(rewards)),
@@ -396,12 +403,16 @@ class Trainer:
                          "clipfrac": mean("clipfrac"),
                          "new_compilations": sum(p["compilations"] for p in clock.phases.values()),
                          "phases": clock.phases})
+                self.logger.log({"epoch": epoch, "reward_mean": float(np.nanmean(rewards)),
+                                      "reward_std": float(np.nanstd(rewards)), "phases": clock.phases},
+                                     step=self.global_step)
             say(rt, f"[epoch {epoch}] done: reward {rewards.mean():.4f} +- {rewards.std():.4f}, "
                     f"{len(steps)} updates, " + ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
                                                          for k, v in clock.phases.items()))
             self._stop_if_requested(epoch, self.tracker.state_dict())
         if self.pool is not None:
             self.pool.shutdown()
+        self.logger.finish()
 
 
 class _null:

@@ -1,0 +1,417 @@
+"""Remote reward: score images with an HTTP reward server (stdlib only: urllib + json + base64).
+
+Use it when the reward model does not belong in the training process (a large VLM, another machine, another
+framework)::
+
+    reward = make_reward("remote", url="http://127.0.0.1:8000/score")
+    rewards = reward(images_uint8_bhwc, prompts)          # float32 (B,)
+
+``scripts/reward_server.py`` is a reference server (JPEG compressibility by default).
+
+Wire format (version 1) -- the contract for your own server
+-----------------------------------------------------------
+The client sends one ``POST`` to ``url`` per chunk of at most ``batch_size`` images, with
+``Content-Type: application/json`` and the body::
+
+    {
+      "version": 1,
+      "images": [IMAGE, ...],          # one per sample, in order
+      "prompts": ["a cat", ...]        # same length as "images"
+    }
+
+where each IMAGE is an object, by ``image_format``:
+
+* ``"png"`` (default)::
+
+      {"format": "png", "data": "<base64 of a PNG file>"}
+
+  an 8-bit RGB PNG, lossless (decode with any PNG reader: PIL ``Image.open(BytesIO(b64decode(data)))``).
+* ``"raw"``::
+
+      {"format": "raw", "dtype": "uint8", "shape": [H, W, 3], "data": "<base64 of the H*W*3 bytes>"}
+
+  the pixels in row-major (C) order, RGB, channels last
+  (``np.frombuffer(b64decode(data), np.uint8).reshape(shape)``).  Bigger, but no encoding cost.
+
+A successful reply is HTTP 2xx with a JSON object holding one number per image, in the same order::
+
+    {"rewards": [0.25, -1.5, ...]}
+
+Other keys are ignored.  Each reward must be a JSON number (``true``/``false``, strings and ``null`` are
+rejected); Python's ``NaN``/``Infinity`` literals are accepted and reach the trainer as non-finite rewards
+(handled by ``on_nonfinite_reward``).
+
+Errors: reply 4xx for a request the server will never accept (bad input); the body should be
+``{"error": "what is wrong"}`` (plain text also works) and the client raises at once with that text, except 429
+(too many requests), which is retried like a 5xx.  Reply 5xx for a transient failure (overloaded, model
+loading): the client retries.
+
+Retries: connection errors (refused, reset, DNS), timeouts (``timeout_s`` applies to connecting and to each
+socket read) and HTTP 5xx/429 are retried up to ``retries`` times, waiting ``backoff_s * 2**k`` seconds before
+retry ``k`` (0, 1, ...).  Malformed replies and other 4xx are not retried.  So one chunk takes at most about
+``(retries + 1) * timeout_s + backoff_s * (2**retries - 1)`` seconds before a RewardError.
+
+Every error names the setting to fix (``reward.url=...``, ``reward.timeout_s=...``).
+
+Proxies: a loopback ``url`` (localhost, 127.x, ::1) is always contacted directly; any other goes through
+urllib's default proxy handling.  Requests are independent (no shared state), so the reward can be called from
+several threads (``reward.host_workers``).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import ipaddress
+import json
+import math
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ddpo_tpu.rewards.base import Reward, register_reward
+
+__all__ = [
+    "WIRE_VERSION",
+    "IMAGE_FORMATS",
+    "RemoteReward",
+    "encode_image",
+    "decode_image",
+    "encode_request",
+    "parse_rewards",
+]
+
+WIRE_VERSION = 1
+IMAGE_FORMATS = ("png", "raw")
+_NAME = "remote"
+_TEXT_LIMIT = 500  # characters of a server's error text kept in messages
+
+
+# ---------------------------------------------------------------------------
+# Wire format helpers (shared with scripts/reward_server.py)
+# ---------------------------------------------------------------------------
+
+
+def encode_image(image: np.ndarray, image_format: str = "png") -> dict[str, Any]:
+    """One uint8 (H, W, 3) image as a wire-format IMAGE object."""
+    image = np.ascontiguousarray(image, dtype=np.uint8)
+    if image_format == "png":
+        from PIL import Image
+
+        buffer = io.BytesIO()
+        Image.fromarray(image, mode="RGB").save(buffer, format="PNG", compress_level=1)
+        return {"format": "png", "data": base64.b64encode(buffer.getvalue()).decode("ascii")}
+    if image_format == "raw":
+        return {
+            "format": "raw",
+            "dtype": "uint8",
+            "shape": [int(s) for s in image.shape],
+            "data": base64.b64encode(image.tobytes()).decode("ascii"),
+        }
+    raise ValueError(f"unknown image format {image_format!r}; expected one of {IMAGE_FORMATS}")
+
+
+def decode_image(obj: Any) -> np.ndarray:
+    """A wire-format IMAGE object back to a uint8 (H, W, 3) array. Raises ValueError on bad input."""
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"an image must be a JSON object, got {type(obj).__name__}")
+    fmt = obj.get("format")
+    data = obj.get("data")
+    if not isinstance(data, str):
+        raise ValueError("an image needs a base64 string 'data'")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"image 'data' is not valid base64: {exc}") from exc
+    if fmt == "png":
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(raw)) as img:
+                array = np.asarray(img.convert("RGB"), dtype=np.uint8)
+        except Exception as exc:
+            raise ValueError(f"image 'data' is not a readable PNG: {type(exc).__name__}: {exc}") from exc
+        return array
+    if fmt == "raw":
+        if obj.get("dtype", "uint8") != "uint8":
+            raise ValueError(f"raw images must have dtype 'uint8', got {obj.get('dtype')!r}")
+        shape = obj.get("shape")
+        if (not isinstance(shape, list) or len(shape) != 3 or shape[2] != 3
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
+            raise ValueError(f"raw images need 'shape': [H, W, 3] with positive integers, got {shape!r}")
+        if len(raw) != shape[0] * shape[1] * 3:
+            raise ValueError(f"raw image has {len(raw)} bytes, shape {shape} needs {shape[0] * shape[1] * 3}")
+        return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
+    raise ValueError(f"unknown image format {fmt!r}; expected one of {list(IMAGE_FORMATS)}")
+
+
+def encode_request(images: np.ndarray, prompts: Sequence[str], image_format: str = "png") -> bytes:
+    """The JSON body of one request (wire format version 1)."""
+    body = {
+        "version": WIRE_VERSION,
+        "images": [encode_image(image, image_format) for image in images],
+        "prompts": [str(p) for p in prompts],
+    }
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def parse_rewards(payload: bytes, expected: int) -> np.ndarray:
+    """Validate a reply body and return its rewards as float32 (expected,). Raises ValueError when malformed."""
+    try:
+        reply = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the reply is not JSON ({exc}): {_excerpt(payload)!r}") from exc
+    if not isinstance(reply, dict) or "rewards" not in reply:
+        raise ValueError(f'the reply must be a JSON object with a "rewards" list, got {_excerpt(payload)!r}')
+    rewards = reply["rewards"]
+    if not isinstance(rewards, list):
+        raise ValueError(f'"rewards" must be a list, got {type(rewards).__name__}')
+    if len(rewards) != expected:
+        raise ValueError(f'"rewards" has {len(rewards)} values for {expected} images')
+    bad = [i for i, r in enumerate(rewards) if isinstance(r, bool) or not isinstance(r, (int, float))]
+    if bad:
+        i = bad[0]
+        raise ValueError(
+            f'"rewards" must hold numbers; rewards[{i}] is {rewards[i]!r}'
+            + (f" ({len(bad)} non-numbers in all)" if len(bad) > 1 else "")
+        )
+    return np.asarray([float(r) for r in rewards], dtype=np.float32)
+
+
+def _excerpt(payload: bytes | str, limit: int = _TEXT_LIMIT) -> str:
+    text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _error_text(payload: bytes) -> str:
+    """The server's error message: the "error" field of a JSON body, else the body's text."""
+    try:
+        reply = json.loads(payload.decode("utf-8"))
+        if isinstance(reply, dict) and "error" in reply:
+            return _excerpt(str(reply["error"]))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    return _excerpt(payload) or "(empty body)"
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _describe(exc: BaseException, timeout_s: float) -> tuple[str, str]:
+    """(kind, text) of a transient failure; kind is 'timeout' or 'connection'."""
+    reason: Any = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return "timeout", f"timed out after {timeout_s:g}s"
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection", "connection refused"
+    if isinstance(reason, socket.gaierror):
+        return "connection", f"cannot resolve the host: {reason}"
+    if isinstance(reason, (ConnectionResetError, http.client.RemoteDisconnected)):
+        return "connection", f"connection closed by the server ({type(reason).__name__})"
+    if isinstance(reason, BaseException):
+        return "connection", f"{type(reason).__name__}: {reason}"
+    return "connection", str(reason)
+
+
+# ---------------------------------------------------------------------------
+# The reward
+# ---------------------------------------------------------------------------
+
+
+class _Transient(Exception):
+    def __init__(self, kind: str, text: str):
+        super().__init__(text)
+        self.kind = kind  # 'connection', 'timeout' or 'server'
+        self.text = text
+
+
+@register_reward(_NAME)
+class RemoteReward(Reward):
+    """Rewards computed by an HTTP server (see the module docstring for the wire format).
+
+    Args:
+        url: the server's scoring endpoint, ``http://`` or ``https://`` (e.g. ``http://127.0.0.1:8000/score``).
+        timeout_s: socket timeout of each request, in seconds (connect and each read).
+        retries: how many times a failed request (connection error, timeout, HTTP 5xx/429) is retried.
+        backoff_s: wait before the first retry; doubled for each further retry.
+        batch_size: at most this many images per request.
+        image_format: ``"png"`` (default, lossless, smaller) or ``"raw"`` (uint8 pixels + shape).
+        headers: extra HTTP headers sent with every request (e.g. ``{"Authorization": "Bearer ..."}``).
+    """
+
+    name = _NAME
+    needs = frozenset({"host_images", "prompts"})
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        batch_size: int = 16,
+        image_format: str = "png",
+        headers: Mapping[str, str] | None = None,
+    ):
+        if not isinstance(url, str) or not url.strip():
+            raise self._error(
+                f"reward.url={url!r}: must be the reward server's URL, e.g. http://127.0.0.1:8000/score"
+            )
+        url = url.strip()
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise self._error(
+                f"reward.url={url}: must be an http:// or https:// URL with a host, "
+                "e.g. http://127.0.0.1:8000/score"
+            )
+        try:
+            parsed.port  # noqa: B018 -- raises ValueError on a bad port
+        except ValueError as exc:
+            raise self._error(f"reward.url={url}: {exc}") from exc
+        self.url = url
+        self._parsed = parsed
+        self.timeout_s = self._number("timeout_s", timeout_s, minimum=0.0, inclusive=False)
+        self.backoff_s = self._number("backoff_s", backoff_s, minimum=0.0, inclusive=True)
+        self.retries = self._integer("retries", retries, minimum=0)
+        self.batch_size = self._integer("batch_size", batch_size, minimum=1)
+        if image_format not in IMAGE_FORMATS:
+            raise self._error(f"reward.image_format={image_format!r}: must be one of {list(IMAGE_FORMATS)}")
+        self.image_format = image_format
+        if headers is not None and not (
+            isinstance(headers, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        ):
+            raise self._error("reward.headers: must map header names to string values")
+        self.headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "User-Agent": "ddpo_tpu-remote-reward/1",
+            **dict(headers or {}),
+        }
+        if _is_loopback(parsed.hostname):
+            self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        else:
+            self._opener = urllib.request.build_opener()
+
+    # -- validation helpers ---------------------------------------------------
+
+    def _number(self, key: str, value: Any, minimum: float, inclusive: bool) -> float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (value >= minimum if inclusive else value > minimum)
+        if not ok:
+            bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            raise self._error(f"reward.{key}={value!r}: must be a finite number {bound}")
+        return float(value)
+
+    def _integer(self, key: str, value: Any, minimum: int) -> int:
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+            raise self._error(f"reward.{key}={value!r}: must be an integer >= {minimum}")
+        return int(value)
+
+    @property
+    def _shown_url(self) -> str:
+        """The URL for messages, without any user:password@."""
+        p = self._parsed
+        if p.username is None and p.password is None:
+            return self.url
+        netloc = p.hostname + (f":{p.port}" if p.port else "")
+        return urllib.parse.urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
+
+    # -- scoring ---------------------------------------------------------------
+
+    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+        images = self._check_host_images(images, prompts)
+        prompts = list(prompts)
+        out = np.empty(images.shape[0], dtype=np.float32)
+        for start in range(0, images.shape[0], self.batch_size):
+            stop = min(start + self.batch_size, images.shape[0])
+            try:
+                body = encode_request(images[start:stop], prompts[start:stop], self.image_format)
+            except Exception as exc:
+                raise self._error(
+                    f"reward.url={self._shown_url}: could not encode images {start}..{stop - 1}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            out[start:stop] = self._score_chunk(body, stop - start, start)
+        return out
+
+    def _score_chunk(self, body: bytes, count: int, start: int) -> np.ndarray:
+        last: _Transient | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                payload = self._post(body)
+            except _Transient as exc:
+                last = exc
+                continue
+            try:
+                return parse_rewards(payload, count)
+            except ValueError as exc:
+                raise self._error(
+                    f"reward.url={self._shown_url}: malformed reply for images {start}..{start + count - 1}: "
+                    f"{exc}. Fix: the server must answer {{\"rewards\": [one number per image]}} "
+                    "(wire format: ddpo_tpu/rewards/remote.py)"
+                ) from None
+        assert last is not None
+        raise self._error(self._give_up_message(last))
+
+    def _post(self, body: bytes) -> bytes:
+        request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+        try:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
+                return response.read()
+        except urllib.error.HTTPError as exc:
+            try:
+                text = _error_text(exc.read())
+            except Exception:  # body unreadable (connection dropped)
+                text = exc.reason if isinstance(exc.reason, str) else "(no body)"
+            finally:
+                exc.close()
+            if exc.code >= 500 or exc.code == 429:
+                raise _Transient("server", f"HTTP {exc.code}: {text}") from None
+            raise self._error(
+                f"reward.url={self._shown_url}: the server rejected the request with HTTP {exc.code}: {text}"
+                + (". Fix: check reward.url (path)" if exc.code in (404, 405) else "")
+            ) from None
+        except (OSError, http.client.HTTPException) as exc:  # URLError, timeouts, resets, bad status lines
+            kind, text = _describe(exc, self.timeout_s)
+            raise _Transient(kind, text) from None
+
+    def _give_up_message(self, last: _Transient) -> str:
+        where = f"reward.url={self._shown_url}"
+        after = f"after {self.retries} retries"
+        if last.kind == "timeout":
+            return (
+                f"{where}: no reply {after} ({last.text}). Fix: check that the reward server is up and not stuck, "
+                f"or raise reward.timeout_s (now {self.timeout_s:g}) / lower reward.batch_size (now {self.batch_size})"
+            )
+        if last.kind == "server":
+            return (
+                f"{where}: server error {after} ({last.text}). Fix: check the reward server's log, "
+                "or raise reward.retries / reward.backoff_s"
+            )
+        port = self._parsed.port or (443 if self._parsed.scheme == "https" else 80)
+        return (
+            f"{where}: unreachable {after} ({last.text}). Fix: start the reward server "
+            f"(python scripts/reward_server.py --port {port}) or fix reward.url"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteReward(url={self._shown_url!r}, timeout_s={self.timeout_s:g}, retries={self.retries}, "
+            f"backoff_s={self.backoff_s:g}, batch_size={self.batch_size}, image_format={self.image_format!r})"
+        )

@@ -1,0 +1,117 @@
+"""Weighted sum of rewards.
+
+::
+
+    reward = make_reward("weighted", components=[
+        {"name": "jpeg_compressibility", "weight": 0.5},
+        {"name": "remote", "weight": 2.0, "url": "http://127.0.0.1:8000/score"},
+    ])
+    total = reward(images, prompts)        # float32 (B,) = 0.5 * jpeg + 2.0 * remote
+    reward.last_components                 # {"jpeg_compressibility": (B,), "remote": (B,)} of that call
+
+Each component is ``{"name": <registered reward>, "weight": <number, default 1.0>, **kwargs}``; the kwargs go to
+that reward's constructor (``make_reward(name, **kwargs)``).  Components are called one after the other on the
+same images and prompts; the sum is accumulated in float64 and returned as float32.  Non-finite component values
+propagate into the sum (the trainer's ``on_nonfinite_reward`` handles them).
+
+``last_components`` maps each component's key -- its name, or ``name#i`` (i = its index) when several
+components share a name -- to its unweighted rewards from the most recent call.  When the reward is called from
+several threads at once, use ``score_with_components`` to get the parts of one call race-free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ddpo_tpu.rewards.base import Reward, RewardError, make_reward, register_reward
+
+__all__ = ["WeightedReward"]
+
+_NAME = "weighted"
+
+
+@register_reward(_NAME)
+class WeightedReward(Reward):
+    """sum_i weight_i * component_i(images, prompts)."""
+
+    name = _NAME
+
+    def __init__(self, components: Sequence[Mapping[str, Any]]):
+        if isinstance(components, (str, bytes, Mapping)) or not isinstance(components, Sequence) or not components:
+            raise self._error(
+                f"reward.components={components!r}: must be a non-empty list of "
+                '{"name": <reward>, "weight": <number>, ...its options}'
+            )
+        names: list[str] = []
+        weights: list[float] = []
+        rewards: list[Reward] = []
+        for i, spec in enumerate(components):
+            where = f"reward.components[{i}]"
+            if not isinstance(spec, Mapping):
+                raise self._error(
+                    f"{where}={spec!r}: must be a mapping "
+                    '{"name": <reward>, "weight": <number>, ...its options}'
+                )
+            spec = dict(spec)
+            name = spec.pop("name", None)
+            if not isinstance(name, str) or not name:
+                raise self._error(f"{where}.name={name!r}: must name a registered reward")
+            weight = spec.pop("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise self._error(f"{where}.weight={weight!r}: must be a finite number")
+            try:
+                reward = make_reward(name, **spec)
+            except RewardError as exc:
+                raise self._error(f"{where} ({name}): {exc}") from exc
+            names.append(name)
+            weights.append(float(weight))
+            rewards.append(reward)
+
+        counts = Counter(names)
+        self.component_keys: tuple[str, ...] = tuple(
+            n if counts[n] == 1 else f"{n}#{i}" for i, n in enumerate(names)
+        )
+        self.weights: tuple[float, ...] = tuple(weights)
+        self.components: tuple[Reward, ...] = tuple(rewards)
+        self.needs = frozenset().union(*(r.needs for r in rewards))
+        #: Unweighted per-component rewards (float32 (B,)) of the most recent call, by component key.
+        self.last_components: dict[str, np.ndarray] = {}
+
+    def score_with_components(self, images: np.ndarray, prompts: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The weighted sum and the unweighted rewards of each component, for this call only."""
+        batch = len(prompts) if prompts is not None else None
+        if isinstance(images, np.ndarray) and images.ndim >= 1:
+            batch = images.shape[0]
+        parts: dict[str, np.ndarray] = {}
+        total: np.ndarray | None = None
+        for i, (key, weight, reward) in enumerate(zip(self.component_keys, self.weights, self.components)):
+            where = f"reward.components[{i}] ({reward.name})"
+            try:
+                values = reward(images, prompts)
+            except RewardError as exc:
+                raise self._error(f"{where}: {exc}") from exc
+            except Exception as exc:
+                raise self._error(f"{where}: {type(exc).__name__}: {exc}") from exc
+            values = np.asarray(values)
+            if values.ndim != 1 or (batch is not None and values.shape[0] != batch) or values.dtype.kind not in "fiu":
+                raise self._error(
+                    f"{where}: returned {values.dtype} of shape {tuple(values.shape)}, expected float ({batch},)"
+                )
+            parts[key] = values.astype(np.float32, copy=False)
+            term = weight * values.astype(np.float64)
+            total = term if total is None else total + term
+        assert total is not None
+        return total.astype(np.float32), parts
+
+    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+        total, parts = self.score_with_components(images, prompts)
+        self.last_components = parts  # one assignment: readers never see a half-filled dict
+        return total
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{w:g}*{r!r}" for w, r in zip(self.weights, self.components))
+        return f"WeightedReward({inner})"
