@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,10 @@ PARITY_EXPERIMENTS = {
     "incompressibility_parity": ("ddpo_pytorch_incompressibility", 256, 64, "jpeg_incompressibility"),
     "aesthetic_parity": ("ddpo_pytorch_aesthetic", 256, 128, "aesthetic"),
 }
+# the aesthetic reward needs the LAION MLP weights (no hub default): a placeholder file stands in for them
+AESTHETIC_MLP = Path(tempfile.mkdtemp()) / "sac+logos+ava1-l14-linearMSE.pth"
+AESTHETIC_MLP.write_bytes(b"placeholder")
+EXTRA = {"aesthetic_parity": [f"reward.mlp_path={AESTHETIC_MLP}"]}
 SMOKE_TOPOLOGIES = {"eager_cpu": ("eager", 1), "cpu": ("xla", 1), "cpu_spmd4": ("xla_spmd", 4)}
 
 
@@ -99,7 +104,7 @@ def test_experiment_list_is_the_tested_one():
 @pytest.mark.parametrize("experiment", sorted(PARITY_EXPERIMENTS))
 def test_parity_experiment_validates_on_v6e_8(experiment):
     parity, samples, train_batch, reward = PARITY_EXPERIMENTS[experiment]
-    v = compose_and_validate([f"+experiment={experiment}"])
+    v = compose_and_validate([f"+experiment={experiment}", *EXTRA.get(experiment, [])])
     cfg = v.cfg
     assert cfg.tpu_topology.name == "v6e-8" and cfg.tpu_topology.replicas == 8
     assert cfg.tpu_topology.execution == "xla_spmd" and cfg.tpu_topology.pjrt_device == "TPU"
@@ -242,6 +247,9 @@ RULES = [
                             "train.gradient_accumulation_steps=2", "xla.gather=host"], "xla.gather", ["xla.gather=device"]),
     ("pinned_reward", [COMP, "reward=jpeg_incompressibility"], "reward.name", ["pins jpeg_compressibility"]),
     ("pinned_stat_tracking", [COMP, "stat_tracking.buffer_size=32"], "stat_tracking.buffer_size", ["pins 16"]),
+    ("aesthetic_needs_mlp", ["+experiment=aesthetic_parity"], "reward.mlp_path", ["LAION", "reward.mlp_path="]),
+    ("aesthetic_mlp_missing", ["+experiment=aesthetic_parity", "reward.mlp_path=/nope.pth"], "reward.mlp_path",
+     ["not found"]),
     ("pinned_aesthetic_epochs", ["+experiment=aesthetic_parity", "num_epochs=100"], "num_epochs",
      ["ddpo_pytorch_aesthetic pins 200"]),
     ("pinned_key_missing", [COMP, "+parity.pinned.train.foo=1"], "parity.pinned.train.foo",

@@ -234,6 +234,13 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
         path = getattr(p, key)
         if path and not os.path.isfile(os.path.expanduser(path)):
             problems.append(Problem(f"prompts.{key}", path, "file not found", "give an existing text file"))
+    r = cfg.reward
+    if r.name == "aesthetic":
+        if not r.mlp_path:
+            problems.append(Problem("reward.mlp_path", r.mlp_path, "the aesthetic reward needs the LAION aesthetic MLP "
+                                    "weights", "download sac+logos+ava1-l14-linearMSE.pth and set reward.mlp_path=PATH"))
+        elif r.mlp_path != "tiny" and not os.path.isfile(os.path.expanduser(r.mlp_path)):
+            problems.append(Problem("reward.mlp_path", r.mlp_path, "file not found", "give the path of the MLP weights"))
     if cfg.resume not in ("auto", "never") and not os.path.exists(os.path.expanduser(cfg.resume)):
         problems.append(Problem("resume", cfg.resume, "no such checkpoint",
                                 "use resume=auto, resume=never, or an existing checkpoint path"))

@@ -36,8 +36,19 @@ class ModelConfig(_Strict):
 class RewardConfig(_Strict):
     name: str
     host_workers: int = Field(ge=0, le=64)
+    # aesthetic
     clip_model: str | None = None
     mlp_path: str | None = None
+    # remote
+    url: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+    retries: int | None = Field(default=None, ge=0, le=20)
+    backoff_s: float | None = Field(default=None, ge=0)
+    batch_size: int | None = Field(default=None, ge=1)
+    image_format: Literal["png", "raw"] | None = None
+    headers: dict[str, str] | None = None
+    # weighted: [{name: ..., weight: ..., <that reward's keys>}, ...]
+    components: list[dict[str, Any]] | None = None
 
 
 class SampleConfig(_Strict):

@@ -140,6 +140,11 @@ class Trainer:
                                           activities_file=p.activities_file)
         # reward-specific keys of the reward group (clip_model, mlp_path, ...) go to the reward's constructor
         extra = cfg.reward.model_dump(exclude={"name", "host_workers"}, exclude_none=True)
+        if extra.get("clip_model") == "tiny":  # model=tiny pairs with tiny stand-ins (conf/reward_local)
+            from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
+
+            clip, mlp = ensure_tiny_aesthetic(Path(cfg.model.cache_dir).expanduser())
+            extra.update(clip_model=str(clip), mlp_path=str(mlp))
         self.reward = make_reward(cfg.reward.name, **extra)
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)

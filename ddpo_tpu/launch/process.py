@@ -43,13 +43,43 @@ def run_training(env: dict[str, str], log_path: Path) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with open(log_path, "ab", buffering=0) as log:
+        with open(log_path, "ab", buffering=0) as log, _LiveStatus() as live:
             assert proc.stdout is not None
             for line in iter(proc.stdout.readline, b""):
                 log.write(line)
-                sys.stdout.buffer.write(line)
-                sys.stdout.flush()
+                live.show(line)
         return proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+class _LiveStatus:
+    """Pass the training process's lines through; on a terminal, also keep a live status line with the latest
+    phase ("[epoch 3] sampling batch 2/8 done"). Built from the lines the trainer prints anyway, so it never touches
+    the device or forces a sync."""
+
+    def __enter__(self):
+        self.status = None
+        if sys.stdout.isatty():
+            from rich.console import Console
+
+            self.console = Console(highlight=False)
+            self.status = self.console.status("starting the training process")
+            self.status.start()
+        return self
+
+    def show(self, raw: bytes) -> None:
+        if self.status is None:
+            sys.stdout.buffer.write(raw)
+            sys.stdout.flush()
+            return
+        text = raw.decode(errors="replace").rstrip("\n")
+        self.console.print(text, markup=False)
+        if text.startswith("[epoch"):
+            self.status.update(text)
+
+    def __exit__(self, *exc):
+        if self.status is not None:
+            self.status.stop()
+        return False
