@@ -69,7 +69,8 @@ class RunDir:
                     out.append(rec)
         return out
 
-    def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> Path:
+    def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
+                        name: str = "epoch") -> Path:
         """A grid of an epoch's first images (uint8, B x H x W x 3) with a caption file of prompts and rewards."""
         from PIL import Image
 
@@ -81,7 +82,7 @@ class RunDir:
         for i in range(n):
             r, c = divmod(i, cols)
             grid[r * h:(r + 1) * h, c * w:(c + 1) * w] = images[i]
-        out = self.path / "samples" / f"epoch_{epoch:04d}.png"
+        out = self.path / "samples" / f"{name}_{epoch:04d}.png"
         import io
 
         buf = io.BytesIO()

@@ -98,3 +98,17 @@ def test_missing_model_is_one_clear_error(tmp_path):
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model.pretrained=CompVis/stable-diffusion-v1-4" in errors[0] and "Fix:" in errors[0]
     assert "Traceback" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_evaluation_is_logged_apart_and_does_not_perturb_training(tmp_path, model_cache, first_epoch_runs):
+    proc = run_train([*ONE_EPOCH, "tpu_topology=eager_cpu", "evaluation.every_n_epochs=1",
+                      f"model.cache_dir={model_cache}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    run = tmp_path / "outputs" / "smoke"
+    evals = read_metrics(run, "eval")
+    assert len(evals) == 1 and evals[0]["epoch"] == 0 and set(evals[0]["per_prompt"]) >= {"a cat", "a dog"}
+    assert (run / "samples" / "eval_0000.png").is_file()
+    plain = read_metrics(first_epoch_runs["eager_cpu"], "epoch")[0]
+    assert read_metrics(run, "epoch")[0]["reward_mean"] == plain["reward_mean"]
+    assert read_metrics(run, "step")[0]["loss"] == read_metrics(first_epoch_runs["eager_cpu"], "step")[0]["loss"]

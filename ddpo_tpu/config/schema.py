@@ -82,6 +82,12 @@ class StatTrackingConfig(_Strict):
     min_count: int = Field(ge=1)
 
 
+class EvaluationConfig(_Strict):
+    every_n_epochs: int = Field(ge=0)
+    seed: int = Field(ge=0, lt=2**31)
+    prompts: list[str] = Field(min_length=1)
+
+
 class PromptsConfig(_Strict):
     name: Literal["imagenet_animals", "simple_animals", "nouns_activities", "from_file"]
     file: str | None
@@ -155,6 +161,7 @@ class RunConfig(_Strict):
     sample: SampleConfig
     train: TrainConfig
     stat_tracking: StatTrackingConfig
+    evaluation: EvaluationConfig
     model: ModelConfig
     reward: RewardConfig
     prompts: PromptsConfig

@@ -267,6 +267,32 @@ class Trainer:
             self._stop_if_requested(epoch - 1, self.tracker.state_dict())
         return parts, prompts_all, pending, first_images
 
+    def evaluate(self, epoch: int) -> dict:
+        """Fixed prompts and fixed noise, one sampling batch (the sampling graphs, so nothing new compiles)."""
+        cfg, rt = self.cfg, self.rt
+        B, T = self.global_batch, self.tables.num_steps
+        ev = cfg.evaluation
+        prompts = [ev.prompts[i % len(ev.prompts)] for i in range(B)]
+        gen = torch.Generator().manual_seed(ev.seed)
+        init = torch.randn((B, *self.latent_shape), generator=gen)
+        noise = torch.randn((T, B, *self.latent_shape), generator=gen)
+        self.unet.eval()
+        with rt.autocast(self.mixed):
+            traj = sample_trajectory(self.unet, self.tables, self.encode(prompts), self.uncond_sample, init, noise,
+                                     eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale, rt=rt,
+                                     sync_every=cfg.xla.sync_every_n_denoising_steps)
+            images = rt.to_host(decode_to_uint8(self.vae, traj.latents[:, -1])).numpy()
+        rewards = np.asarray(self.reward(images, prompts), dtype=np.float64)
+        per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev.prompts}
+        rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
+               "reward_std": float(rewards.std()), "per_prompt": per_prompt}
+        if rt.is_main:
+            self.out.log(rec)
+            self.out.save_image_grid(epoch, images, prompts, rewards, name="eval")
+            self.logger.log({"eval/reward_mean": rec["reward_mean"]}, step=self.global_step)
+        say(rt, f"[epoch {epoch}] eval: reward {rec['reward_mean']:.4f} +- {rec['reward_std']:.4f}")
+        return rec
+
     def advantages(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
         if self.cfg.stat_tracking.per_prompt:
             return self.tracker.update(prompts, rewards)
@@ -393,6 +419,9 @@ class Trainer:
             with clock.measure("training"):
                 steps = self.train_epoch(epoch, samples)
             del samples
+            if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
+                with clock.measure("evaluation"):
+                    self.evaluate(epoch)
             with clock.measure("checkpoint"):
                 last = epoch + 1 == cfg.num_epochs
                 if (epoch + 1) % cfg.save_freq == 0 or last or self.stop.requested:

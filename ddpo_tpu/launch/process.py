@@ -77,7 +77,9 @@ class _LiveStatus:
         text = raw.decode(errors="replace").rstrip("\n")
         self.console.print(text, markup=False)
         if text.startswith("[epoch"):
-            self.status.update(text)
+            from rich.markup import escape
+
+            self.status.update(escape(text))  # "[epoch 3]" is not rich markup
 
     def __exit__(self, *exc):
         if self.status is not None:
