@@ -24,8 +24,6 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
-import time
 
 import torch
 
@@ -52,7 +50,6 @@ _REQUIRED_FILES = (
 )
 
 # Temp build dirs older than this are leftovers of killed builds and get removed.
-_STALE_TMP_SECONDS = 15 * 60
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -224,32 +221,6 @@ def build_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Pa
     return out
 
 
-def _current_umask() -> int:
-    """The process umask, read without changing it (os.umask would, briefly, for every thread)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-def _is_complete(path: pathlib.Path) -> bool:
-    return all((path / f).is_file() for f in _REQUIRED_FILES)
-
-
-def _remove_stale_tmp_dirs(cache_dir: pathlib.Path, prefix: str) -> None:
-    now = time.time()
-    for p in cache_dir.glob(prefix + "*"):
-        try:
-            if p.is_dir() and now - p.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
-
-
 def ensure_tiny_model(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """Return ``cache_dir/tiny-sd-{TINY_MODEL_VERSION}-seed{seed}``, building it on first use.
 
@@ -257,37 +228,7 @@ def ensure_tiny_model(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Pa
     so a concurrent or killed build never leaves a half-written model at the final path. Concurrent builders
     race harmlessly: the first rename wins, the others discard their copy.
     """
-    cache = pathlib.Path(cache_dir).expanduser()
-    name = f"tiny-sd-{TINY_MODEL_VERSION}-seed{seed}"
-    final = cache / name
-    if _is_complete(final):
-        return final
+    from ddpo_tpu.models.build_cache import build_once
 
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = f".{name}.tmp-"
-    _remove_stale_tmp_dirs(cache, tmp_prefix)
-
-    if final.exists():
-        # Not something we produced (our builds appear atomically): move it aside and rebuild.
-        trash = pathlib.Path(tempfile.mkdtemp(dir=cache, prefix=tmp_prefix))
-        try:
-            os.replace(final, trash / "old")
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(trash, ignore_errors=True)
-
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=cache, prefix=tmp_prefix))
-    try:
-        build_tiny_pipeline(tmp, seed=seed)
-        # mkdtemp makes the dir 0700; give the final dir the usual umask-based permissions.
-        os.chmod(tmp, 0o777 & ~_current_umask())
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another process renamed its finished build into place first.
-            if not _is_complete(final):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(cache_dir, f"tiny-sd-{TINY_MODEL_VERSION}-seed{seed}", _REQUIRED_FILES,
+                      lambda tmp: build_tiny_pipeline(tmp, seed=seed))

@@ -20,9 +20,6 @@ Use: ``reward.clip_model=OUT_DIR/clip reward.mlp_path=OUT_DIR/aesthetic_mlp.safe
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 __all__ = [
@@ -47,7 +44,6 @@ _REQUIRED_FILES = (
     MLP_FILENAME,
 )
 
-_STALE_TMP_SECONDS = 15 * 60
 
 
 def _clip_config():
@@ -115,32 +111,6 @@ def build_tiny_aesthetic(out_dir: str | os.PathLike, seed: int = 0) -> tuple[Pat
     return clip_dir, mlp_path
 
 
-def _current_umask() -> int:
-    """The process umask, read without changing it."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
-
-
-def _is_complete(path: Path) -> bool:
-    return all((path / f).is_file() for f in _REQUIRED_FILES)
-
-
-def _remove_stale_tmp_dirs(cache_dir: Path, prefix: str) -> None:
-    now = time.time()
-    for p in cache_dir.glob(prefix + "*"):
-        try:
-            if p.is_dir() and now - p.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
-
-
 def ensure_tiny_aesthetic(cache_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, Path]:
     """Return ``(clip_dir, mlp_path)`` under ``cache_dir/tiny-aesthetic-{version}-seed{seed}``, building once.
 
@@ -148,36 +118,8 @@ def ensure_tiny_aesthetic(cache_dir: str | os.PathLike, seed: int = 0) -> tuple[
     so a killed or concurrent build never leaves a half-written model at the final path; concurrent builders
     race harmlessly (the first rename wins, the others discard their copy).
     """
-    cache = Path(cache_dir).expanduser()
-    name = f"tiny-aesthetic-{TINY_AESTHETIC_VERSION}-seed{seed}"
-    final = cache / name
-    if _is_complete(final):
-        return final / CLIP_SUBDIR, final / MLP_FILENAME
+    from ddpo_tpu.models.build_cache import build_once
 
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = f".{name}.tmp-"
-    _remove_stale_tmp_dirs(cache, tmp_prefix)
-
-    if final.exists():
-        # Incomplete and not ours (our builds appear atomically): move it aside and rebuild.
-        trash = Path(tempfile.mkdtemp(dir=cache, prefix=tmp_prefix))
-        try:
-            os.replace(final, trash / "old")
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(trash, ignore_errors=True)
-
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=tmp_prefix))
-    try:
-        build_tiny_aesthetic(tmp, seed=seed)
-        os.chmod(tmp, 0o777 & ~_current_umask())  # mkdtemp makes it 0700
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            # Another process renamed its finished build into place first.
-            if not _is_complete(final):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    final = build_once(cache_dir, f"tiny-aesthetic-{TINY_AESTHETIC_VERSION}-seed{seed}", _REQUIRED_FILES,
+                       lambda tmp: build_tiny_aesthetic(tmp, seed=seed))
     return final / CLIP_SUBDIR, final / MLP_FILENAME
