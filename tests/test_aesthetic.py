@@ -203,3 +203,19 @@ def test_build_is_deterministic_and_ensure_reuses(tiny, tmp_path):
     assert again == (clip_dir, mlp_path)
     assert mlp_path.stat().st_mtime_ns == mtime
     assert not [p for p in clip_dir.parent.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_clip_score_on_the_tiny_clip(tmp_path):
+    from ddpo_tpu.rewards import make_reward
+    from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
+
+    clip_dir, _ = ensure_tiny_aesthetic(tmp_path)
+    reward = make_reward("clip_score", clip_model=str(clip_dir))
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+    a = reward(images, ["a cat", "a dog", "a cat", "a horse"])
+    assert a.dtype == np.float32 and a.shape == (4,) and np.all(np.abs(a) <= 1.0 + 1e-6)
+    b = reward(images, ["a horse", "a dog", "a cat", "a horse"])
+    assert a[1] == b[1] and a[0] != b[0]  # the score depends on the prompt of its own image only
+    with pytest.raises(RewardError, match="reward.clip_model"):
+        make_reward("clip_score", clip_model=str(tmp_path / "nope"))

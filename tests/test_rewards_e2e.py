@@ -16,8 +16,9 @@ pytestmark = pytest.mark.slow
 SHORT = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1"]
 
 
-def test_smoke_with_the_aesthetic_reward_on_tiny_local_models(tmp_path, model_cache):
-    proc = run_train([*SHORT, "reward=aesthetic", f"model.cache_dir={model_cache}"], tmp_path)
+@pytest.mark.parametrize("reward", ["aesthetic", "clip_score"])
+def test_smoke_with_clip_rewards_on_tiny_local_models(tmp_path, model_cache, reward):
+    proc = run_train([*SHORT, f"reward={reward}", f"model.cache_dir={model_cache}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
     epoch = read_metrics(tmp_path / "outputs" / "smoke", "epoch")[0]
     assert math.isfinite(epoch["reward_mean"]) and epoch["reward_std"] > 0

@@ -144,7 +144,7 @@ class Trainer:
             from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
 
             clip, mlp = ensure_tiny_aesthetic(Path(cfg.model.cache_dir).expanduser())
-            extra.update(clip_model=str(clip), mlp_path=str(mlp))
+            extra.update(clip_model=str(clip), **({"mlp_path": str(mlp)} if "mlp_path" in extra else {}))
         self.reward = make_reward(cfg.reward.name, **extra)
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)

@@ -30,7 +30,7 @@ __all__ = [
     "ensure_tiny_aesthetic",
 ]
 
-TINY_AESTHETIC_VERSION = "v1"
+TINY_AESTHETIC_VERSION = "v2"  # v2: text tower sized for the byte-level tokenizer (clip_score)
 TINY_CLIP_IMAGE_SIZE = 32
 TINY_CLIP_PROJECTION_DIM = 16
 
@@ -49,18 +49,21 @@ _REQUIRED_FILES = (
 def _clip_config():
     from transformers import CLIPConfig
 
+    from ddpo_tpu.models.tiny import tiny_vocab
+
+    vocab = len(tiny_vocab())  # the tiny SD byte-level tokenizer, saved next to the CLIP (clip_score needs text)
     text = dict(
-        vocab_size=64,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=37,
         projection_dim=TINY_CLIP_PROJECTION_DIM,
         num_hidden_layers=2,
         num_attention_heads=4,
-        max_position_embeddings=16,
+        max_position_embeddings=77,
         hidden_act="quick_gelu",
-        bos_token_id=62,
-        eos_token_id=63,
-        pad_token_id=63,
+        bos_token_id=vocab - 2,
+        eos_token_id=vocab - 1,
+        pad_token_id=vocab - 1,
     )
     vision = dict(
         image_size=TINY_CLIP_IMAGE_SIZE,
@@ -105,6 +108,9 @@ def build_tiny_aesthetic(out_dir: str | os.PathLike, seed: int = 0) -> tuple[Pat
         crop_size={"height": TINY_CLIP_IMAGE_SIZE, "width": TINY_CLIP_IMAGE_SIZE},
     )
     processor.save_pretrained(str(clip_dir))
+    from ddpo_tpu.models.tiny import _build_tokenizer
+
+    _build_tokenizer(out).save_pretrained(str(clip_dir))
 
     state = {k: v.detach().contiguous().clone() for k, v in mlp.state_dict().items()}
     save_file(state, str(mlp_path), metadata={"format": "pt"})
