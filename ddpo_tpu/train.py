@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -64,9 +65,12 @@ def preflight(argv: list[str]) -> None:
     points = expand_sweep(args.overrides) if args.multirun else [args.overrides]
     errors: list[str] = []
     locks = set()
+    roots = set()
     for i, point in enumerate(points):
         try:
-            locks.add(envmod.accelerator_lock_path(compose_and_validate(point).cfg))
+            validated = compose_and_validate(point)
+            locks.add(envmod.accelerator_lock_path(validated.cfg))
+            roots.add(validated.cfg.output_root)
         except ConfigError as e:
             if envmod.full_error_requested():
                 raise
@@ -76,6 +80,12 @@ def preflight(argv: list[str]) -> None:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
+    for root in roots:  # an unwritable output root is refused before Hydra tries to create a run dir there
+        existing = Path(root).expanduser().absolute()
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK):
+            _fail([f"output_root={root}: {existing} is not a writable directory (set output_root=... to one)"])
     # a busy accelerator is refused before a run dir exists (the training process takes the lock itself)
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
 

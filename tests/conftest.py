@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def clean_env(**extra: str) -> dict[str, str]:
     from ddpo_tpu.launch.env import OWNED_VARIABLES
 
-    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

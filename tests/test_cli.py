@@ -15,17 +15,11 @@ import pytest
 import yaml
 
 from ddpo_tpu.config.compose import conf_dir
+from conftest import clean_env
 from ddpo_tpu.launch.env import OWNED_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None):
@@ -141,3 +135,12 @@ def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cac
     # one fresh training process per job, one after the other
     assert proc.stdout.count("ddpo_tpu: run complete") == 2
     assert proc.stdout.index("run complete") < proc.stdout.rindex("sampling start")
+
+
+def test_unwritable_output_root_is_refused_before_anything_starts(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc, _ = cli(tmp_path, "+experiment=smoke", f"output_root={blocker}/runs")
+    assert proc.returncode == 2
+    assert "output_root=" in proc.stderr and "not a writable directory" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -143,3 +143,21 @@ def test_nonfinite_reward_stops_with_the_last_checkpoint_intact(tmp_path, model_
     trainer.fit()
     epochs = read_metrics(tmp_path / "skip", "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1] and all(np.isfinite(e["reward_mean"]) for e in epochs)
+
+
+def test_too_little_disk_is_reported_before_training(tmp_path, model_cache, monkeypatch):
+    import shutil
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.runtime import make_runtime
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}"])
+    with pytest.raises(loop.CannotStart, match="GiB free .* checkpoint_limit"):
+        loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()

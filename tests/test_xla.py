@@ -24,7 +24,8 @@ def runs(tmp_path_factory, model_cache):
         "single_3ep": ["tpu_topology=cpu", "num_epochs=3", "save_freq=1"],
         "spmd4": ["tpu_topology=cpu_spmd4", "num_epochs=1", "sample.batch_size=2", "train.batch_size=1"],
         "steps6": ["tpu_topology=cpu", "num_epochs=1", "sample.num_steps=6"],
-        "steps12": ["tpu_topology=cpu", "num_epochs=1", "sample.num_steps=12"],
+        # also one sampling batch and one optimizer step per epoch: the graph count must not depend on that either
+        "steps12_nb1": ["tpu_topology=cpu", "num_epochs=2", "sample.num_steps=12", "sample.num_batches_per_epoch=1"],
     }
     out = {}
     for name, extra in specs.items():
@@ -43,10 +44,12 @@ def test_no_new_compilations_after_the_first_epoch(runs):
         assert e["new_compilations"] == 0, e["phases"]  # sampling, reward, advantages, training and checkpointing
 
 
-def test_graph_count_does_not_depend_on_the_number_of_steps(runs):
-    counts = {name: read_metrics(runs[name], "epoch")[0]["new_compilations"] for name in ("steps6", "steps12")}
+def test_graph_count_does_not_depend_on_steps_or_batches(runs):
+    counts = {name: read_metrics(runs[name], "epoch")[0]["new_compilations"] for name in ("steps6", "steps12_nb1")}
     counts["steps8"] = read_metrics(runs["single_3ep"], "epoch")[0]["new_compilations"]
     assert len(set(counts.values())) == 1, counts
+    # with a single optimizer step per epoch the steady-state update first runs in epoch 1: still no new graph
+    assert read_metrics(runs["steps12_nb1"], "epoch")[1]["new_compilations"] == 0
 
 
 def test_cpu_fallbacks_only_where_allowed(runs):

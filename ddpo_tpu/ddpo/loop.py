@@ -110,6 +110,10 @@ class NonFinite(RuntimeError):
     pass
 
 
+class CannotStart(RuntimeError):
+    """The run dir cannot hold this run (permissions, disk space): found before any training."""
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir, tree: dict | None = None,
                  stop: StopRequest | None = None):
@@ -134,6 +138,13 @@ class Trainer:
         t = cfg.train
         self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                                            weight_decay=t.adam_weight_decay, eps=t.adam_epsilon)
+        # AdamW's state as its first step would create it (step on the host, zero moments), but uploaded as data:
+        # created lazily inside the first step it would make that step a graph of its own, compiled again at the
+        # second step (in epoch 1 when an epoch has a single update)
+        for p in self.params:
+            self.optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                       "exp_avg": torch.zeros(p.shape, dtype=p.dtype).to(rt.device),
+                                       "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype).to(rt.device)}
         self.tables = DDIMTables.from_scheduler(self.scheduler, cfg.sample.num_steps, rt.device)
         p = cfg.prompts
         self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,
@@ -145,6 +156,8 @@ class Trainer:
 
             clip, mlp = ensure_tiny_aesthetic(Path(cfg.model.cache_dir).expanduser())
             extra.update(clip_model=str(clip), **({"mlp_path": str(mlp)} if "mlp_path" in extra else {}))
+        if cfg.reward.name in ("aesthetic", "clip_score") and rt.device.type == "cuda":
+            extra["device"] = str(rt.device)  # CLIP rewards stay on a CUDA device; on XLA they run on the host CPU
         self.reward = make_reward(cfg.reward.name, **extra)
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)
@@ -159,6 +172,7 @@ class Trainer:
             self.uncond_sample = rt.shard_batch(neg.expand(self.global_batch, -1, -1).contiguous())
             self.uncond_train = rt.shard_batch(neg.expand(self.train_batch, -1, -1).contiguous())
         rt.sync()
+        self._check_room()
         self.global_step = 0
         self.start_epoch = 0
         self.run_id = uuid.uuid4().hex[:12]
@@ -169,6 +183,22 @@ class Trainer:
         self.logger = make_tracker(cfg.logger, out.path, self.run_id, cfg.run_name, self.tree, rt.is_main)
 
     # --- checkpoints --------------------------------------------------------------------------------------------
+    def _check_room(self) -> None:
+        """Before any training: the run dir is writable and has room for the checkpoints it will keep."""
+        import os
+        import shutil
+
+        path = self.out.path
+        if not os.access(path, os.W_OK):
+            raise CannotStart(f"run dir {path} is not writable: fix its permissions or set output_root=...")
+        per_ckpt = sum(p.numel() * 4 for p in self.params) * 4  # weights x2 (checkpoint + weights/) + Adam moments
+        need = per_ckpt * (min(self.cfg.checkpoint_limit, self.cfg.num_epochs) + 1)
+        free = shutil.disk_usage(path).free
+        if free < need:
+            raise CannotStart(f"run dir {path} has {free / 2**30:.1f} GiB free but {self.cfg.checkpoint_limit} "
+                                     f"checkpoint(s) need about {need / 2**30:.1f} GiB: free space, lower "
+                                     f"checkpoint_limit, or set output_root=... on a larger disk")
+
     @property
     def ckpt_root(self) -> Path:
         return self.out.path / "checkpoints"
@@ -440,9 +470,10 @@ class Trainer:
                 self.logger.log({"epoch": epoch, "reward_mean": float(np.nanmean(rewards)),
                                       "reward_std": float(np.nanstd(rewards)), "phases": clock.phases},
                                      step=self.global_step)
-            say(rt, f"[epoch {epoch}] done: reward {rewards.mean():.4f} +- {rewards.std():.4f}, "
-                    f"{len(steps)} updates, " + ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
-                                                         for k, v in clock.phases.items()))
+            kl, cf = (float(np.mean([st[k] for st in steps])) if steps else float("nan") for k in ("approx_kl", "clipfrac"))
+            say(rt, f"[epoch {epoch}] done: reward {np.nanmean(rewards):.4f} +- {np.nanstd(rewards):.4f}, "
+                    f"approx_kl {kl:.2e}, clipfrac {cf:.3f}, {len(steps)} updates, "
+                    + ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c" for k, v in clock.phases.items()))
             self._stop_if_requested(epoch, self.tracker.state_dict())
         if self.pool is not None:
             self.pool.shutdown()
@@ -473,7 +504,7 @@ def run(validated: Validated, run_dir: Path) -> int:
     except Preempted as e:
         say(rt, f"ddpo_tpu: preempted: {e}")
         return EXIT_PREEMPTED
-    except (ckpt.ResumeRefused, NonFinite, RewardError, ModelLoadError) as e:
+    except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     say(rt, "ddpo_tpu: run complete")

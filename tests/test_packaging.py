@@ -1,0 +1,39 @@
+"""conf/ ships inside the wheel (as ddpo_tpu/conf) and is found there, not only in a checkout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO, clean_env
+
+PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from ddpo_tpu.config.compose import compose_and_validate, conf_dir
+assert str(conf_dir()).startswith(sys.argv[1]), conf_dir()
+v = compose_and_validate(["+experiment=compressibility_parity"])
+print(conf_dir(), v.cfg.parity.name)
+"""
+
+
+def test_wheel_ships_conf_and_uses_it(tmp_path):
+    out = tmp_path / "wheel"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                            str(out), str(REPO)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next(out.glob("ddpo_tpu-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for required in ("ddpo_tpu/conf/config.yaml", "ddpo_tpu/conf/experiment/compressibility_parity.yaml",
+                     "ddpo_tpu/conf/tpu_topology/v6e-16.yaml", "ddpo_tpu/conf/reward_local/aesthetic_tiny.yaml",
+                     "ddpo_tpu/prompts/assets/imagenet_classes.txt", "ddpo_tpu/launch/env.py"):
+        assert required in names, required
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = clean_env()
+    env.pop("PYTHONPATH", None)
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(site)], capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path, env=env)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split() == [str(site / "ddpo_tpu" / "conf"), "ddpo_pytorch_compressibility"]
