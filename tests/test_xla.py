@@ -22,7 +22,9 @@ def runs(tmp_path_factory, model_cache):
     """name -> run dir. Global batch 8 (sampling) and 4 (training) everywhere."""
     specs = {
         "single_3ep": ["tpu_topology=cpu", "num_epochs=3", "save_freq=1"],
-        "spmd4": ["tpu_topology=cpu_spmd4", "num_epochs=1", "sample.batch_size=2", "train.batch_size=1"],
+        # the same run as steps12_nb1, SPMD over 4 devices (same global batches)
+        "spmd4": ["tpu_topology=cpu_spmd4", "num_epochs=2", "sample.batch_size=2", "train.batch_size=1",
+                  "sample.num_steps=12", "sample.num_batches_per_epoch=1"],
         "steps6": ["tpu_topology=cpu", "num_epochs=1", "sample.num_steps=6"],
         # also one sampling batch and one optimizer step per epoch: the graph count must not depend on that either
         "steps12_nb1": ["tpu_topology=cpu", "num_epochs=2", "sample.num_steps=12", "sample.num_batches_per_epoch=1"],
@@ -72,11 +74,12 @@ def test_host_transfers_are_bounded_per_batch_and_per_step(runs):
 
 
 def test_spmd_matches_one_device(runs):
-    one = read_metrics(runs["single_3ep"], "epoch")[0], read_metrics(runs["single_3ep"], "step")[0]
+    one = read_metrics(runs["steps12_nb1"], "epoch")[0], read_metrics(runs["steps12_nb1"], "step")[0]
     spmd = read_metrics(runs["spmd4"], "epoch")[0], read_metrics(runs["spmd4"], "step")[0]
     assert math.isclose(one[0]["reward_mean"], spmd[0]["reward_mean"], rel_tol=1e-4)
     assert math.isclose(one[1]["loss"], spmd[1]["loss"], rel_tol=1e-4), (one[1]["loss"], spmd[1]["loss"])
     assert spmd[1]["approx_kl"] < 1e-8 and spmd[1]["clipfrac"] == 0.0
+    assert read_metrics(runs["spmd4"], "epoch")[1]["new_compilations"] == 0  # parameters and Adam state pinned
     log = (runs["spmd4"] / "train.log").read_text()
     assert "xla_spmd" in log and "4 replica(s)" in log
 

@@ -145,6 +145,7 @@ class Trainer:
             self.optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
                                        "exp_avg": torch.zeros(p.shape, dtype=p.dtype).to(rt.device),
                                        "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype).to(rt.device)}
+        rt.replicate_state([*self.params, *(t for st in self.optimizer.state.values() for t in st.values())])
         self.tables = DDIMTables.from_scheduler(self.scheduler, cfg.sample.num_steps, rt.device)
         p = cfg.prompts
         self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,

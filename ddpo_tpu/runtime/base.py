@@ -53,6 +53,10 @@ class Runtime(abc.ABC):
         """Lay a tensor whose dim 0 is the global batch out over the data-parallel devices."""
         return tensor
 
+    def replicate_state(self, tensors) -> None:
+        """Pin parameters and optimizer state to a replicated layout (SPMD), so the sharding the partitioner gives
+        an update's outputs cannot differ from its inputs' (which would make the next update a new graph)."""
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """One device-to-host copy of a (replicated) result."""
         return tensor.detach().to("cpu")

@@ -84,6 +84,12 @@ class XlaRuntime(Runtime):
             self._xs.mark_sharding(tensor, self.mesh, (None,) * tensor.dim())
         return tensor
 
+    def replicate_state(self, tensors) -> None:
+        if self.spmd:
+            for t in tensors:
+                if t.device.type == "xla" and t.dim() > 0:
+                    self._xs.mark_sharding(t, self.mesh, (None,) * t.dim())
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """xla.gather=device: all-gather on the device (a replicated result), then one plain copy.
         xla.gather=host: each device's batch shard is copied to the host and concatenated there (single host)."""
