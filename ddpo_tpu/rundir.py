@@ -58,17 +58,6 @@ class RunDir:
                 keep.append(line)
         atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
 
-    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        out = []
-        for line in self.metrics_path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if kind is None or rec.get("kind") == kind:
-                    out.append(rec)
-        return out
-
     def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
                         name: str = "epoch") -> Path:
         """A grid of an epoch's first images (uint8, B x H x W x 3) with a caption file of prompts and rewards."""

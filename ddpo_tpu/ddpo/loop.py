@@ -14,6 +14,7 @@ noise and shuffles for the same seed, and a run restarted at an epoch boundary c
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -383,7 +384,7 @@ class Trainer:
     def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:
         rt = self.rt
         with (rt.profile(self.out.path, self.global_step) if self.global_step in self.cfg.xla.profile_steps
-              else _null()):
+              else contextlib.nullcontext()):
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
             rt.optimizer_step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=False)
@@ -479,14 +480,6 @@ class Trainer:
         if self.pool is not None:
             self.pool.shutdown()
         self.logger.finish()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def run(validated: Validated, run_dir: Path) -> int:

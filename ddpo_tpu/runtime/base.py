@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +85,3 @@ class Runtime(abc.ABC):
     def profile(self, run_dir, step: int):
         """A context capturing a profiler trace of one step into the run dir (XLA backends)."""
         return contextlib.nullcontext()
-
-    def clock(self) -> float:
-        return time.perf_counter()

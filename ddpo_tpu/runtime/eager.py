@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.runtime.base import Counters, Runtime
+from ddpo_tpu.runtime.base import Runtime
 
 
 class EagerRuntime(Runtime):
@@ -26,6 +26,3 @@ class EagerRuntime(Runtime):
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-
-    def counters(self) -> Counters:
-        return Counters(host_transfers=self._transfers)
