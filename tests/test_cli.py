@@ -125,7 +125,7 @@ def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cac
                       "reward.host_workers=0", f"model.cache_dir={model_cache}", "train.learning_rate=1e-4,3e-4"],
                      tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    jobs = sorted((tmp_path / "outputs" / "smoke-multirun").iterdir())
+    jobs = sorted(p for p in (tmp_path / "outputs" / "smoke-multirun").iterdir() if p.is_dir())
     assert [j.name.split("_")[0] for j in jobs] == ["0", "1"]
     rates = []
     for job in jobs:

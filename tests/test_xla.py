@@ -77,7 +77,10 @@ def test_spmd_matches_one_device(runs):
     one = read_metrics(runs["steps12_nb1"], "epoch")[0], read_metrics(runs["steps12_nb1"], "step")[0]
     spmd = read_metrics(runs["spmd4"], "epoch")[0], read_metrics(runs["spmd4"], "step")[0]
     assert math.isclose(one[0]["reward_mean"], spmd[0]["reward_mean"], rel_tol=1e-4)
-    assert math.isclose(one[1]["loss"], spmd[1]["loss"], rel_tol=1e-4), (one[1]["loss"], spmd[1]["loss"])
+    # one update covers the whole epoch here, so the loss (a mean of zero-mean advantages) is ~1e-8: compare it
+    # absolutely, and the gradient norm relatively
+    assert math.isclose(one[1]["loss"], spmd[1]["loss"], abs_tol=1e-6), (one[1]["loss"], spmd[1]["loss"])
+    assert math.isclose(one[1]["grad_norm"], spmd[1]["grad_norm"], rel_tol=1e-4), (one[1], spmd[1])
     assert spmd[1]["approx_kl"] < 1e-8 and spmd[1]["clipfrac"] == 0.0
     assert read_metrics(runs["spmd4"], "epoch")[1]["new_compilations"] == 0  # parameters and Adam state pinned
     log = (runs["spmd4"] / "train.log").read_text()
