@@ -29,7 +29,8 @@ class WandbTracker(Tracker):
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(project=cfg.project, name=run_name, id=run_id, resume="allow", mode=cfg.mode,
+        self.run = wandb.init(project=cfg.project, entity=cfg.entity, group=cfg.group, tags=list(cfg.tags) or None,
+                              notes=cfg.notes, name=run_name, id=run_id, resume="allow", mode=cfg.mode,
                               dir=str(run_dir), config=config)
 
     def log(self, values: dict[str, Any], step: int) -> None:

@@ -5,7 +5,7 @@ Only pydantic and the standard library are imported here: validation runs before
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -142,7 +142,11 @@ class XlaConfig(_Strict):
 class LoggerConfig(_Strict):
     name: Literal["none", "wandb"]
     mode: Literal["online", "offline", "disabled"]
-    project: str
+    project: str = Field(min_length=1, max_length=128)
+    entity: str | None = Field(min_length=1)
+    group: str | None = Field(min_length=1, max_length=128)
+    tags: list[Annotated[str, Field(min_length=1, max_length=64)]]  # wandb's own limit is 64 characters a tag
+    notes: str | None
 
 
 class RunConfig(_Strict):
