@@ -283,6 +283,17 @@ RULES = [
     ("compilation_cache_dir_empty", ["xla.compilation_cache_dir=''"], "xla.compilation_cache_dir",
      ["empty path"]),
     ("profile_steps_negative", ["xla.profile_steps=[3,-1]"], "xla.profile_steps", [">= 0"]),
+    # inputs (more, through the real front end, in test_bad_input.py)
+    ("run_name_dotdot", ["run_name=.."], "run_name", ["parent", "run_name=ddpo"]),
+    ("output_root_empty", ["output_root="], "output_root", ["empty path", "output_root=outputs"]),
+    ("profile_steps_beyond_run", ["xla.profile_steps=[1,8]"], "xla.profile_steps",
+     ["[8] never run", "2 optimizer steps per epoch x 4 epochs", "below 8"]),
+    ("evaluation_beyond_run", ["evaluation.every_n_epochs=5"], "evaluation.every_n_epochs",
+     ["4 epochs", "evaluation.every_n_epochs<=4"]),
+    ("xla_flag_malformed", ["xla.flags=[xla_dump_to]"], "xla.flags[0]", ["--name=value"]),
+    ("reward_url_scheme", ["reward=remote", "reward.url=ftp://h/x"], "reward.url", ["http://", "reward.url="]),
+    ("weighted_unknown_reward", ["reward=weighted", "reward.components=[{name:nope,weight:1}]"],
+     "reward.components[0].name", ["not a registered reward", "jpeg_compressibility"]),
 ]
 
 
@@ -316,14 +327,23 @@ def test_every_problem_is_reported_at_once():
 def test_rules_do_not_over_fire(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\na dog\n")
-    (tmp_path / "sd").mkdir()
+    for sub in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):  # what models/loading.py loads
+        (tmp_path / "sd" / sub).mkdir(parents=True)
+    (tmp_path / "checkpoints" / "epoch_0001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "epoch_0001" / "state.json").write_text("{}")
     for overrides in (
         ["model.dtype=bfloat16", "train.mixed_precision=bf16"],
         ["prompts=from_file", f"prompts.file={prompts}"],
         ["prompts=nouns_activities", f"prompts.nouns_file={prompts}", f"prompts.activities_file={prompts}"],
-        [f"resume={tmp_path}"], ["resume=never"],
+        [f"resume={tmp_path}"], [f"resume={tmp_path / 'checkpoints' / 'epoch_0001'}"], ["resume=never"],
         ["model=sd14", f"model.pretrained={tmp_path / 'sd'}"],
         ["xla.profile_steps=[0,5]"], ["xla.compilation_cache_dir=null"], [f"xla.compilation_cache_dir={tmp_path}"],
+        [f"xla.compilation_cache_dir={tmp_path}/new/cache"], ["num_epochs=1", "xla.profile_steps=[0]"],
+        ['xla.flags=["--xla_dump_to=/tmp/dump","--xla_foo"]'], ['xla.libtpu_init_args=["--xla_tpu_x=true"]'],
+        ["evaluation.every_n_epochs=4", "num_epochs=4"], ["run_name=a.b"], ["output_root=./runs"],
+        ["prompts=nouns_activities", "prompts.nouns_file=simple_animals.txt"],  # a shipped list by name
+        ["reward=remote", "reward.url=https://example.com:8443/score"], ["reward=weighted"],
+        ["logger=wandb", "logger.entity=me", "logger.group=g", "logger.tags=[a,b]", "logger.notes=n"],
         ["tpu_topology=v6e-16", "tpu_topology.mesh.layout=host_local", "tpu_topology.mesh.dp=4",
          "tpu_topology.mesh.fsdp=4"],
         ["tpu_topology=cpu_spmd4", "tpu_topology.mesh.dp=2", "tpu_topology.mesh.fsdp=2"],

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
 from ddpo_tpu.config import rules
@@ -59,9 +60,14 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
+    from hydra.errors import OverrideParseException
+
     msg = str(e).strip()
     first = msg.splitlines()[0] if msg else type(e).__name__
-    m = re.search(r"full_key: (\S+)", msg) or re.search(r"override '([^']+)'", msg)
+    if isinstance(e, OverrideParseException):
+        return grammar_problem(e)
+    m = (re.search(r"full_key: (\S+)", msg) or re.search(r"override '([^']+)'", msg)
+         or re.search(r"Multiple values for ([\w.]+)\.", msg))
     key = m.group(1) if m else "overrides"
     value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), "")
     if "not in struct" in msg or "Could not override" in msg:
@@ -79,15 +85,44 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
     return Problem(key, value, first.rstrip(".:"), "see --help for the syntax")
 
 
+def grammar_problem(e: Exception) -> Problem:
+    """An override Hydra cannot parse (OverrideParseException), named by the override itself."""
+    override = getattr(e, "override", "") or ""
+    key, _, value = override.partition("=")
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else "cannot be parsed"
+    return Problem(key.lstrip("+~") or "overrides", value if value or "=" in override else override,
+                   f"not a valid override: {reason}",
+                   "quote values with special characters for the shell and Hydra, e.g. 'key=\"a,b\"'; "
+                   "see https://hydra.cc/docs/advanced/override_grammar/basic")
+
+
 def to_tree(cfg: DictConfig) -> dict[str, Any]:
     problems = []
     for key in _missing_keys(cfg):
         problems.append(Problem(key, "???", "a value is required", f"set {key}=..."))
     if problems:
         raise ConfigError(problems)
-    tree = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:  # ${oc.env:UNSET}, ${a_missing_key}, a self-reference, ...
+        raise ConfigError([_interpolation_problem(e, cfg)]) from e
     tree.pop("hydra", None)
     return tree
+
+
+def _interpolation_problem(e: OmegaConfBaseException, cfg: DictConfig) -> Problem:
+    key = getattr(e, "full_key", None) or "config"
+    raw = rules.lookup(OmegaConf.to_container(cfg, resolve=False), key)
+    value = "" if raw is rules._MISSING else raw
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
+    fix = "give a literal value or interpolate an existing key"
+    env = re.search(r"Environment variable '([^']+)' not found", reason)
+    if env:
+        fix = f"export {env.group(1)}=..., or give a default: ${{oc.env:{env.group(1)},DEFAULT}}"
+    elif "Recursive" in reason:
+        reason, fix = "the interpolation refers to itself", "give a literal value"
+    return Problem(key, value, f"cannot be resolved: {reason}", fix)
 
 
 def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ddpo_tpu.config.errors import Problem
@@ -222,10 +225,8 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
         problems.append(Problem("model.pretrained", m.pretrained,
                                 "set exactly one of model.pretrained (hub id or local dir) and model.builder",
                                 "e.g. model=tiny for the local test model, model=sd14 for Stable Diffusion 1.4"))
-    elif m.pretrained is not None and _looks_like_path(m.pretrained) and not os.path.isdir(
-            os.path.expanduser(m.pretrained)):
-        problems.append(Problem("model.pretrained", m.pretrained, "no such directory",
-                                "point model.pretrained at a local diffusers checkpoint or use a hub id"))
+    elif m.pretrained is not None:
+        problems.extend(_pretrained_problems(m.pretrained))
     if m.dtype == "bfloat16" and train.mixed_precision != "bf16":
         problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
                                 "set train.mixed_precision=bf16 or model.dtype=float32"))
@@ -248,10 +249,8 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     p = cfg.prompts
     if p.name == "from_file" and not p.file:
         problems.append(Problem("prompts.file", p.file, "prompts=from_file needs a file", "set prompts.file=PATH"))
-    for key in ("file", "nouns_file", "activities_file"):
-        path = getattr(p, key)
-        if path and not os.path.isfile(os.path.expanduser(path)):
-            problems.append(Problem(f"prompts.{key}", path, "file not found", "give an existing text file"))
+    else:
+        problems.extend(_prompt_problems(cfg))
     r = cfg.reward
     if r.name == "aesthetic":
         if not r.mlp_path:
@@ -259,14 +258,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                     "weights", "download sac+logos+ava1-l14-linearMSE.pth and set reward.mlp_path=PATH"))
         elif r.mlp_path != "tiny" and not os.path.isfile(os.path.expanduser(r.mlp_path)):
             problems.append(Problem("reward.mlp_path", r.mlp_path, "file not found", "give the path of the MLP weights"))
-    if cfg.resume not in ("auto", "never") and not os.path.exists(os.path.expanduser(cfg.resume)):
-        problems.append(Problem("resume", cfg.resume, "no such checkpoint",
-                                "use resume=auto, resume=never, or an existing checkpoint path"))
-    if cfg.xla.compilation_cache_dir not in (None, "auto") and not cfg.xla.compilation_cache_dir.strip():
-        problems.append(Problem("xla.compilation_cache_dir", cfg.xla.compilation_cache_dir, "empty path",
-                                "use auto, null or a directory"))
-    if any(s < 0 for s in cfg.xla.profile_steps):
-        problems.append(Problem("xla.profile_steps", cfg.xla.profile_steps, "steps are >= 0", "list step numbers"))
+    problems.extend(_input_problems(cfg, tot))
     return problems
 
 
@@ -301,3 +293,184 @@ def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
     for row in rows:
         row.setdefault("ok", row["target"] is None or _same(row["effective"], row["target"]))
     return rows
+
+
+# --- inputs: names, paths, URLs and flags, checked before a run dir exists -----------------------------------------
+
+# the parts models/loading.py loads from a local checkpoint (its SUBFOLDERS; copied: that module imports torch)
+PIPELINE_SUBFOLDERS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+
+# keys that may change between a checkpoint and its resume without changing what is trained (checkpoint.py's
+# RUN_CONTROL_KEYS; copied so the front end compares configs without importing torch; a test keeps them equal)
+RUN_CONTROL_KEYS = ("num_epochs", "save_freq", "checkpoint_limit", "resume", "force_resume", "lock_accelerator",
+                    "output_root", "run_name", "logger.", "xla.debug_level", "xla.profile_steps",
+                    "xla.compilation_cache_dir", "xla.step_compiler", "train.timesteps_per_micro_step",
+                    "reward.host_workers", "model.cache_dir", "model.local_files_only",
+                    "model.pretrained")
+
+# what XLA_FLAGS and LIBTPU_INIT_ARGS accept: space-separated --name or --name=value (anything else aborts the runtime)
+_FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")
+_CHECKPOINT_NAME = re.compile(r"^epoch_\d{4,}$")
+
+
+def parity_relevant(tree: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in sorted(flatten(tree).items()) if not k.startswith(RUN_CONTROL_KEYS)}
+
+
+def _input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
+    problems: list[Problem] = []
+    if set(cfg.run_name) <= {"."}:  # "." is output_root itself and ".." its parent (the launch directory)
+        problems.append(Problem("run_name", cfg.run_name, "names the output root or its parent, not a run dir",
+                                "use a name with a letter or digit, e.g. run_name=ddpo"))
+    if not cfg.output_root.strip():  # an empty root puts the run dir at the filesystem root
+        problems.append(Problem("output_root", repr(cfg.output_root), "empty path",
+                                "set output_root=outputs or another directory"))
+    if cfg.resume not in ("auto", "never"):
+        path = Path(cfg.resume).expanduser()
+        if not path.exists():
+            problems.append(Problem("resume", cfg.resume, "no such checkpoint",
+                                    "use resume=auto, resume=never, or an existing checkpoint path"))
+        elif not _holds_checkpoint(path):
+            problems.append(Problem("resume", cfg.resume, "not a checkpoint: neither a checkpoints/epoch_NNNN dir "
+                                    "with state.json nor a run dir or checkpoints dir holding one",
+                                    "use resume=auto, resume=never, or the path of a checkpoint"))
+    xla = cfg.xla
+    examples = {"flags": "--xla_dump_to=/tmp/dump", "libtpu_init_args": "--xla_enable_async_all_gather=true"}
+    for key, example in examples.items():
+        for i, flag in enumerate(getattr(xla, key)):
+            if not _FLAG.fullmatch(flag):
+                problems.append(Problem(f"xla.{key}[{i}]", repr(flag), "not a flag of the form --name or "
+                                        "--name=value (no spaces)", f"e.g. 'xla.{key}=[\"{example}\"]'"))
+    cache = xla.compilation_cache_dir
+    if cache not in (None, "auto"):
+        if not cache.strip():
+            problems.append(Problem("xla.compilation_cache_dir", repr(cache), "empty path",
+                                    "use auto, null or a directory"))
+        else:
+            blocker = _nearest_existing(Path(cache).expanduser())
+            if not blocker.is_dir():
+                problems.append(Problem("xla.compilation_cache_dir", cache, f"{blocker} is a file, not a directory",
+                                        "use a directory, created if missing; or auto or null"))
+    if any(s < 0 for s in xla.profile_steps):
+        problems.append(Problem("xla.profile_steps", xla.profile_steps, "steps are >= 0", "list step numbers"))
+    elif xla.profile_steps and tot.samples_per_epoch % tot.total_train_batch == 0:  # else a batch rule fires
+        steps = int(tot.updates_per_epoch) * cfg.num_epochs
+        late = [s for s in xla.profile_steps if s >= steps]
+        if late:
+            problems.append(Problem("xla.profile_steps", xla.profile_steps,
+                                    f"step(s) {late} never run: {int(tot.updates_per_epoch)} optimizer steps per "
+                                    f"epoch x {cfg.num_epochs} epochs = global steps 0-{steps - 1}",
+                                    f"list steps below {steps}"))
+    every = cfg.evaluation.every_n_epochs
+    if every > cfg.num_epochs:
+        problems.append(Problem("evaluation.every_n_epochs", every,
+                                f"the run has {cfg.num_epochs} epochs, so no evaluation would run",
+                                f"set evaluation.every_n_epochs<={cfg.num_epochs}, or 0 for none"))
+    r = cfg.reward
+    if r.name == "remote":
+        problems.extend(_url_problems("reward.url", r.url))
+    if r.name == "weighted":
+        problems.extend(_component_problems(r.components))
+    return problems
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """What checkpoint.find_resume accepts: a checkpoint dir, or a dir whose checkpoints/ (or itself) holds one."""
+    if (path / "state.json").is_file():
+        return True
+    for root in (path, path / "checkpoints"):
+        if root.is_dir() and any(_CHECKPOINT_NAME.match(c.name) and (c / "state.json").is_file()
+                                 for c in root.iterdir()):
+            return True
+    return False
+
+
+def _pretrained_problems(pretrained: str) -> list[Problem]:
+    """A local model dir must have what models/loading.py loads; a hub id is checked when it is loaded."""
+    path = Path(pretrained).expanduser()
+    fix = ("point model.pretrained at a diffusers Stable Diffusion dir, as `huggingface-cli download "
+           "CompVis/stable-diffusion-v1-4 --local-dir DIR` writes, or use a hub id")
+    if path.is_dir():
+        missing = [f"{s}/" for s in PIPELINE_SUBFOLDERS if not (path / s).is_dir()]
+        if missing:
+            return [Problem("model.pretrained", pretrained,
+                            f"not a diffusers Stable Diffusion checkpoint: missing {', '.join(missing)}", fix)]
+    elif path.exists():
+        return [Problem("model.pretrained", pretrained, "a file, not a checkpoint directory", fix)]
+    elif _looks_like_path(pretrained):
+        return [Problem("model.pretrained", pretrained, "no such directory", fix)]
+    return []
+
+
+def _prompt_problems(cfg: RunConfig) -> list[Problem]:
+    """Build the prompt source as the training process will (same reader): missing, binary or empty files."""
+    from ddpo_tpu.prompts import PromptError, make_prompt_source
+
+    p = cfg.prompts
+    try:
+        make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file)
+    except PromptError as e:
+        # PromptError reads "prompts.KEY=VALUE: reason (fix: ...)": keep the reason and the fix
+        key = e.key or "prompts.name"
+        value = getattr(p, key.split(".", 1)[1], p.name)
+        m = re.fullmatch(r"[\w.]+(?:=.*?)?: (.*) \(fix: (.*)\)", str(e), flags=re.S)
+        reason, fix = (m.group(1), m.group(2)) if m else (str(e), "")
+        return [Problem(key, value, reason, fix)]
+    return []
+
+
+def _url_problems(key: str, url: Any) -> list[Problem]:
+    fix = f"set {key}=http://HOST:PORT/PATH, e.g. http://127.0.0.1:8765/score"
+    if not isinstance(url, str) or not url.strip():
+        return [Problem(key, url, "the reward server's URL is required", fix)]
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or any(c.isspace() for c in url):
+        return [Problem(key, url, "not an http:// or https:// URL with a host", fix)]
+    try:
+        parsed.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0-65535
+    except ValueError as e:
+        return [Problem(key, url, str(e), fix)]
+    return []
+
+
+def _component_problems(components: Any, key: str = "reward.components") -> list[Problem]:
+    """reward=weighted: each component names a registered reward, has a finite weight and only that reward's keys."""
+    import inspect
+
+    from ddpo_tpu.rewards import REWARDS  # numpy and PIL only; torch is imported when a reward is built
+
+    shape = "[{name: jpeg_compressibility, weight: 1.0}, ...]"
+    if not isinstance(components, list) or not components:
+        return [Problem(key, components, "reward=weighted needs a non-empty list of components",
+                        f"set {key}={shape}")]
+    problems = []
+    for i, spec in enumerate(components):
+        where = f"{key}[{i}]"
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict):
+            problems.append(Problem(where, spec, "a component is a mapping", f"e.g. {shape}"))
+            continue
+        if name not in REWARDS:
+            problems.append(Problem(f"{where}.name", name, "not a registered reward",
+                                    f"choose one of: {', '.join(sorted(REWARDS))}"))
+            continue
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            problems.append(Problem(f"{where}.weight", weight, "must be a finite number", f"e.g. {where}.weight=1.0"))
+        params = inspect.signature(REWARDS[name]).parameters
+        if not any(q.kind is q.VAR_KEYWORD for q in params.values()):
+            for extra in sorted(set(spec) - {"name", "weight"} - set(params)):
+                problems.append(Problem(f"{where}.{extra}", spec[extra], f"not a key of the {name} reward",
+                                        f"remove it; its keys: {', '.join(params) or 'none'}"))
+        if name == "remote":
+            problems.extend(_url_problems(f"{where}.url", spec.get("url")))
+        if name == "weighted":
+            problems.extend(_component_problems(spec.get("components"), f"{where}.components"))
+    return problems

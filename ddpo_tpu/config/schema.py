@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class _Strict(BaseModel):
     # strict: "4" is not an int and 1.5 is not an int; ints are accepted where floats are expected.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # no inf/nan: Hydra parses `inf` and `nan` as floats, and no key of a run means either
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class LoraConfig(_Strict):
