@@ -60,22 +60,36 @@ def preflight(argv: list[str]) -> None:
         _fail(legacy)
     if args.cfg or args.info:
         return  # showing the config is allowed even when it would not validate
-    from ddpo_tpu.config.compose import compose_and_validate
+    from hydra.errors import OverrideParseException
 
-    points = expand_sweep(args.overrides) if args.multirun else [args.overrides]
+    from ddpo_tpu.config.compose import compose_and_validate, grammar_problem
+
+    try:
+        points = expand_sweep(args.overrides) if args.multirun else [args.overrides]
+    except OverrideParseException as e:  # a malformed sweep override, named like any other problem
+        if envmod.full_error_requested():
+            raise
+        _fail([str(grammar_problem(e))])
+    except ConfigError as e:
+        _fail([str(p) for p in e.problems] or [e.context])
     errors: list[str] = []
     locks = set()
     roots = set()
+    valid = []
     for i, point in enumerate(points):
+        where = f"[job {i}: {' '.join(point)}] " if args.multirun else ""
         try:
             validated = compose_and_validate(point)
             locks.add(envmod.accelerator_lock_path(validated.cfg))
             roots.add(validated.cfg.output_root)
+            valid.append(validated)
         except ConfigError as e:
             if envmod.full_error_requested():
                 raise
-            where = f"[job {i}: {' '.join(point)}] " if args.multirun else ""
             errors.extend(where + str(p) for p in e.problems)
+            continue
+        if args.multirun and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in point):
+            errors.extend(where + line for line in _changed_sweep_point(validated, i))
     if errors:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
@@ -86,6 +100,7 @@ def preflight(argv: list[str]) -> None:
             existing = existing.parent
         if not existing.is_dir() or not os.access(existing, os.W_OK):
             _fail([f"output_root={root}: {existing} is not a writable directory (set output_root=... to one)"])
+    _fail_without_runtime_or_credentials(valid)
     # a busy accelerator is refused before a run dir exists (the training process takes the lock itself)
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
 
@@ -93,6 +108,55 @@ def preflight(argv: list[str]) -> None:
         holder = AcceleratorLock.holder(path)
         if holder is not None:
             _fail([str(AcceleratorBusy(path, holder))], process.EXIT_BUSY)
+
+
+def _changed_sweep_point(validated, num: int) -> list[str]:
+    """Multirun job dirs are numbered (output_root/run_name-multirun/N): a sweep run again with other values would
+    send job N into the dir of an earlier, different point and overwrite its config.yaml. Refused by name."""
+    from omegaconf import OmegaConf
+
+    from ddpo_tpu.config import rules
+
+    cfg = validated.cfg
+    job_dir = Path(cfg.output_root).expanduser() / f"{cfg.run_name}-multirun" / str(num)
+    saved_file = job_dir / "config.yaml"
+    if cfg.force_resume or not saved_file.is_file():
+        return []
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(saved_file))
+    except Exception as e:  # noqa: BLE001 -- any unreadable file is reported the same way
+        return [f"run_name={cfg.run_name}: {saved_file} cannot be read ({type(e).__name__}) (use a new run_name "
+                f"for this sweep)"]
+    then = rules.parity_relevant(saved)
+    now = rules.parity_relevant(json.loads(json.dumps(validated.tree, default=str)))
+    changed = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+    if not changed:
+        return []
+    key = changed[0]
+    was = ", ".join(f"{k}={then.get(k)}" for k in changed[:4]) + (", ..." if len(changed) > 4 else "")
+    return [f"{key}={now.get(key)}: job dir {job_dir} holds an earlier run of another sweep point ({was}) "
+            f"(start this sweep under a new name, e.g. run_name={cfg.run_name}-2, or repeat the old values to "
+            f"continue it)"]
+
+
+def _fail_without_runtime_or_credentials(valid) -> None:
+    """What a run needs from this machine, checked before a run dir exists (not at compose time: --cfg, the tests
+    and scripts/launch_pod.py compose TPU configs on machines without a TPU)."""
+    import importlib.util
+
+    errors = []
+    for v in valid:
+        topo, logger = v.cfg.tpu_topology, v.cfg.logger
+        if topo.accelerator.startswith("tpu") and importlib.util.find_spec("libtpu") is None:
+            errors.append(f"tpu_topology={topo.name}: accelerator {topo.accelerator} needs the TPU runtime (libtpu), "
+                          f"which is not installed here (on a TPU VM: pip install \"torch_xla[tpu]==2.9.0\"; "
+                          f"elsewhere choose tpu_topology=cpu or tpu_topology=eager_cpu)")
+        if logger.name == "wandb" and logger.mode == "online" and envmod.wandb_credentials() is None:
+            errors.append("logger.mode=online: wandb has no API key (WANDB_API_KEY is unset and ~/.netrc has no "
+                          "api.wandb.ai entry) (run `wandb login` or export WANDB_API_KEY=...; or set "
+                          "logger.mode=offline and `wandb sync` later)")
+    if errors:
+        _fail(list(dict.fromkeys(errors)))
 
 
 def _job(cfg) -> None:

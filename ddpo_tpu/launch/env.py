@@ -8,8 +8,10 @@ the key to set instead, so a forgotten `export` can never silently change a run.
 
 from __future__ import annotations
 
+import netrc
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Mapping
 
@@ -50,6 +52,27 @@ def legacy_problems(environ: Mapping[str, str] | None = None) -> list[str]:
 
 def full_error_requested() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR", "") == "1"
+
+
+def wandb_credentials(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where wandb would find credentials, or None: WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or a netrc entry for the
+    wandb host (what `wandb login` writes), looked up the way wandb does, so an online run without one is refused
+    before anything starts."""
+    environ = os.environ if environ is None else environ
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if environ.get(name, "").strip():
+            return name
+    host = urllib.parse.urlsplit(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    home = Path(environ["HOME"]) if environ.get("HOME") else Path("~").expanduser()
+    if environ.get("NETRC"):
+        path = Path(environ["NETRC"]).expanduser()
+    else:
+        path = next((p for p in (home / ".netrc", home / "_netrc") if p.exists()), home / ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return str(path) if entry and entry[2] else None
 
 
 def cache_root() -> Path:

@@ -1,0 +1,219 @@
+"""Bad input through the real front end (`python -m ddpo_tpu.train ...` in an empty directory): each case is refused
+with exit code 2 and one `error: key=value: reason (fix)` line naming the key, no traceback, and nothing written;
+no case gets as far as starting a training process. Plus the torch-free helpers those checks rely on."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import clean_env
+from ddpo_tpu.config import rules
+from ddpo_tpu.config.compose import compose_and_validate
+from ddpo_tpu.launch import env as envmod
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 20  # a refusal takes about a second; a case that got through would start training
+WANDB_VARIABLES = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC")
+
+
+def _files(tmp: Path) -> None:
+    """The bad paths the cases point at."""
+    (tmp / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
+    (tmp / "empty.txt").write_text("\n  \n")
+    (tmp / "a_file").write_text("not a directory")
+    (tmp / "not_sd" / "unet").mkdir(parents=True)  # a dir, but not a diffusers checkpoint
+    (tmp / "not_ckpt" / "checkpoints" / "epoch_0001").mkdir(parents=True)  # no state.json: never completed
+
+
+# (id, overrides, key named by the error line, a fragment of the line); {tmp} is the test's tmp_path
+CASES = [
+    ("run_name_dotdot", ["run_name=.."], "run_name", "parent"),
+    ("run_name_dot", ["run_name=."], "run_name", "output root"),
+    ("inf_weight_decay", ["train.adam_weight_decay=inf"], "train.adam_weight_decay", "finite"),
+    ("nan_guidance", ["sample.guidance_scale=nan"], "sample.guidance_scale", "finite"),
+    ("inf_lora_alpha", ["model.lora.alpha=inf"], "model.lora.alpha", "finite"),
+    ("output_root_empty", ["output_root="], "output_root", "empty path"),
+    ("output_root_blank", ["output_root=' '"], "output_root", "empty path"),
+    ("profile_beyond_run", ["xla.profile_steps=[2,40]"], "xla.profile_steps", "global steps 0-39"),
+    ("evaluation_beyond_run", ["evaluation.every_n_epochs=21"], "evaluation.every_n_epochs", "20 epochs"),
+    ("cache_dir_is_file", ["xla.compilation_cache_dir={tmp}/a_file"], "xla.compilation_cache_dir", "not a directory"),
+    ("cache_dir_under_file", ["xla.compilation_cache_dir={tmp}/a_file/cache"], "xla.compilation_cache_dir",
+     "not a directory"),
+    ("prompts_binary", ["prompts=from_file", "prompts.file={tmp}/binary.txt"], "prompts.file", "not UTF-8"),
+    ("prompts_empty", ["prompts=from_file", "prompts.file={tmp}/empty.txt"], "prompts.file", "empty"),
+    ("nouns_empty", ["prompts=nouns_activities", "prompts.nouns_file={tmp}/empty.txt"], "prompts.nouns_file", "empty"),
+    ("activities_binary", ["prompts=nouns_activities", "prompts.activities_file={tmp}/binary.txt"],
+     "prompts.activities_file", "not UTF-8"),
+    ("xla_flag_no_dashes", ["xla.flags=[xla_dump_to]"], "xla.flags[0]", "--name=value"),
+    ("xla_flag_with_space", ['xla.flags=["--xla_dump_to=/tmp/a b"]'], "xla.flags[0]", "no spaces"),
+    ("libtpu_arg_malformed", ["xla.libtpu_init_args=[-x]"], "xla.libtpu_init_args[0]", "--name=value"),
+    ("pretrained_not_sd", ["model=sd14", "model.pretrained={tmp}/not_sd"], "model.pretrained",
+     "missing vae/, text_encoder/, tokenizer/, scheduler/"),
+    ("pretrained_is_file", ["model=sd14", "model.pretrained={tmp}/a_file"], "model.pretrained", "a file"),
+    ("reward_url_scheme", ["reward=remote", "reward.url=ftp://127.0.0.1/score"], "reward.url", "http://"),
+    ("reward_url_no_host", ["reward=remote", "reward.url=http:///score"], "reward.url", "with a host"),
+    ("reward_url_port", ["reward=remote", "reward.url=http://127.0.0.1:99999/score"], "reward.url", "Port"),
+    ("weighted_unknown_name", ["reward=weighted", "reward.components=[{name:jpeg,weight:1}]"],
+     "reward.components[0].name", "not a registered reward"),
+    ("weighted_inf_weight", ["reward=weighted", "reward.components=[{name:jpeg_compressibility,weight:inf}]"],
+     "reward.components[0].weight", "finite"),
+    ("weighted_unknown_key", ["reward=weighted", "reward.components=[{name:jpeg_compressibility,bogus:5}]"],
+     "reward.components[0].bogus", "not a key"),
+    ("weighted_remote_url", ["reward=weighted", "reward.components=[{name:remote,weight:1,url:'localhost:8765'}]"],
+     "reward.components[0].url", "http://"),
+    ("weighted_empty", ["reward=weighted", "reward.components=[]"], "reward.components", "non-empty"),
+    ("resume_not_checkpoint", ["resume={tmp}/not_ckpt"], "resume", "not a checkpoint"),
+    ("interpolation_env", ["seed=${oc.env:DDPO_TPU_TEST_UNSET_VARIABLE}"], "seed", "DDPO_TPU_TEST_UNSET_VARIABLE"),
+    ("interpolation_self", ["seed=${seed}"], "seed", "refers to itself"),
+    ("interpolation_missing_key", ["seed=${no_such_key}"], "seed", "no_such_key"),
+    ("grammar", ["train.batch_size=["], "train.batch_size", "not a valid override"),
+    ("grammar_multirun", ["-m", "train.batch_size=["], "train.batch_size", "not a valid override"),
+    ("logger_tag_empty", ["logger=wandb", "logger.mode=offline", "logger.tags=['']"], "logger.tags.0", "1 character"),
+]
+
+
+def front_end(tmp: Path, args: list[str], **env_changes: str | None):
+    """Run the front end in tmp/cwd with run dirs under tmp/out; returns (process, error lines, seconds)."""
+    cwd = tmp / "cwd"
+    cwd.mkdir(exist_ok=True)
+    env = clean_env()
+    for k, v in env_changes.items():
+        env.pop(k, None) if v is None else env.__setitem__(k, v)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    wall = time.monotonic() - start
+    return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")], wall
+
+
+def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, wall: float) -> None:
+    out = proc.stdout + proc.stderr
+    print(f"refused in {wall:.2f} s: {errors}")
+    assert proc.returncode == 2, out
+    assert len(errors) == 1, out
+    assert f"{key}=" in errors[0] and fragment in errors[0], errors[0]
+    assert errors[0].endswith(")"), errors[0]  # ... (fix)
+    assert "Traceback" not in out and "nothing was started" in proc.stderr
+    assert list((tmp / "cwd").iterdir()) == [] and not (tmp / "out").exists()  # no run dir anywhere
+    assert wall < 5.0, f"refusing took {wall:.2f} s"
+
+
+@pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, key, fragment):
+    _files(tmp_path)
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    multirun = [o for o in overrides if o == "-m"]
+    overrides = [o for o in overrides if o != "-m"]
+    root = [] if any(o.startswith("output_root=") for o in overrides) else [f"output_root={tmp_path}/out/runs"]
+    args = [*multirun, "+experiment=smoke", *root, *overrides]
+    proc, errors, wall = front_end(tmp_path, args)
+    assert_refused(tmp_path, proc, errors, key, fragment, wall)
+
+
+def test_wandb_online_without_credentials_is_refused(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".netrc").write_text("machine example.com login user password secret\n")  # another host's entry
+    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "logger=wandb"],
+                                   HOME=str(home), **dict.fromkeys(WANDB_VARIABLES))
+    assert_refused(tmp_path, proc, errors, "logger.mode", "no API key", wall)
+    assert "wandb login" in errors[0] and "logger.mode=offline" in errors[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed here")
+def test_tpu_topology_without_libtpu_is_refused(tmp_path):
+    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
+                                              "tpu_topology=v6e-1"])
+    assert_refused(tmp_path, proc, errors, "tpu_topology", "libtpu", wall)
+    assert 'pip install "torch_xla[tpu]==2.9.0"' in errors[0] and "tpu_topology=cpu" in errors[0]
+
+
+def _saved_job(tmp_path: Path, num: int, *overrides: str) -> Path:
+    """A job dir of an earlier sweep, with the config.yaml the front end saved for it."""
+    job = tmp_path / "out" / "smoke-multirun" / str(num)
+    job.mkdir(parents=True)
+    tree = compose_and_validate(["+experiment=smoke", f"output_root={tmp_path}/out", *overrides]).tree
+    OmegaConf.save(OmegaConf.create(tree), job / "config.yaml")
+    return job
+
+
+def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path):
+    job = _saved_job(tmp_path, 1, "train.learning_rate=0.001")
+    before = (job / "config.yaml").read_bytes()
+    proc, errors, wall = front_end(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
+                                              "train.learning_rate=0.003,0.0001"])
+    print(proc.stderr)
+    assert proc.returncode == 2 and len(errors) == 2, proc.stderr  # the point, then the sweep summary
+    assert errors[0].startswith("error: [job 1: ") and "train.learning_rate=0.0001: " in errors[0]
+    assert str(job) in errors[0] and "train.learning_rate=0.001" in errors[0] and "run_name=smoke-2" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert (job / "config.yaml").read_bytes() == before  # untouched
+    assert sorted(p.name for p in job.parent.iterdir()) == ["1"]  # job 0 was not started either
+
+
+def test_same_sweep_again_passes_the_job_dir_check(tmp_path):
+    from ddpo_tpu.train import _changed_sweep_point
+
+    _saved_job(tmp_path, 0, "train.learning_rate=0.001")
+    again = compose_and_validate(["+experiment=smoke", f"output_root={tmp_path}/out", "train.learning_rate=0.001",
+                                  "num_epochs=30"])  # run-control keys may change (a longer run continues)
+    assert _changed_sweep_point(again, 0) == []
+    assert _changed_sweep_point(again, 1) == []  # no such job dir yet
+    other = compose_and_validate(["+experiment=smoke", f"output_root={tmp_path}/out", "train.learning_rate=0.002"])
+    assert len(_changed_sweep_point(other, 0)) == 1
+    forced = compose_and_validate(["+experiment=smoke", f"output_root={tmp_path}/out", "train.learning_rate=0.002",
+                                   "force_resume=true"])
+    assert _changed_sweep_point(forced, 0) == []
+
+
+# --- the torch-free helpers -----------------------------------------------------------------------------------------
+
+
+def test_wandb_credentials_are_found_where_wandb_looks(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    base = {"HOME": str(home)}
+    assert envmod.wandb_credentials(base) is None
+    assert envmod.wandb_credentials({**base, "WANDB_API_KEY": "k" * 40}) == "WANDB_API_KEY"
+    assert envmod.wandb_credentials({**base, "WANDB_API_KEY": " "}) is None
+    (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert envmod.wandb_credentials(base) == str(home / ".netrc")
+    assert envmod.wandb_credentials({**base, "WANDB_BASE_URL": "https://wandb.example.com"}) is None
+    other = tmp_path / "netrc"
+    other.write_text("machine wandb.example.com login user password " + "k" * 40 + "\n")
+    assert envmod.wandb_credentials({**base, "NETRC": str(other), "WANDB_BASE_URL": "https://wandb.example.com"}) \
+        == str(other)
+    (home / ".netrc").write_text("this is not netrc syntax \"\n")
+    assert envmod.wandb_credentials(base) is None
+
+
+def _assigned_tuple(path: Path, name: str) -> tuple | None:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def test_copied_constants_match_their_torch_modules():
+    # read from the source: importing models/loading.py or checkpoint.py would import torch
+    assert rules.PIPELINE_SUBFOLDERS == _assigned_tuple(REPO / "ddpo_tpu" / "models" / "loading.py", "SUBFOLDERS")
+    in_checkpoint = _assigned_tuple(REPO / "ddpo_tpu" / "checkpoint.py", "RUN_CONTROL_KEYS")
+    if in_checkpoint is None:  # checkpoint.py imports it from config.rules instead
+        assert "RUN_CONTROL_KEYS" in (REPO / "ddpo_tpu" / "checkpoint.py").read_text()
+    else:
+        assert rules.RUN_CONTROL_KEYS == in_checkpoint
+
+
+def test_profile_steps_at_the_last_step_are_accepted():
+    # smoke: 16 samples / 8 per optimizer step = 2 steps per epoch x 20 epochs = global steps 0-39
+    assert compose_and_validate(["+experiment=smoke", "xla.profile_steps=[0,39]"]).cfg.xla.profile_steps == [0, 39]
+    assert compose_and_validate(["+experiment=smoke", "evaluation.every_n_epochs=20"])
