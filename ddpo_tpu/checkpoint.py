@@ -22,21 +22,10 @@ from typing import Any
 
 import torch
 
-from ddpo_tpu.config.rules import flatten
+from ddpo_tpu.config.rules import RUN_CONTROL_KEYS, parity_relevant  # noqa: F401  (RUN_CONTROL_KEYS: re-exported)
 
 FORMAT = 1
 _NAME = re.compile(r"^epoch_(\d{4,})$")
-
-# keys that may change between a checkpoint and its resume without changing what is trained
-RUN_CONTROL_KEYS = ("num_epochs", "save_freq", "checkpoint_limit", "resume", "force_resume", "lock_accelerator",
-                    "output_root", "run_name", "logger.", "xla.debug_level", "xla.profile_steps",
-                    "xla.compilation_cache_dir", "reward.host_workers", "model.cache_dir", "model.local_files_only",
-                    "model.pretrained")
-
-
-def parity_relevant(tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in sorted(flatten(tree).items()) if not k.startswith(RUN_CONTROL_KEYS)}
-
 
 def config_hash(tree: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parity_relevant(tree), sort_keys=True, default=str).encode()).hexdigest()[:16]

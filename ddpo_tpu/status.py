@@ -239,6 +239,24 @@ def _phase_seconds(rec: dict) -> float | None:
     return sum(secs) if secs else None
 
 
+def _host_time(epochs: list[dict]) -> dict | None:
+    """The newest epoch's main-thread CPU seconds against wall seconds, per phase: a phase whose host time is near
+    its wall time is bound by tracing and dispatch on the host, not by the devices."""
+    for e in reversed(epochs):
+        phases = e.get("phases")
+        if not isinstance(phases, dict):
+            continue
+        rows = {k: (_num(p.get("host_seconds")), _num(p.get("seconds"))) for k, p in phases.items()
+                if isinstance(p, dict)}
+        rows = {k: v for k, v in rows.items() if v[0] is not None and v[1] is not None}
+        if rows:
+            host, wall = sum(h for h, _ in rows.values()), sum(w for _, w in rows.values())
+            return {"epoch": e.get("epoch"), "host_s": host, "wall_s": wall,
+                    "fraction": host / wall if wall > 0 else None,
+                    "phases": {k: {"host_s": h, "wall_s": w} for k, (h, w) in rows.items()}}
+    return None
+
+
 def _describe_phase(text: str, epoch: int, done_last: bool) -> tuple[str, str]:
     """(phase, detail) from the text after "[epoch N] "."""
     if text.startswith("sampling start"):
@@ -457,6 +475,8 @@ def collect(run_dir: Path, now: float | None = None, stale_after: float = DEFAUL
               "num_samples": e.get("num_samples"), "seconds": _phase_seconds(e), "time": _num(e.get("time"))}
              for e in epochs]
 
+    host_time = _host_time(epochs)
+
     ckpt_dir = run_dir / "checkpoints"
     checkpoints = None
     ck_events = [r for r in events if r.get("event") == "checkpoint"]
@@ -515,6 +535,7 @@ def collect(run_dir: Path, now: float | None = None, stale_after: float = DEFAUL
         "last_error": last_error,
         "events": [{k: v for k, v in r.items() if k != "kind"} for r in events[-5:]],
         "checkpoints": checkpoints,
+        "host_time": host_time,
         "parity": parity,
         "metrics": {"records": len(metrics.records), "kinds": metrics.kinds, "bad_lines": metrics.bad_lines,
                     "truncated_last_line": metrics.truncated_last_line},
@@ -603,6 +624,13 @@ def render(facts: dict[str, Any], width: int = 60, rows: int = 10, console: Any 
     if facts["samples_per_s"] is not None:
         row("throughput", f"{facts['samples_per_s']:.2f} samples/s, {_duration(facts['epoch_seconds_mean'])}/epoch "
                           f"(phase seconds, {facts['rate_basis']})")
+    ht = facts.get("host_time")
+    if ht and ht["fraction"] is not None:
+        big = sorted(ht["phases"].items(), key=lambda kv: -kv[1]["wall_s"])[:2]
+        row("host time", f"{ht['fraction']:.0%} of epoch {ht['epoch']} on the main thread "
+                         f"({ht['host_s']:.1f} of {ht['wall_s']:.1f} s; "
+                         + ", ".join(f"{k} {v['host_s']:.1f}/{v['wall_s']:.1f} s" for k, v in big)
+                         + ("): host-bound" if ht["fraction"] > 0.8 else ")"))
     if facts["eta_s"] is not None:
         left = (n or 0) - done
         row("ETA", f"{_duration(facts['eta_s'])} ({left} epochs x {_duration(facts['epoch_seconds_mean'])}), "

@@ -199,8 +199,8 @@ def test_ensure_tiny_model_killed_build_leaves_nothing_loadable(tmp_path, monkey
     cache = tmp_path / "cache"
     real_build = tiny_mod.build_tiny_pipeline
 
-    def dying_build(out_dir, seed=0):
-        real_build(out_dir, seed)
+    def dying_build(out_dir, seed=0, **kw):
+        real_build(out_dir, seed, **kw)
         (out_dir / "vae" / "diffusion_pytorch_model.safetensors").unlink()  # half written ...
         raise KeyboardInterrupt  # ... and killed
 
@@ -261,3 +261,46 @@ def test_hub_id_offline_raises_quickly():
     assert "model.revision=main" in msg
     assert "huggingface-cli download ddpo-tpu-test/definitely-not-cached-sd --revision main" in msg
     assert "Traceback" not in msg and "\n" not in msg
+
+
+# --- SD 1.4's topology: narrow (sd14_topology) and full width (sd14_random) -----------------------------------------
+
+def _count(model, cls_name: str) -> int:
+    return sum(type(m).__name__ == cls_name for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def sd14_topology(tmp_path_factory) -> Components:
+    path = ensure_tiny_model(tmp_path_factory.mktemp("cache"), spec="sd14_topology")
+    assert path.name == "sd14_topology-sd-v1-seed0"
+    return load_components(str(path), local_files_only=True)
+
+
+def test_sd14_topology_has_every_block_of_sd14(sd14_topology):
+    """The ops torch_xla traces per step are SD 1.4's: the same blocks, layers and attentions, narrower."""
+    unet, vae, text = sd14_topology.unet, sd14_topology.vae, sd14_topology.text_encoder
+    c = unet.config
+    assert tuple(c.down_block_types) == ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
+    assert tuple(c.up_block_types) == ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
+    assert c.mid_block_type == "UNetMidBlock2DCrossAttn" and c.layers_per_block == 2 and c.attention_head_dim == 8
+    # SD 1.4: 16 transformer blocks (2 x 3 down, 1 mid, 3 x 3 up), 32 attentions, 22 ResNet blocks in the UNet
+    assert _count(unet, "Transformer2DModel") == 16
+    assert _count(unet, "Attention") == 32
+    assert _count(unet, "ResnetBlock2D") == 22
+    assert len(vae.config.block_out_channels) == 4 and vae.config.layers_per_block == 2  # 8x down-sampling
+    assert vae.config.sample_size == 8 * c.sample_size
+    assert text.config.num_hidden_layers == 12
+    assert sum(p.numel() for p in unet.parameters()) < 5e6  # the compute of a toy
+
+
+def test_sd14_random_spec_is_sd14_at_full_width():
+    """Built on the meta device (no memory): the UNet of SD 1.4 has 859,520,964 parameters."""
+    spec = tiny_mod.SPECS["sd14_random"]
+    with torch.device("meta"):
+        unet = tiny_mod._build_unet(spec)
+        vae = tiny_mod._build_vae(spec)
+    assert sum(p.numel() for p in unet.parameters()) == 859_520_964
+    assert tuple(unet.config.block_out_channels) == (320, 640, 1280, 1280) and unet.config.sample_size == 64
+    assert unet.config.cross_attention_dim == 768
+    assert tuple(vae.config.block_out_channels) == (128, 256, 512, 512) and vae.config.sample_size == 512
+    assert spec.image_size == 512

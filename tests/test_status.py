@@ -385,3 +385,29 @@ def test_preempted_in_train_log_then_resumed(tmp_path):
         f.write(HEADER.format(n=10) + "\n[epoch 3] sampling start\n")
     facts = status.collect(run, lock_paths=[])
     assert facts["state"] == "running" and facts["phase"] == "sampling"
+
+
+def test_host_time_per_phase_is_shown(tmp_path, capsys):
+    """Each epoch line carries the main thread's CPU seconds per phase; status reports the newest epoch's share and
+    calls a run whose host time is near its wall time host-bound."""
+    run = make_run(tmp_path / "host", done=2, tail=["ddpo_tpu: run complete"])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    for r in recs:
+        if r["kind"] == "epoch":  # 3.0 s sampling, 4.5 s training of 8 s: 7.2 s of it on the host
+            for name, p in r["phases"].items():
+                p["host_seconds"] = {"sampling": 2.9, "training": 4.3}.get(name, 0.0)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    facts = status.collect(run, lock_paths=[])
+    ht = facts["host_time"]
+    assert ht["epoch"] == 1 and ht["host_s"] == pytest.approx(7.2) and ht["wall_s"] == pytest.approx(8.0)
+    assert ht["phases"]["training"] == {"host_s": 4.3, "wall_s": 4.5}
+    code, out, _ = run_cli(capsys, run)
+    assert code == 0
+    assert "90% of epoch 1 on the main thread" in out and "training 4.3/4.5 s" in out and "host-bound" in out
+
+
+def test_no_host_time_row_without_host_seconds(tmp_path, capsys):
+    run = make_run(tmp_path / "old", done=2, tail=["ddpo_tpu: run complete"])  # metrics of an older version
+    assert status.collect(run, lock_paths=[])["host_time"] is None
+    assert "host time" not in run_cli(capsys, run)[1]

@@ -214,6 +214,24 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 f"int({sample.num_steps} steps x {train.timestep_fraction}) = 0 timesteps to train",
                                 f"use train.timestep_fraction>={_min_fraction(sample.num_steps)}"))
 
+    K = train.timesteps_per_micro_step
+    if K != "auto" and tot.train_timesteps >= 1 and tot.train_timesteps % K:
+        fits = [d for d in range(1, tot.train_timesteps + 1) if tot.train_timesteps % d == 0]
+        problems.append(Problem("train.timesteps_per_micro_step", K,
+                                f"{tot.train_timesteps} timesteps are trained per sample and a micro-step fuses {K}: "
+                                f"it must divide them",
+                                f"try train.timesteps_per_micro_step={max(d for d in fits if d <= K)} (or auto)"))
+    elif K != "auto" and _activation_budget(cfg) is not None and training_activation_gib(cfg, K) > _activation_budget(cfg):
+        fits = [d for d in range(1, K) if tot.train_timesteps % d == 0
+                and training_activation_gib(cfg, d) <= _activation_budget(cfg)]
+        problems.append(Problem("train.timesteps_per_micro_step", K,
+                                f"{K} timesteps x {train.batch_size} samples{' x 2 (CFG)' if train.cfg else ''} "
+                                f"in one forward/backward need about {training_activation_gib(cfg, K):.1f} GiB of "
+                                f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "
+                                f"about {RESIDENT_GIB} GiB hold the models",
+                                f"try train.timesteps_per_micro_step={max(fits)} (or auto)" if fits else
+                                "lower train.batch_size (raise train.gradient_accumulation_steps to keep parity)"))
+
     # --- cross-key ranges -------------------------------------------------------------------------------------------
     st = cfg.stat_tracking
     if st.min_count > st.buffer_size:
@@ -262,6 +280,45 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     return problems
 
 
+# Activation memory of one SD 1.x UNet evaluation at 512 px (64x64 latents) kept for the backward pass, per sample:
+# measured on the CPU with the full-width random SD 1.4 build (model=sd14_random, LoRA, float32; benchmarks/RESULTS.md)
+# and halved for bf16 autocast. An estimate for the HBM rule, not a TPU figure.
+ACTIVATION_GIB_PER_UNET_EVAL_512 = {"no": 2.3, "bf16": 1.2}
+SMALL_BUILDERS = ("tiny", "sd14_topology")  # local builds with 32-64 px images: their activations are negligible
+RESIDENT_GIB = 6.0  # frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (SD 1.x, float32 weights)
+
+
+AUTO_MAX_FUSED = 10  # auto fuses at most this many timesteps (compile time and graph size grow with K)
+
+
+def training_activation_gib(cfg: RunConfig, k: int) -> float:
+    """Estimated activations of one fused training micro-step: k timesteps x train batch (x2 with CFG) evaluations."""
+    evals = k * cfg.train.batch_size * (2 if cfg.train.cfg else 1)
+    return evals * ACTIVATION_GIB_PER_UNET_EVAL_512[cfg.train.mixed_precision]
+
+
+def _activation_budget(cfg: RunConfig) -> float | None:
+    """GiB a chip has for training activations, for SD-sized models on TPU topologies; None where not estimated."""
+    topo = cfg.tpu_topology
+    if not (topo.accelerator.startswith("tpu") and topo.hbm_gib_per_chip) or cfg.model.builder in SMALL_BUILDERS:
+        return None
+    return topo.hbm_gib_per_chip - RESIDENT_GIB
+
+
+def fused_timesteps(cfg: RunConfig) -> int:
+    """train.timesteps_per_micro_step as the trainer uses it. auto: on TPU topologies the largest K (at most
+    AUTO_MAX_FUSED) that divides the trained timesteps and whose activations fit the chip (by the estimate above);
+    elsewhere 1 (no memory figure to go by)."""
+    K, T = cfg.train.timesteps_per_micro_step, num_train_timesteps(cfg)
+    if K != "auto":
+        return K
+    if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1:
+        return 1
+    budget = _activation_budget(cfg)
+    return max(d for d in range(1, min(T, AUTO_MAX_FUSED) + 1) if T % d == 0
+               and (d == 1 or budget is None or training_activation_gib(cfg, d) <= budget))
+
+
 def _min_fraction(num_steps: int) -> float:
     """The smallest 3-decimal fraction that trains at least one timestep (rounded up, checked)."""
     v = math.ceil(1000 / num_steps) / 1000
@@ -287,6 +344,8 @@ def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
                     if par.samples_per_epoch and par.total_train_batch else None),
          "effective": tot.updates_per_epoch},
         {"constraint": "train timesteps per sample", "target": None, "effective": tot.train_timesteps},
+        {"constraint": "timesteps per micro-step", "target": None,
+         "effective": fused_timesteps(cfg) if tot.train_timesteps >= 1 else None},
     ]
     for key, target in flatten(par.pinned).items():
         rows.append({"constraint": key, "target": target, "effective": lookup(tree, key)})

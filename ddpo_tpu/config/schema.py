@@ -25,7 +25,7 @@ class LoraConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    builder: Literal["tiny"] | None
+    builder: Literal["tiny", "sd14_topology", "sd14_random"] | None
     pretrained: str | None
     revision: str | None
     local_files_only: bool
@@ -74,6 +74,7 @@ class TrainConfig(_Strict):
     adv_clip_max: float = Field(gt=0)
     clip_range: float = Field(gt=0, lt=1)
     timestep_fraction: float = Field(gt=0, le=1)
+    timesteps_per_micro_step: Literal["auto"] | Annotated[int, Field(ge=1, le=1000)]
     mixed_precision: Literal["no", "bf16"]
 
 
@@ -128,6 +129,7 @@ class ParityConfig(_Strict):
 
 
 class XlaConfig(_Strict):
+    step_compiler: Literal["dynamo", "lazy"]
     sync_every_n_denoising_steps: int = Field(ge=0, le=1000)
     sync_every_n_sampling_batches: int = Field(ge=1)
     sync_before_reward_gather: bool

@@ -29,12 +29,12 @@ import torch
 
 from ddpo_tpu import checkpoint as ckpt
 from ddpo_tpu.config.compose import Validated
-from ddpo_tpu.config.rules import num_train_timesteps
+from ddpo_tpu.config.rules import fused_timesteps, num_train_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.ddpo.ppo import ppo_loss
 from ddpo_tpu.ddpo.stat_tracking import PerPromptStatTracker, global_advantages
 from ddpo_tpu.diffusion.ddim import DDIMTables
-from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, sample_trajectory
+from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, make_denoise_step, sample_trajectory
 from ddpo_tpu.runtime import Runtime, make_runtime
 from ddpo_tpu.runtime.base import Counters
 from ddpo_tpu.rundir import RunDir
@@ -44,6 +44,13 @@ STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
 
 def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0) -> int:
     return int(np.random.SeedSequence([seed, epoch, stream, sub]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def peak_rss_gib() -> float:
+    """The training process's peak resident memory so far (on PJRT CPU that includes the 'device' buffers)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def say(rt: Runtime, msg: str) -> None:
@@ -72,11 +79,14 @@ class PhaseClock:
 
         class _Ctx:
             def __enter__(self):
-                self.t0, self.c0 = time.perf_counter(), clock.rt.counters()
+                self.t0, self.c0, self.h0 = time.perf_counter(), clock.rt.counters(), time.thread_time()
 
             def __exit__(self, *exc):
                 d: Counters = clock.rt.counters().minus(self.c0)
                 clock.phases[name] = {"seconds": round(time.perf_counter() - self.t0, 4),
+                                      # CPU time of this (the main) thread: tracing, dispatch and Python; XLA
+                                      # executes on other threads. Near `seconds`: the phase is host-bound
+                                      "host_seconds": round(time.thread_time() - self.h0, 4),
                                       "compilations": d.compilations, "compile_seconds": round(d.compile_time_s, 4),
                                       **({"replicate_compilations": d.replicate_compilations}
                                          if d.replicate_compilations else {}),
@@ -175,14 +185,21 @@ class Trainer:
         self.global_batch = cfg.sample.batch_size * rt.replicas
         self.train_batch = cfg.train.batch_size * rt.replicas
         self.train_timesteps = num_train_timesteps(cfg)
-        self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # micro-steps per update
+        self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # trained timesteps per update
+        self.fused = fused_timesteps(cfg)  # timesteps per forward/backward (divides train_timesteps)
         self.latent_shape = (self.unet.config.in_channels, self.unet.config.sample_size, self.unet.config.sample_size)
         with torch.no_grad():
             neg = self.encode([""])  # (1, L, D): the unconditional prompt
             # expanded once and materialised here: a view created per epoch would join (and change) the next graph
             self.uncond_sample = rt.shard_batch(neg.expand(self.global_batch, -1, -1).contiguous())
-            self.uncond_train = rt.shard_batch(neg.expand(self.train_batch, -1, -1).contiguous())
+            self.uncond_train = rt.shard_batch(neg.expand(self.train_batch * self.fused, -1, -1).contiguous())
         rt.sync()
+        # the two functions every step runs, compiled once by backends that can (xla.step_compiler)
+        autocast = lambda: rt.autocast(self.mixed)
+        self.denoise_step = rt.compile_step(make_denoise_step(self.unet, self.tables, eta=cfg.sample.eta,
+                                                              guidance_scale=cfg.sample.guidance_scale,
+                                                              autocast=autocast))
+        self.micro_step_loss = rt.compile_step(self._make_micro_step_loss(autocast))
         self._check_room()
         self.global_step = 0
         self.start_epoch = 0
@@ -307,10 +324,10 @@ class Trainer:
             init = torch.randn((B, *self.latent_shape), generator=noise_gen)
             noise = torch.randn((T, B, *self.latent_shape), generator=noise_gen)
             cond = self.encode(prompts)
+            traj = sample_trajectory(self.unet, self.tables, cond, uncond, init, noise, eta=cfg.sample.eta,
+                                     guidance_scale=cfg.sample.guidance_scale, rt=rt,
+                                     sync_every=cfg.xla.sync_every_n_denoising_steps, step=self.denoise_step)
             with rt.autocast(self.mixed):
-                traj = sample_trajectory(self.unet, self.tables, cond, uncond, init, noise, eta=cfg.sample.eta,
-                                         guidance_scale=cfg.sample.guidance_scale, rt=rt,
-                                         sync_every=cfg.xla.sync_every_n_denoising_steps)
                 images = decode_to_uint8(self.vae, traj.latents[:, -1])
             host_images = rt.to_host(images).numpy()  # the one device-to-host copy of this batch
             pending.append(self._score(host_images, prompts))
@@ -334,10 +351,10 @@ class Trainer:
         init = torch.randn((B, *self.latent_shape), generator=gen)
         noise = torch.randn((T, B, *self.latent_shape), generator=gen)
         self.unet.eval()
+        traj = sample_trajectory(self.unet, self.tables, self.encode(prompts), self.uncond_sample, init, noise,
+                                 eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale, rt=rt,
+                                 sync_every=cfg.xla.sync_every_n_denoising_steps, step=self.denoise_step)
         with rt.autocast(self.mixed):
-            traj = sample_trajectory(self.unet, self.tables, self.encode(prompts), self.uncond_sample, init, noise,
-                                     eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale, rt=rt,
-                                     sync_every=cfg.xla.sync_every_n_denoising_steps)
             images = rt.to_host(decode_to_uint8(self.vae, traj.latents[:, -1])).numpy()
         rewards = np.asarray(self.reward(images, prompts), dtype=np.float64)
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev.prompts}
@@ -383,28 +400,44 @@ class Trainer:
             adv = s.advantages.index_select(0, perm)
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
+            K = self.fused
             for b in range(N // self.train_batch):
                 sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch).to(dev)
-                b_cur, b_nxt, b_lp, b_idx = (x.index_select(0, sel) for x in (cur, nxt, old_lp, idx))
-                b_emb, b_adv = emb.index_select(0, sel), adv.index_select(0, sel)
-                for j in range(self.train_timesteps):
-                    jt = torch.full((1,), j, dtype=torch.long).to(dev)
-                    x_j, next_j = b_cur.index_select(1, jt).squeeze(1), b_nxt.index_select(1, jt).squeeze(1)
-                    lp_old, i_j = b_lp.index_select(1, jt).squeeze(1), b_idx.index_select(1, jt).squeeze(1)
-                    with rt.autocast(self.mixed):
-                        eps = guided_noise_pred(self.unet, x_j, self.tables.timestep_at(i_j), b_emb, uncond,
-                                                cfg.sample.guidance_scale)
-                    _, lp = self.tables.step(eps.float(), i_j, x_j, cfg.sample.eta, prev_sample=next_j)
-                    loss, info = ppo_loss(lp, lp_old, b_adv, cfg.train.clip_range, cfg.train.adv_clip_max)
-                    (loss / self.window).backward()
-                    stats = stats + torch.stack([loss.detach(), info["approx_kl"], info["clipfrac"]])
-                    micro += 1
+                batch = [x.index_select(0, sel) for x in (cur, nxt, old_lp, idx, emb, adv)]
+                for j in range(0, self.train_timesteps, K):
+                    # this micro-step's K timesteps, uploaded as data: one graph for every j
+                    cols = torch.arange(j, j + K).to(dev)
+                    loss, kl, clipfrac = self.micro_step_loss(*batch, cols, uncond)
+                    # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum, each
+                    # timestep weighs what it weighs unfused (1 / trained timesteps per update)
+                    (loss / (self.window // K)).backward()
+                    stats = stats + K * torch.stack([loss.detach(), kl, clipfrac])
+                    micro += K
                     if micro % self.window == 0:
                         logs.append(self._update(epoch, stats / self.window))
                         stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
                     else:
                         rt.sync()
         return logs
+
+    def _make_micro_step_loss(self, autocast):
+        """The PPO-clip loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into one
+        guided forward of B x K samples (sample-major, so each data-parallel shard keeps its own samples). Returns
+        (loss, approx_kl, clipfrac), each a mean over the B x K terms."""
+        cfg, unet, tables = self.cfg, self.unet, self.tables
+
+        def micro_step_loss(cur, nxt, old_lp, idx, emb, adv, cols, uncond):
+            B, K = cur.shape[0], cols.shape[0]
+            flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
+            x_j, next_j, lp_old, i_j = flat(cur), flat(nxt), flat(old_lp), flat(idx)
+            with autocast():
+                eps = guided_noise_pred(unet, x_j, tables.timestep_at(i_j), emb.repeat_interleave(K, dim=0), uncond,
+                                        cfg.sample.guidance_scale)
+            _, lp = tables.step(eps.float(), i_j, x_j, cfg.sample.eta, prev_sample=next_j)
+            loss, info = ppo_loss(lp, lp_old, adv.repeat_interleave(K), cfg.train.clip_range, cfg.train.adv_clip_max)
+            return loss, info["approx_kl"], info["clipfrac"]
+
+        return micro_step_loss
 
     def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:
         rt = self.rt
@@ -438,6 +471,9 @@ class Trainer:
         say(rt, f"ddpo_tpu: {rt.describe()}; {cfg.num_epochs} epochs of {self.global_batch} x "
                 f"{cfg.sample.num_batches_per_epoch} samples, {self.train_timesteps} train timesteps; "
                 f"{self.layout.describe()}")
+        if rt.compiles_graphs:
+            say(rt, f"ddpo_tpu: epoch {self.start_epoch} compiles the graphs first (the denoising step, the training "
+                    f"micro-step, the update; minutes at Stable Diffusion scale); later epochs reuse them")
         for epoch in range(self.start_epoch, cfg.num_epochs):
             tracker_at_start = self.tracker.state_dict()  # what a checkpoint of epoch-1 holds
             clock = PhaseClock(rt)
@@ -493,6 +529,8 @@ class Trainer:
                          "reward_mean": float(np.nanmean(rewards)), "reward_std": float(np.nanstd(rewards)),
                          "num_samples": int(rewards.size), "loss": mean("loss"), "approx_kl": mean("approx_kl"),
                          "clipfrac": mean("clipfrac"),
+                         "host_seconds": round(sum(p["host_seconds"] for p in clock.phases.values()), 4),
+                         "host_peak_rss_gib": round(peak_rss_gib(), 3),
                          "new_compilations": sum(p["compilations"] for p in clock.phases.values()),
                          "new_replicate_compilations": sum(p.get("replicate_compilations", 0)
                                                            for p in clock.phases.values()),

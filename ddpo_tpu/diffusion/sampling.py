@@ -8,6 +8,7 @@ gathered on the device (DDIMTables), nothing is read back inside the loop, and t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -35,21 +36,34 @@ def guided_noise_pred(unet, latents: Tensor, timesteps: Tensor, cond: Tensor, un
     return out_uncond + guidance_scale * (out_cond - out_uncond)
 
 
+def make_denoise_step(unet, tables: DDIMTables, *, eta: float, guidance_scale: float, autocast=None):
+    """One guided DDIM step with its log-prob: (x_t, step index, noise, cond, uncond) -> (x_{t-1}, log pi).
+    A plain function of tensors, so a backend can compile it once (Runtime.compile_step) and replay it every step."""
+
+    def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Tensor, uncond: Tensor) -> tuple[Tensor, Tensor]:
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond, uncond, guidance_scale)
+            return tables.step(eps, idx, x, eta, noise=z)
+
+    return denoise_step
+
+
 @torch.no_grad()
 def sample_trajectory(unet, tables: DDIMTables, cond: Tensor, uncond: Tensor, init_latents: Tensor,
-                      noise: Tensor, *, eta: float, guidance_scale: float, rt: Runtime, sync_every: int) -> Trajectory:
+                      noise: Tensor, *, eta: float, guidance_scale: float, rt: Runtime, sync_every: int,
+                      step=None) -> Trajectory:
     """Run the full DDIM schedule. `init_latents` (B,C,h,w) and `noise` (T,B,C,h,w) are host tensors drawn from the
-    run's generator, so every backend samples the same trajectory for the same seed."""
+    run's generator, so every backend samples the same trajectory for the same seed. `step` is the denoising step
+    (make_denoise_step, possibly compiled); by default the plain one."""
+    step = step or make_denoise_step(unet, tables, eta=eta, guidance_scale=guidance_scale)
     batch = init_latents.shape[0]
     x = rt.shard_batch(init_latents.to(rt.device, dtype=cond.dtype))
     latents, log_probs, indices = [x], [], []
     for i in range(tables.num_steps):
         # an index per sample, uploaded as data: the traced graph is the same for every i
         idx = torch.full((batch,), i, dtype=torch.long).to(rt.device)
-        t = tables.timestep_at(idx)
-        eps = guided_noise_pred(unet, x, t, cond, uncond, guidance_scale)
         z = rt.shard_batch(noise[i].to(rt.device, dtype=x.dtype))
-        x, log_prob = tables.step(eps, idx, x, eta, noise=z)
+        x, log_prob = step(x, idx, z, cond, uncond)
         latents.append(x)
         log_probs.append(log_prob)
         indices.append(idx)

@@ -14,7 +14,7 @@ def load_from_config(cfg: ModelConfig):
     from ddpo_tpu.models.tiny import ensure_tiny_model
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    if cfg.builder == "tiny":
-        path = ensure_tiny_model(Path(cfg.cache_dir).expanduser())
+    if cfg.builder is not None:  # a locally built pipeline (models/tiny.py SPECS)
+        path = ensure_tiny_model(Path(cfg.cache_dir).expanduser(), spec=cfg.builder)
         return load_components(str(path), local_files_only=True, dtype=dtype)
     return load_components(cfg.pretrained, revision=cfg.revision, local_files_only=cfg.local_files_only, dtype=dtype)

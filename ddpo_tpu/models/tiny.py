@@ -1,4 +1,5 @@
-"""A tiny Stable-Diffusion-shaped pipeline with random weights.
+"""Locally built Stable-Diffusion-shaped pipelines with random weights: the tiny model (below), SD 1.4's topology at
+narrow widths (``sd14_topology``) and SD 1.4 at full widths (``sd14_random``); see ``SPECS``.
 
 It is saved exactly like a real diffusers checkpoint (the CompVis/stable-diffusion-v1-4 layout:
 ``model_index.json`` plus ``unet/``, ``vae/``, ``text_encoder/``, ``tokenizer/``, ``scheduler/``), so tests
@@ -24,6 +25,7 @@ import json
 import os
 import pathlib
 import shutil
+from dataclasses import dataclass
 
 import torch
 
@@ -103,16 +105,62 @@ def _build_tokenizer(workdir: pathlib.Path):
     return tok
 
 
-def _build_text_encoder(vocab_size: int, bos_id: int, eos_id: int):
+@dataclass(frozen=True)
+class LocalModelSpec:
+    """The shape of a locally built SD-1.x-layout pipeline (random weights). The tiny model is the default."""
+
+    name: str
+    version: str
+    unet_blocks: tuple[int, ...] = (32, 64)
+    unet_down: tuple[str, ...] = ("CrossAttnDownBlock2D", "DownBlock2D")
+    unet_up: tuple[str, ...] = ("UpBlock2D", "CrossAttnUpBlock2D")
+    unet_layers: int = 1
+    latent_size: int = TINY_LATENT_SIZE
+    vae_blocks: tuple[int, ...] = (32, 64, 64)
+    vae_layers: int = 1
+    text_hidden: int = TINY_TEXT_HIDDEN
+    text_layers: int = 2
+    text_heads: int = 4
+    text_intermediate: int = 37
+
+    @property
+    def image_size(self) -> int:
+        return self.latent_size * 2 ** (len(self.vae_blocks) - 1)
+
+
+# SD 1.4's UNet, VAE and text-encoder topology (every block, layer and attention of CompVis/stable-diffusion-v1-4)
+_SD14_TOPOLOGY = dict(
+    unet_down=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    unet_up=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+    unet_layers=2,
+    vae_layers=2,
+    text_layers=12,
+)
+
+SPECS = {
+    "tiny": LocalModelSpec("tiny", TINY_MODEL_VERSION),
+    # SD 1.4's topology at narrow widths: tracing (host) cost of SD 1.4 per step, the compute of a toy; 64 px images
+    "sd14_topology": LocalModelSpec("sd14_topology", "v1", unet_blocks=(32, 32, 64, 64), latent_size=8,
+                                    vae_blocks=(32, 32, 64, 64), text_hidden=64, text_heads=4,
+                                    text_intermediate=128, **_SD14_TOPOLOGY),
+    # SD 1.4 at its full widths (860M-param UNet, 512 px) with random weights: memory and FLOP figures. The byte-level
+    # tokenizer keeps its 514-token vocabulary (SD's has 49,408): only the embedding table is smaller.
+    "sd14_random": LocalModelSpec("sd14_random", "v1", unet_blocks=(320, 640, 1280, 1280), latent_size=64,
+                                  vae_blocks=(128, 256, 512, 512), text_hidden=768, text_heads=12,
+                                  text_intermediate=3072, **_SD14_TOPOLOGY),
+}
+
+
+def _build_text_encoder(spec: LocalModelSpec, vocab_size: int, bos_id: int, eos_id: int):
     from transformers import CLIPTextConfig, CLIPTextModel
 
     config = CLIPTextConfig(
         vocab_size=vocab_size,
-        hidden_size=TINY_TEXT_HIDDEN,
-        intermediate_size=37,
-        projection_dim=TINY_TEXT_HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        hidden_size=spec.text_hidden,
+        intermediate_size=spec.text_intermediate,
+        projection_dim=spec.text_hidden,
+        num_hidden_layers=spec.text_layers,
+        num_attention_heads=spec.text_heads,
         max_position_embeddings=TOKENIZER_MAX_LENGTH,
         hidden_act="quick_gelu",
         layer_norm_eps=1e-5,
@@ -123,19 +171,19 @@ def _build_text_encoder(vocab_size: int, bos_id: int, eos_id: int):
     return CLIPTextModel(config)
 
 
-def _build_unet():
+def _build_unet(spec: LocalModelSpec):
     from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(
-        sample_size=TINY_LATENT_SIZE,
+        sample_size=spec.latent_size,
         in_channels=TINY_LATENT_CHANNELS,
         out_channels=TINY_LATENT_CHANNELS,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        down_block_types=spec.unet_down,
         mid_block_type="UNetMidBlock2DCrossAttn",
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        cross_attention_dim=TINY_TEXT_HIDDEN,
+        up_block_types=spec.unet_up,
+        block_out_channels=spec.unet_blocks,
+        layers_per_block=spec.unet_layers,
+        cross_attention_dim=spec.text_hidden,
         attention_head_dim=8,  # as SD 1.x: (legacy name) 8 heads
         norm_num_groups=32,
         act_fn="silu",
@@ -144,19 +192,20 @@ def _build_unet():
     )
 
 
-def _build_vae():
+def _build_vae(spec: LocalModelSpec):
     from diffusers import AutoencoderKL
 
+    levels = len(spec.vae_blocks)
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(32, 64, 64),  # 3 levels -> 2 down-samplings -> factor 4
-        layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=spec.vae_blocks,  # n levels -> n-1 down-samplings
+        layers_per_block=spec.vae_layers,
         latent_channels=TINY_LATENT_CHANNELS,
         norm_num_groups=32,
-        sample_size=TINY_IMAGE_SIZE,
+        sample_size=spec.image_size,
         scaling_factor=VAE_SCALING_FACTOR,
     )
 
@@ -177,8 +226,8 @@ def _build_scheduler():
     )
 
 
-def build_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """Build the tiny SD pipeline with random (seeded, deterministic) weights and save it into ``out_dir``.
+def build_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, spec: str = "tiny") -> pathlib.Path:
+    """Build the local SD pipeline `spec` (default: tiny) with random (seeded, deterministic) weights and save it into ``out_dir``.
 
     Does not touch the caller's global RNG state. Returns ``out_dir`` as a Path.
     """
@@ -187,17 +236,18 @@ def build_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Pa
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    shape = SPECS[spec]
     tokenizer = _build_tokenizer(out)
     vocab_size = len(tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         text_encoder = _build_text_encoder(
-            vocab_size, tokenizer.convert_tokens_to_ids(BOS_TOKEN), tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+            shape, vocab_size, tokenizer.convert_tokens_to_ids(BOS_TOKEN), tokenizer.convert_tokens_to_ids(EOS_TOKEN)
         )
         torch.manual_seed(seed + 1)
-        unet = _build_unet()
+        unet = _build_unet(shape)
         torch.manual_seed(seed + 2)
-        vae = _build_vae()
+        vae = _build_vae(shape)
     if text_encoder.config.vocab_size != vocab_size:  # pragma: no cover - guards future edits
         raise AssertionError("tiny text encoder vocab_size does not match the tokenizer")
 
@@ -221,8 +271,9 @@ def build_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Pa
     return out
 
 
-def ensure_tiny_model(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """Return ``cache_dir/tiny-sd-{TINY_MODEL_VERSION}-seed{seed}``, building it on first use.
+def ensure_tiny_model(cache_dir: str | os.PathLike, seed: int = 0, spec: str = "tiny") -> pathlib.Path:
+    """Return ``cache_dir/{spec}-sd-{version}-seed{seed}`` (the tiny model: ``tiny-sd-v1-seed0``), building it on
+    first use.
 
     The build goes into a temporary sibling directory that is ``os.replace``d into place only when complete,
     so a concurrent or killed build never leaves a half-written model at the final path. Concurrent builders
@@ -230,5 +281,6 @@ def ensure_tiny_model(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Pa
     """
     from ddpo_tpu.models.build_cache import build_once
 
-    return build_once(cache_dir, f"tiny-sd-{TINY_MODEL_VERSION}-seed{seed}", _REQUIRED_FILES,
-                      lambda tmp: build_tiny_pipeline(tmp, seed=seed))
+    shape = SPECS[spec]
+    return build_once(cache_dir, f"{shape.name}-sd-{shape.version}-seed{seed}", _REQUIRED_FILES,
+                      lambda tmp: build_tiny_pipeline(tmp, seed=seed, spec=spec))

@@ -65,6 +65,7 @@ class Runtime(abc.ABC):
     replicas: int = 1          # devices the global batch is split over
     process_index: int = 0     # this process among all hosts' processes
     process_count: int = 1
+    compiles_graphs: bool = False  # the first epoch compiles the step graphs (XLA)
 
     @property
     def is_main(self) -> bool:
@@ -100,6 +101,11 @@ class Runtime(abc.ABC):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+
+    def compile_step(self, fn):
+        """The loop's per-step functions (a denoising step, a training micro-step's loss) as this backend runs them
+        best: as they are here (eager), compiled once and replayed on XLA (see XlaRuntime)."""
+        return fn
 
     def counters(self) -> Counters:
         return Counters(host_transfers=self._transfers)

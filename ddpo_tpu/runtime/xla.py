@@ -25,6 +25,8 @@ class LaunchMismatch(RuntimeError):
 
 
 class XlaRuntime(Runtime):
+    compiles_graphs = True
+
     def __init__(self, cfg: RunConfig):
         topo = cfg.tpu_topology
         self.spmd = topo.execution == "xla_spmd"
@@ -53,6 +55,7 @@ class XlaRuntime(Runtime):
             self.replicas = n
         self.cache_dir = cache
         self.gather = cfg.xla.gather
+        self.step_compiler = cfg.xla.step_compiler
 
     def _check_launch(self, cfg: RunConfig) -> None:
         topo = cfg.tpu_topology
@@ -157,6 +160,16 @@ class XlaRuntime(Runtime):
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         torch_xla.sync()
+
+    def compile_step(self, fn):
+        """xla.step_compiler=dynamo: torch.compile with torch_xla's openxla backend. Dynamo captures the step once
+        (forward, and backward through AOTAutograd), XLA compiles it, and every later call replays the cached
+        executable after a guard check: a few ms of host time where lazy tracing re-records thousands of IR nodes
+        per call. Shapes are static (dynamic=False): every call of a step has the same shapes, so the set of graphs
+        stays fixed. xla.step_compiler=lazy: the function as it is, traced again by torch_xla at every call."""
+        if self.step_compiler == "dynamo":
+            return torch.compile(fn, backend="openxla", dynamic=False)
+        return fn
 
     # --- telemetry ----------------------------------------------------------------------------------------------
     def counters(self) -> Counters:
