@@ -1,9 +1,93 @@
 """The training process. Started by the front end (ddpo_tpu.train) with an environment built from the config, so
-torch and torch_xla are imported here, after every XLA/PJRT variable is final."""
+torch and torch_xla are imported here, after every XLA/PJRT variable is final.
+
+Output and train.log (decision): while the front end lives it is the one writer of train.log, because it reads the
+process's fds 1 and 2 and so also catches what C libraries (XLA, libtpu) print. The front end can die first (SIGKILL,
+a closed terminal, a dropped SSH session): its pipe breaks, and the next write here fails with EPIPE. From then on
+fds 1 and 2 point at train.log itself (append), so the rest of the run, ours and the C libraries' output alike, is
+still logged, and no console write ever raises: the SIGTERM that follows the front end's death ends in a checkpoint,
+not in a BrokenPipeError. Only lines still in the pipe when the front end died can be missing from train.log;
+metrics.jsonl is written here directly and loses nothing.
+"""
 
 from __future__ import annotations
 
+import io
+import os
 import sys
+from pathlib import Path
+
+
+class _Console(io.TextIOBase):
+    """sys.stdout / sys.stderr of the training process: writes that never raise (see the module docstring)."""
+
+    _log_path: Path | None = None
+    _detached = False
+
+    def __init__(self, stream, fileno: int):
+        self._stream, self._fileno = stream, fileno
+
+    @classmethod
+    def _detach_to_log(cls) -> None:
+        """The console is gone: point fds 1 and 2 at train.log (or /dev/null if that fails too)."""
+        if cls._detached:
+            return
+        cls._detached = True
+        try:
+            fd = os.open(cls._log_path or os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError:
+            fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def write(self, s: str) -> int:
+        try:
+            return self._stream.write(s)
+        except (OSError, ValueError, RuntimeError):  # EPIPE, a closed stream, a write re-entered by a signal
+            pass
+        try:
+            self._detach_to_log()
+            # the failed buffer was dropped (not kept for a later flush), so the text is written again
+            self._stream.write(s)
+            self._stream.flush()
+        except (OSError, ValueError, RuntimeError):
+            pass
+        return len(s)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError, RuntimeError):
+            try:
+                self._detach_to_log()
+            except OSError:
+                pass
+
+    def fileno(self) -> int:
+        return self._fileno
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self):
+        return getattr(self._stream, "encoding", "utf-8")
+
+    @property
+    def buffer(self):
+        return self._stream.buffer
+
+
+def guard_console(log_path: Path) -> None:
+    _Console._log_path = log_path
+    if not isinstance(sys.stdout, _Console):
+        sys.stdout = _Console(sys.stdout, 1)
+    if not isinstance(sys.stderr, _Console):
+        sys.stderr = _Console(sys.stderr, 2)
 
 
 def main() -> int:
@@ -16,6 +100,7 @@ def main() -> int:
     if run_dir is None:
         print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
+    guard_console(run_dir / "train.log")
     validated = validate(OmegaConf.load(run_dir / "config.yaml"))
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
     from ddpo_tpu.launch.process import EXIT_BUSY

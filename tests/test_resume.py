@@ -161,3 +161,27 @@ def test_too_little_disk_is_reported_before_training(tmp_path, model_cache, monk
     with pytest.raises(loop.CannotStart, match="GiB free .* checkpoint_limit"):
         loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_front_end_sigkill_the_training_process_checkpoints_and_the_same_command_resumes(tmp_path, model_cache,
+                                                                                          reference):
+    """The front end dies (SIGKILL, a closed terminal): the training process gets SIGTERM with its console gone,
+    checkpoints anyway, logs to train.log itself, and exits; the same command continues exactly."""
+    args = [*BASE, f"model.cache_dir={model_cache}", "save_freq=3"]  # epoch 0 is saved only because of the stop
+    proc = start(args, tmp_path)
+    wait_for(proc, "[epoch 1] sampling batch 1/2 done")
+    (worker,) = psutil.Process(proc.pid).children()
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs([worker], timeout=120)
+    assert not alive, "the training process outlived its front end"
+    run = tmp_path / "outputs" / "smoke"
+    assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["epoch_0000"]
+    assert read_metrics(run, "event")[-1]["event"] == "preempted"
+    log = (run / "train.log").read_text()
+    assert "stopping at the next safe point" in log and "BrokenPipeError" not in log
+    cont = run_train(args, tmp_path)
+    assert cont.returncode == 0, cont.stdout[-3000:]
+    assert [e["epoch"] for e in read_metrics(run, "epoch")] == [0, 1, 2, 3]
+    assert (run / "weights" / "final.safetensors").read_bytes() == \
+        (reference / "weights" / "final.safetensors").read_bytes()

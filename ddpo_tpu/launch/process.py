@@ -60,7 +60,7 @@ class _LiveStatus:
     the device or forces a sync."""
 
     def __enter__(self):
-        self.status = None
+        self.status, self.gone = None, False
         if sys.stdout.isatty():
             from rich.console import Console
 
@@ -70,6 +70,15 @@ class _LiveStatus:
         return self
 
     def show(self, raw: bytes) -> None:
+        """Never raises: a console that is gone (closed terminal, broken pipe) is dropped, train.log goes on."""
+        if self.gone:
+            return
+        try:
+            self._show(raw)
+        except (OSError, ValueError):
+            self.gone = True
+
+    def _show(self, raw: bytes) -> None:
         if self.status is None:
             sys.stdout.buffer.write(raw)
             sys.stdout.flush()
@@ -83,5 +92,8 @@ class _LiveStatus:
 
     def __exit__(self, *exc):
         if self.status is not None:
-            self.status.stop()
+            try:
+                self.status.stop()
+            except (OSError, ValueError):
+                pass
         return False
