@@ -64,6 +64,37 @@ def _write(path: Path, data: bytes) -> None:
 def save(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[str, torch.Tensor],
          optimizer: dict[str, Any], tracker: dict[str, Any], run_id: str, tree: dict[str, Any], limit: int) -> Path:
     """Write checkpoints/epoch_NNNN atomically, then rotate. Tensors must already be on the host."""
+    return prepare(ckpt_root, epoch=epoch, global_step=global_step, trainable=trainable, optimizer=optimizer,
+                   tracker=tracker, run_id=run_id, tree=tree).commit(limit)
+
+
+@dataclass
+class Pending:
+    """A checkpoint written and fsynced under its temporary name: not a checkpoint until commit() renames it.
+    The epoch loop writes the epoch's outputs (metrics line, sample grid, weights) between the two, so the
+    checkpoint that marks an epoch done comes after everything the epoch produced."""
+
+    ckpt_root: Path
+    tmp: Path
+    final: Path
+
+    def commit(self, limit: int) -> Path:
+        final, ckpt_root = self.final, self.ckpt_root
+        if final.exists():  # the same epoch saved again (e.g. after SIGTERM): replace it whole
+            old = ckpt_root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(self.tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(self.tmp, final)
+        _fsync_dir(ckpt_root)
+        rotate(ckpt_root, limit)
+        return final
+
+
+def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[str, torch.Tensor],
+            optimizer: dict[str, Any], tracker: dict[str, Any], run_id: str, tree: dict[str, Any]) -> Pending:
+    """Write the files of checkpoints/epoch_NNNN under a temporary name (see Pending)."""
     from safetensors.torch import save as st_save
 
     ckpt_root.mkdir(parents=True, exist_ok=True)
@@ -80,16 +111,7 @@ def save(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[str, 
              "config_hash": config_hash(tree), "config": parity_relevant(tree)}
     _write(tmp / "state.json", (json.dumps(state, indent=1, default=str) + "\n").encode())
     _fsync_dir(tmp)
-    if final.exists():  # the same epoch saved again (e.g. after SIGTERM): replace it whole
-        old = ckpt_root / f".old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
-    rotate(ckpt_root, limit)
-    return final
+    return Pending(ckpt_root, tmp, final)
 
 
 def complete(ckpt_root: Path) -> list[Path]:

@@ -271,20 +271,33 @@ class Trainer:
             self.optimizer.state[p] = {"step": st["step"].to(torch.float32), **moments}
             self.rt.place_state(moments.values())
 
-    def save_checkpoint(self, epoch: int, tracker_state: dict) -> None:
-        """Weights, optimizer and stat tracker as they are at the end of `epoch`."""
+    def save_checkpoint(self, epoch: int, tracker_state: dict, commit: bool = True) -> ckpt.Pending | None:
+        """Weights, optimizer and stat tracker as they are at the end of `epoch`. With commit=False the checkpoint is
+        written but not yet in place: the caller writes the epoch's metrics line and grid, then commits it, so a
+        kill at any point either finds all of the epoch's outputs or redoes the epoch."""
         trainable = self.trainable_state()
         opt = self.optimizer.state_dict()
         flat = {f"{k}/{n}": t for k, v in opt["state"].items() for n, t in v.items() if torch.is_tensor(t)}
         host = self.rt.state_to_host(flat)  # one sync, then plain copies
         opt["state"] = {k: {n: host.get(f"{k}/{n}", t) for n, t in v.items()} for k, v in opt["state"].items()}
+        pending = None
         if self.rt.is_main:
-            path = ckpt.save(self.ckpt_root, epoch=epoch, global_step=self.global_step, trainable=trainable,
-                             optimizer=opt, tracker=tracker_state, run_id=self.run_id, tree=self.tree,
-                             limit=self.cfg.checkpoint_limit)
+            # the weights first: an epoch whose checkpoint is in place has its weights files too
             self.out.save_weights(f"epoch_{epoch:04d}", trainable)
             if epoch + 1 == self.cfg.num_epochs:
                 self.out.save_weights("final", trainable)
+            pending = ckpt.prepare(self.ckpt_root, epoch=epoch, global_step=self.global_step, trainable=trainable,
+                                   optimizer=opt, tracker=tracker_state, run_id=self.run_id, tree=self.tree)
+        if commit:
+            self.commit_checkpoint(epoch, pending)
+        return pending
+
+    def commit_checkpoint(self, epoch: int, pending: ckpt.Pending | None) -> None:
+        """The rename that marks `epoch` done (main process; the others only note it)."""
+        if pending is not None:
+            path = pending.commit(self.cfg.checkpoint_limit)
+            self.out.log({"kind": "event", "event": "checkpoint", "epoch": epoch, "global_step": self.global_step,
+                          "path": str(path)})
             say(self.rt, f"[epoch {epoch}] checkpoint {path}")
         self.last_saved_epoch = epoch
 
@@ -516,10 +529,9 @@ class Trainer:
             if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
                 with clock.measure("evaluation"):
                     self.evaluate(epoch)
-            with clock.measure("checkpoint"):
-                last = epoch + 1 == cfg.num_epochs
-                if (epoch + 1) % cfg.save_freq == 0 or last or self.stop.requested:
-                    self.save_checkpoint(epoch, self.tracker.state_dict())
+            saving = (epoch + 1) % cfg.save_freq == 0 or epoch + 1 == cfg.num_epochs or self.stop.requested
+            with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
+                pending = self.save_checkpoint(epoch, self.tracker.state_dict(), commit=False) if saving else None
             if rt.is_main:
                 out.save_image_grid(epoch, first_images, prompts, rewards)
                 self.logger.log_images(self.global_step, first_images[:16],
@@ -538,6 +550,8 @@ class Trainer:
                 self.logger.log({"epoch": epoch, "reward_mean": float(np.nanmean(rewards)),
                                       "reward_std": float(np.nanstd(rewards)), "phases": clock.phases},
                                      step=self.global_step)
+            if saving:  # after every output of the epoch: a kill before this line redoes the epoch
+                self.commit_checkpoint(epoch, pending)
             kl, cf = (float(np.mean([st[k] for st in steps])) if steps else float("nan") for k in ("approx_kl", "clipfrac"))
             say(rt, f"[epoch {epoch}] done: reward {np.nanmean(rewards):.4f} +- {np.nanstd(rewards):.4f}, "
                     f"approx_kl {kl:.2e}, clipfrac {cf:.3f}, {len(steps)} updates, "
