@@ -35,6 +35,18 @@ class ResumeRefused(RuntimeError):
     pass
 
 
+class CheckpointDamaged(RuntimeError):
+    """A checkpoint whose files do not match their checksums or cannot be read (truncated, overwritten)."""
+
+    def __init__(self, path: Path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(f"checkpoint {path} is damaged: {problem}")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 @dataclass
 class Loaded:
     path: Path
@@ -103,12 +115,16 @@ def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[st
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    _write(tmp / "trainable.safetensors", st_save(trainable))
+    files = {"trainable.safetensors": st_save(trainable)}
     buf = io.BytesIO()
     torch.save(optimizer, buf)
-    _write(tmp / "optimizer.pt", buf.getvalue())
+    files["optimizer.pt"] = buf.getvalue()
+    for name, data in files.items():
+        _write(tmp / name, data)
+    # state.json guards itself (it must parse and hold every key); the other files by their sha256
     state = {"format": FORMAT, "epoch": epoch, "global_step": global_step, "run_id": run_id, "tracker": tracker,
-             "config_hash": config_hash(tree), "config": parity_relevant(tree)}
+             "config_hash": config_hash(tree), "config": parity_relevant(tree),
+             "sha256": {name: _sha256(data) for name, data in files.items()}}
     _write(tmp / "state.json", (json.dumps(state, indent=1, default=str) + "\n").encode())
     _fsync_dir(tmp)
     return Pending(ckpt_root, tmp, final)
@@ -136,10 +152,38 @@ def rotate(ckpt_root: Path, limit: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
+_STATE_KEYS = ("format", "epoch", "global_step", "run_id", "tracker", "config")
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(path, f"state.json cannot be read ({type(e).__name__}: truncated or overwritten?)")
+    missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointDamaged(path, f"state.json lacks {', '.join(missing)}")
+    return state
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """state.json of an intact checkpoint; raises CheckpointDamaged naming the first bad file. Checkpoints written
+    before checksums existed have none: their files are checked by loading them (load())."""
+    state = _read_state(path)
+    for name, want in (state.get("sha256") or {}).items():
+        try:
+            got = _sha256((path / name).read_bytes())
+        except OSError as e:
+            raise CheckpointDamaged(path, f"{name} cannot be read ({type(e).__name__})")
+        if got != want:
+            raise CheckpointDamaged(path, f"{name} does not match its sha256 in state.json (truncated or damaged)")
+    return state
+
+
 def load(path: Path, tree: dict[str, Any], force: bool = False) -> Loaded:
     from safetensors.torch import load_file
 
-    state = json.loads((path / "state.json").read_text())
+    state = verify(path)
     if state.get("format") != FORMAT:
         raise ResumeRefused(f"resume={path}: checkpoint format {state.get('format')} is not {FORMAT}")
     now = parity_relevant(json.loads(json.dumps(tree, default=str)))
@@ -150,23 +194,56 @@ def load(path: Path, tree: dict[str, Any], force: bool = False) -> Loaded:
         raise ResumeRefused(f"resume: the checkpoint {path} was trained with a different config ({shown}"
                             f"{', ...' if len(changed) > 8 else ''}). Fix: restore those keys, start a new run "
                             f"(run_name=...), or set force_resume=true")
-    optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    return Loaded(path, state["epoch"], state["global_step"], load_file(str(path / "trainable.safetensors")),
-                  optimizer, state["tracker"], state["run_id"])
+    try:
+        optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- whatever a damaged pickle raises
+        raise CheckpointDamaged(path, f"optimizer.pt cannot be loaded ({type(e).__name__})") from e
+    try:
+        trainable = load_file(str(path / "trainable.safetensors"))
+    except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises
+        raise CheckpointDamaged(path, f"trainable.safetensors cannot be loaded ({type(e).__name__})") from e
+    return Loaded(path, state["epoch"], state["global_step"], trainable, optimizer, state["tracker"],
+                  state["run_id"])
 
 
-def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """The checkpoint to continue from: resume=auto -> the newest complete one in the run dir; a path -> that
-    checkpoint (or the newest inside it); never -> none."""
-    if resume == "never":
+def load_resume(run_dir: Path, resume: str, tree: dict[str, Any], force: bool = False,
+                on_damaged=lambda damaged: None) -> Loaded | None:
+    """The newest intact checkpoint to continue from (None: start fresh). A damaged one is passed to
+    `on_damaged` and the previous one is tried; when none is intact the run is refused with the fix."""
+    candidates = resume_candidates(run_dir, resume)
+    damaged: list[CheckpointDamaged] = []
+    for path in reversed(candidates):
+        try:
+            return load(path, tree, force)
+        except CheckpointDamaged as e:
+            damaged.append(e)
+            on_damaged(e)
+    if not damaged:
         return None
+    where = damaged[0].path.parent if resume == "auto" or len(candidates) > 1 else damaged[0].path
+    names = " ".join(str(e.path) for e in damaged)
+    raise ResumeRefused(f"resume={resume}: no intact checkpoint in {where} ({damaged[0]}). Fix: delete the damaged "
+                        f"checkpoint(s) (rm -r {names}) to start again from the previous one or from scratch, or "
+                        f"start a new run (resume=never run_name=NEW_NAME)")
+
+
+def resume_candidates(run_dir: Path, resume: str) -> list[Path]:
+    """Checkpoints to continue from, oldest first: resume=auto -> the complete ones in the run dir; a path -> that
+    checkpoint (or the complete ones inside it); never -> none."""
+    if resume == "never":
+        return []
     if resume == "auto":
-        done = complete(run_dir / "checkpoints")
-        return done[-1] if done else None
+        return complete(run_dir / "checkpoints")
     path = Path(resume).expanduser()
     if (path / "state.json").is_file():
-        return path
+        return [path]
     done = complete(path) or complete(path / "checkpoints")
     if not done:
         raise ResumeRefused(f"resume={resume}: no complete checkpoint there")
-    return done[-1]
+    return done
+
+
+def find_resume(run_dir: Path, resume: str) -> Path | None:
+    """The newest candidate (resume_candidates), intact or not."""
+    done = resume_candidates(run_dir, resume)
+    return done[-1] if done else None

@@ -54,3 +54,55 @@ def test_a_kill_around_the_checkpoint_neither_loses_nor_duplicates_an_epoch(tmp_
         assert sorted(p.name for p in (run / "samples").glob("epoch_*.png")) == ["epoch_0000.png", "epoch_0001.png"]
         assert (run / "weights" / "epoch_0000.safetensors").is_file()
         assert (run / "weights" / "final.safetensors").read_bytes() == want, name
+
+
+def _two_checkpoints(root: Path) -> dict:
+    import torch
+
+    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu.config.compose import compose_and_validate
+
+    tree = compose_and_validate(BASE).tree
+    for epoch in (0, 1):
+        w = torch.full((4, 4), float(epoch))
+        ckpt.save(root / "checkpoints", epoch=epoch, global_step=epoch + 1, trainable={"w": w},
+                  optimizer={"state": {0: {"exp_avg": w.clone()}}, "param_groups": []}, tracker={}, run_id="r",
+                  tree=tree, limit=5)
+    return tree
+
+
+@pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "state.json"])
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, name):
+    from ddpo_tpu import checkpoint as ckpt
+
+    tree = _two_checkpoints(tmp_path)
+    bad = tmp_path / "checkpoints" / "epoch_0001"
+    data = (bad / name).read_bytes()
+    (bad / name).write_bytes(data[: len(data) // 2])  # truncated, as by a full disk or a copy cut short
+    seen = []
+    loaded = ckpt.load_resume(tmp_path, "auto", tree, on_damaged=seen.append)
+    assert loaded.epoch == 0 and float(loaded.trainable["w"][0, 0]) == 0.0
+    assert [e.path for e in seen] == [bad] and name in str(seen[0])
+
+    other = tmp_path / "checkpoints" / "epoch_0000" / name  # none intact: refused with the fix, naming the dir
+    other.write_bytes(other.read_bytes()[:10])
+    with pytest.raises(ckpt.ResumeRefused) as e:
+        ckpt.load_resume(tmp_path, "auto", tree)
+    msg = str(e.value)
+    assert str(tmp_path / "checkpoints") in msg and "rm -r" in msg and "resume=never" in msg and "\n" not in msg
+
+
+def test_a_checkpoint_without_checksums_still_loads(tmp_path):
+    import json
+
+    from ddpo_tpu import checkpoint as ckpt
+
+    tree = _two_checkpoints(tmp_path)
+    state_file = tmp_path / "checkpoints" / "epoch_0001" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert set(state.pop("sha256")) == {"trainable.safetensors", "optimizer.pt"}
+    state_file.write_text(json.dumps(state))  # as written before checksums existed
+    assert ckpt.load_resume(tmp_path, "auto", tree).epoch == 1
+    weights = state_file.with_name("trainable.safetensors")
+    weights.write_bytes(weights.read_bytes()[:20])  # damage is still found, by loading
+    assert ckpt.load_resume(tmp_path, "auto", tree, on_damaged=lambda e: None).epoch == 0

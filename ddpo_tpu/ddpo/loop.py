@@ -242,11 +242,17 @@ class Trainer:
         if cfg.resume == "never" and ckpt.complete(self.ckpt_root):
             raise ckpt.ResumeRefused(f"resume=never but {self.ckpt_root} holds checkpoints of an earlier run: use "
                                      f"resume=auto to continue it or a new run_name to start over")
-        path = ckpt.find_resume(self.out.path, cfg.resume)
-        if path is None:
+        def damaged(e: ckpt.CheckpointDamaged) -> None:
+            if self.rt.is_main:
+                self.out.log({"kind": "event", "event": "checkpoint_damaged", "checkpoint": str(e.path),
+                              "problem": e.problem})
+            say(self.rt, f"ddpo_tpu: warning: {e}; trying the previous checkpoint")
+
+        loaded = ckpt.load_resume(self.out.path, cfg.resume, self.tree, force=cfg.force_resume, on_damaged=damaged)
+        if loaded is None:
             self.out.truncate_after_epoch(-1)  # a run killed before its first checkpoint starts clean
             return
-        loaded = ckpt.load(path, self.tree, force=cfg.force_resume)
+        path = loaded.path
         load_trainable_state_dict(self.unet, cfg.model, {k: v.to(self.rt.device) for k, v in loaded.trainable.items()})
         self.rt.place_state(self.params)  # copy_ into an XLA tensor drops its sharding: pin the loaded weights again
         self._load_optimizer(loaded.optimizer)
