@@ -108,6 +108,25 @@ def preflight(argv: list[str]) -> None:
         holder = AcceleratorLock.holder(path)
         if holder is not None:
             _fail([str(AcceleratorBusy(path, holder))], process.EXIT_BUSY)
+    # and a run dir written by a live training process (the same command twice) before anything is written there
+    for i, v in enumerate(valid):
+        _fail_if_run_dir_busy(_run_dir_of(v.cfg, i if args.multirun else None))
+
+
+def _run_dir_of(cfg, job: int | None) -> Path:
+    """The run dir Hydra will create (conf/config.yaml: hydra.run.dir and hydra.sweep.dir/subdir)."""
+    root = Path(cfg.output_root).expanduser().absolute()
+    return root / cfg.run_name if job is None else root / f"{cfg.run_name}-multirun" / str(job)
+
+
+def _fail_if_run_dir_busy(run_dir: Path) -> None:
+    """Advisory (the training process's RunDirLock is the authority): refuse before config.yaml is overwritten."""
+    from ddpo_tpu.launch.lock import AcceleratorLock, RunDirBusy, run_dir_lock_path
+
+    path = run_dir_lock_path(run_dir)
+    holder = AcceleratorLock.holder(path)
+    if holder is not None:
+        _fail([str(RunDirBusy(path, holder))], process.EXIT_BUSY)
 
 
 def _changed_sweep_point(validated, num: int) -> list[str]:
@@ -168,6 +187,7 @@ def _job(cfg) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    _fail_if_run_dir_busy(run_dir)  # hydra.run.dir may be overridden: checked again where the job really writes
     validated = validate(cfg, overridden_keys(hc.overrides.task))
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(validated.tree), run_dir / "config.yaml")

@@ -102,24 +102,29 @@ def main() -> int:
         return 2
     guard_console(run_dir / "train.log")
     validated = validate(OmegaConf.load(run_dir / "config.yaml"))
-    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
+    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock
     from ddpo_tpu.launch.process import EXIT_BUSY
 
-    lock = None
+    # taken before torch is imported (a refusal comes within seconds) and held until this process ends: first the
+    # run dir's (one writer per run dir, on every accelerator), then the accelerator's (one run per device)
+    locks = [RunDirLock(run_dir)]
     path = envmod.accelerator_lock_path(validated.cfg)
     if path is not None:
-        # taken before torch is imported (a refusal comes within seconds) and held until this process ends
-        try:
-            lock = AcceleratorLock(path, run_dir).acquire()
-        except AcceleratorBusy as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_BUSY
+        locks.append(AcceleratorLock(path, run_dir))
+    try:
+        for lock in locks:
+            lock.acquire()
+    except AcceleratorBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        for lock in locks:
+            lock.release()
+        return EXIT_BUSY
     from ddpo_tpu.ddpo.loop import run
 
     try:
         return run(validated, run_dir)
     finally:
-        if lock is not None:
+        for lock in reversed(locks):
             lock.release()
 
 

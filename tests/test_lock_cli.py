@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, clean_env, run_train
+from conftest import REPO, clean_env, run_train  # noqa: F401
 
 HOLD = """
 import sys, time
@@ -39,3 +39,40 @@ def test_second_launch_is_refused_naming_the_holder(tmp_path):
     from ddpo_tpu.launch.lock import AcceleratorLock, default_lock_path
 
     assert AcceleratorLock.holder(default_lock_path(cache / "ddpo_tpu", "cpu")) is None
+
+
+def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_path, model_cache):
+    """One writer per run dir on every accelerator (CPU too): the same command twice is refused fast, with exit 3,
+    before the running run's files are touched."""
+    import psutil
+    import pytest
+
+    from ddpo_tpu.launch.lock import run_dir_lock_path
+
+    args = ["+experiment=smoke", "num_epochs=2", "reward.host_workers=0", f"model.cache_dir={model_cache}"]
+    first = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if "sampling start" in line:
+                break
+        else:
+            pytest.fail("the first run ended before sampling")
+        (worker,) = psutil.Process(first.pid).children()
+        run = tmp_path / "outputs" / "smoke"
+        config_before = (run / "config.yaml").stat().st_mtime_ns
+        t0 = time.perf_counter()
+        second = run_train(args, tmp_path, timeout=60)
+        elapsed = time.perf_counter() - t0
+        assert second.returncode == 3, second.stdout + second.stderr
+        assert f"pid {worker.pid}" in second.stderr and "UTC" in second.stderr and str(run) in second.stderr
+        assert "Traceback" not in second.stderr
+        assert (run / "config.yaml").stat().st_mtime_ns == config_before
+        print(f"refused in {elapsed:.2f} s")
+        assert elapsed < 3.0, elapsed  # ~1 s on a quiet machine; the bound leaves room for a loaded one
+        assert run_dir_lock_path(run).is_file()
+    finally:
+        first.kill()
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        first.wait()

@@ -49,7 +49,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["AcceleratorBusy", "AcceleratorLock", "LockHolder", "default_lock_path"]
+__all__ = ["AcceleratorBusy", "AcceleratorLock", "LockHolder", "RunDirBusy", "RunDirLock", "default_lock_path",
+           "run_dir_lock_path"]
 
 LOCK_FORMAT = 1
 # how long a refused acquire keeps looking when the file does not name a live holder yet: the holder may be between
@@ -121,6 +122,25 @@ class AcceleratorBusy(RuntimeError):
                 f"[lock file {self.lock_path}]")
 
 
+class RunDirBusy(AcceleratorBusy):
+    """Raised by ``RunDirLock.acquire``: another process writes this run dir."""
+
+    def _message(self) -> str:
+        h, run_dir = self.holder, self.lock_path.absolute().parent
+        if h is None:
+            return (f"run dir {run_dir} is in use by another process that has not named itself (lock file "
+                    f"{self.lock_path}): one training process per run dir; wait for it or use another run_name=...")
+        where = f" on {h.hostname}" if h.hostname and h.hostname != socket.gethostname() else ""
+        return (f"run dir {run_dir} is in use by pid {h.pid}{where} (started {h.started_utc}): one training process "
+                f"per run dir; wait for it, stop it (kill -TERM {h.pid}: it checkpoints and exits), or start "
+                f"another run with run_name=... [lock file {self.lock_path}]")
+
+
+def run_dir_lock_path(run_dir: pathlib.Path) -> pathlib.Path:
+    """The lock of one run dir: held by its training process for the run's life, whatever the accelerator."""
+    return pathlib.Path(run_dir) / "lock"
+
+
 def default_lock_path(cache_root: pathlib.Path, accelerator: str) -> pathlib.Path:
     """``cache_root/locks/<accelerator>.lock``; ``accelerator`` is a short name such as "tpu" (no path parts)."""
     name = str(accelerator).strip()
@@ -171,6 +191,8 @@ class AcceleratorLock:
     ``AcceleratorLock`` on the same path in the same process is refused like any other process.
     """
 
+    busy: type[AcceleratorBusy] = AcceleratorBusy
+
     def __init__(self, lock_path: pathlib.Path, run_dir: pathlib.Path, command: str = ""):
         self.lock_path = pathlib.Path(lock_path)
         self.run_dir = pathlib.Path(run_dir)
@@ -206,7 +228,7 @@ class AcceleratorLock:
             # a lock file made by another user: name its holder when there is one
             holder = AcceleratorLock.holder(self.lock_path)
             if holder is not None:
-                raise AcceleratorBusy(self.lock_path, holder) from None
+                raise self.busy(self.lock_path, holder) from None
             raise
         os.set_inheritable(fd, False)
         start = time.monotonic()
@@ -223,7 +245,7 @@ class AcceleratorLock:
                 named = holder is not None and (holder.hostname != socket.gethostname() or _pid_alive(holder.pid))
                 limit = _GRACE_S if timeout is not None and timeout < _GRACE_S and not named else timeout
                 if limit is not None and waited >= limit:
-                    raise AcceleratorBusy(self.lock_path, holder)
+                    raise self.busy(self.lock_path, holder)
                 time.sleep(_POLL_S)
             info = LockHolder(pid=os.getpid(), run_dir=str(self.run_dir.resolve()), started=time.time(),
                               command=self.command, hostname=socket.gethostname())
@@ -297,3 +319,12 @@ class AcceleratorLock:
                 time.sleep(_POLL_S)
         finally:
             os.close(fd)
+
+
+class RunDirLock(AcceleratorLock):
+    """The same machinery on ``run_dir/lock``: one writer per run dir (see ``run_dir_lock_path``)."""
+
+    busy = RunDirBusy
+
+    def __init__(self, run_dir: pathlib.Path, command: str = ""):
+        super().__init__(run_dir_lock_path(run_dir), run_dir, command)
