@@ -30,6 +30,45 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+HEARTBEAT_FILE = "heartbeat.json"
+HEARTBEAT_INTERVAL_S = 10.0
+
+
+class Heartbeat:
+    """run_dir/heartbeat.json, rewritten every `interval` seconds by a daemon thread while the training process
+    lives (whatever its main thread is doing: a long compile, a hanging reward). A SIGKILLed process stops beating,
+    so ddpo-status can call the run dead within a minute instead of waiting out its staleness threshold."""
+
+    def __init__(self, run_dir: Path, interval: float = HEARTBEAT_INTERVAL_S):
+        import socket
+        import threading
+
+        self.path = Path(run_dir) / HEARTBEAT_FILE
+        self.interval = interval
+        self._info = {"pid": os.getpid(), "hostname": socket.gethostname(), "interval_s": interval}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddpo-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        data = json.dumps({**self._info, "time": round(time.time(), 3)}) + "\n"
+        try:
+            atomic_write_bytes(self.path, data.encode())
+        except OSError:
+            pass  # a full or read-only disk is reported by the writes that matter, not by the heartbeat
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.beat()
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path)

@@ -8,8 +8,9 @@ How the state is decided (the output says which rule fired):
   finished         train.log's last word (after the last progress line) is "ddpo_tpu: run complete", or every epoch
                    has its metrics line and no process is alive
   failed           a traceback, an "error: ..." line or a fatal XLA check comes after the last progress line
-  stopped          a "preempted" event (or log line) is the last thing the run did, or nothing was written for longer
-                   than the staleness threshold and no live process holds the run's lock
+  stopped          a "preempted" event (or log line) is the last thing the run did, or (dead) heartbeat.json is older
+                   than 60 s and no live process holds the run's lock, or (without a heartbeat file, older runs)
+                   nothing was written for longer than the staleness threshold and no live process holds the lock
   running          a live process holds the run's lock, or the last event (metrics line or train.log write) is recent
   not started      no metrics and no progress line in train.log
 
@@ -43,6 +44,7 @@ BLOCKS = "▁▂▃▄▅▆▇█"
 ASCII_BLOCKS = "_.-:=+*#"
 LOG_TAIL_BYTES = 8 << 20          # train.log can grow large (progress bars); the end is what matters
 DEFAULT_STALE_S = 900.0          # a first XLA compile can be silent for many minutes
+HEARTBEAT_DEAD_S = 60.0          # the training process rewrites heartbeat.json every 10 s, even while compiling
 RATE_WINDOW = 5                  # epochs averaged for samples/s and the ETA
 
 _EPOCH_LINE = re.compile(r"^\[epoch (\d+)\] (.*)$")
@@ -188,6 +190,18 @@ def _num(x: Any) -> float | None:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     return None if math.isnan(x) or math.isinf(x) else float(x)
+
+
+def read_heartbeat(run_dir: Path) -> dict | None:
+    """heartbeat.json as the training process last wrote it ({"time", "pid", "hostname", "interval_s"}), or None
+    (no such file: a run from before heartbeats, or one that has not started its training process)."""
+    try:
+        data = json.loads((Path(run_dir) / "heartbeat.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or _num(data.get("time")) is None:
+        return None
+    return data
 
 
 def find_live_holder(run_dir: Path, cfg: dict, lock_paths: list[Path] | None = None) -> dict | None:
@@ -404,7 +418,10 @@ def collect(run_dir: Path, now: float | None = None, stale_after: float = DEFAUL
 
     # state
     live = find_live_holder(run_dir, cfg, lock_paths)
-    activity = [(t, src) for t, src in ((last_event_time, "metrics.jsonl line"), (log.mtime, "train.log write"))
+    heartbeat = read_heartbeat(run_dir)
+    heartbeat_age = None if heartbeat is None else now - heartbeat["time"]
+    activity = [(t, src) for t, src in ((last_event_time, "metrics.jsonl line"), (log.mtime, "train.log write"),
+                                         (None if heartbeat is None else heartbeat["time"], "heartbeat"))
                 if t is not None]
     last_activity, activity_src = max(activity) if activity else (None, None)
     age = None if last_activity is None else now - last_activity
@@ -439,6 +456,11 @@ def collect(run_dir: Path, now: float | None = None, stale_after: float = DEFAUL
         decided = f"pid {live['pid']}{where} holds the lock {live['lock']}; last event {_ago(age)} ({activity_src})"
     elif num_epochs is not None and epochs_done >= num_epochs and epochs_done > 0:
         state, decided = "finished", f"all {num_epochs} epochs have a metrics line (no \"run complete\" in train.log)"
+    elif heartbeat_age is not None and heartbeat_age > HEARTBEAT_DEAD_S:
+        state, stop_reason = "stopped", "dead"
+        decided = (f"the training process's heartbeat is {_duration(heartbeat_age)} old (written every "
+                   f"{_duration(heartbeat.get('interval_s'))} while it lives; pid {heartbeat.get('pid')}) and no live "
+                   "process holds the run's lock: killed (SIGKILL, OOM, a lost host) without an exit message")
     elif not metrics.records and log.last_progress is None and (not log.exists or age is None or age > stale_limit):
         state, decided = "not started", ("no train.log and no metrics.jsonl" if not log.exists
                                          else "train.log has no progress line and no metrics were written")
@@ -508,6 +530,7 @@ def collect(run_dir: Path, now: float | None = None, stale_after: float = DEFAUL
         "decided_by": decided,
         "now": now,
         "live_process": live,
+        "heartbeat_age_s": heartbeat_age,
         "num_epochs": num_epochs,
         "epochs_done": epochs_done,
         "current_epoch": current_epoch,

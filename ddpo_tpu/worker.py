@@ -120,10 +120,13 @@ def main() -> int:
             lock.release()
         return EXIT_BUSY
     from ddpo_tpu.ddpo.loop import run
+    from ddpo_tpu.rundir import Heartbeat
 
+    heartbeat = Heartbeat(run_dir).start()
     try:
         return run(validated, run_dir)
     finally:
+        heartbeat.stop()
         for lock in reversed(locks):
             lock.release()
 

@@ -411,3 +411,33 @@ def test_no_host_time_row_without_host_seconds(tmp_path, capsys):
     run = make_run(tmp_path / "old", done=2, tail=["ddpo_tpu: run complete"])  # metrics of an older version
     assert status.collect(run, lock_paths=[])["host_time"] is None
     assert "host time" not in run_cli(capsys, run)[1]
+
+
+def _heartbeat(run_dir: Path, age: float) -> None:
+    (run_dir / "heartbeat.json").write_text(json.dumps({"time": time.time() - age, "pid": 4242, "hostname": "h",
+                                                        "interval_s": 10.0}))
+
+
+def test_a_stale_heartbeat_without_a_lock_holder_is_dead_within_a_minute(tmp_path):
+    # SIGKILLed mid-epoch 70 s ago: metrics and train.log are recent enough for the 15-minute staleness rule
+    run = make_run(tmp_path / "run", num_epochs=6, done=3, tail=epoch_log(3, "training start"))
+    t = time.time() - 70
+    for name in ("metrics.jsonl", "train.log"):
+        os.utime(run / name, (t, t))
+    _heartbeat(run, age=70)
+    facts = status.collect(run, lock_paths=[run / "lock"])
+    assert (facts["state"], facts["stop_reason"]) == ("stopped", "dead"), facts["decided_by"]
+    assert "heartbeat" in facts["decided_by"] and facts["heartbeat_age_s"] > 60
+
+    _heartbeat(run, age=5)  # beating: running, whatever else is quiet
+    assert status.collect(run, lock_paths=[run / "lock"])["state"] == "running"
+
+
+def test_a_stale_heartbeat_with_a_live_lock_holder_is_running(tmp_path):
+    from ddpo_tpu.launch.lock import RunDirLock
+
+    run = make_run(tmp_path / "run", num_epochs=6, done=3, tail=epoch_log(3, "training start"))
+    _heartbeat(run, age=300)
+    with RunDirLock(run):
+        assert status.collect(run, lock_paths=[run / "lock"])["state"] == "running"
+    assert status.collect(run, lock_paths=[run / "lock"])["stop_reason"] == "dead"
