@@ -9,8 +9,16 @@ state (weights, gradients, Adam moments) one device holds; plus SPMD x4 as a dp 
 Part 2: our recording sampler against diffusers' StableDiffusionPipeline on the same tiny model (same steps, eta,
 guidance, batch), eager and XLA, time per image after a warm-up call, as a ratio measured in the same process.
 
-    python scripts/bench.py                  # everything (about 35 minutes on 2 CPU cores)
+Host overhead at SD 1.4's topology (--host-overhead, docs/performance.md): training runs of model=sd14_topology on
+XLA CPU, lazy tracing vs compiled steps and fused timesteps, main-thread CPU and wall seconds per steady-state epoch;
+then host ms per step at the parity batch sizes against SD 1.4's FLOPs on a v6e chip, and the v6e-8 images/s implied.
+Full width (--full-width): one epoch of model=sd14_random (SD 1.4 at 860M UNet parameters) on eager and XLA CPU.
+
+    python scripts/bench.py                  # parts 1 and 2 (about 35 minutes on 2 CPU cores)
     python scripts/bench.py --steps 10 --backends eager_cpu cpu --no-pipeline
+    python scripts/bench.py --host-overhead  # about 50 minutes
+    python scripts/bench.py --host-overhead --variants   # only the per-step estimate (about 12 minutes)
+    python scripts/bench.py --full-width     # about 20 minutes, ~10 GiB of memory
 """
 
 from __future__ import annotations
@@ -355,12 +363,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     ap.add_argument("--host-overhead", action="store_true",
                     help="only the host-overhead benchmark at SD 1.4's topology (model=sd14_topology)")
+    ap.add_argument("--full-width", action="store_true",
+                    help="only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU")
     ap.add_argument("--variants", nargs="*", default=list(HOST_VARIANTS), choices=list(HOST_VARIANTS),
                     help="training runs of the host-overhead benchmark (none: only the per-step estimate)")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 5], help="fused timesteps for the parity estimate")
     args = ap.parse_args()
     if args.host_overhead:
         return host_overhead(args)
+    if args.full_width:
+        return full_width(args)
     runs, pipes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for backend in args.backends:
@@ -389,6 +401,44 @@ def main() -> None:
     with open(args.out, "a") as f:
         f.write(text)
 
+
+
+FULL_WIDTH_ARGS = ["model=sd14_random", "sample.batch_size=1", "sample.num_batches_per_epoch=1", "sample.num_steps=2",
+                   "train.batch_size=1", "train.gradient_accumulation_steps=1", "num_epochs=1", "save_freq=1",
+                   "reward.host_workers=0"]
+
+
+def full_width(args) -> None:
+    """One epoch of SD 1.4 at full width (random weights, 512 px; LoRA) on eager CPU and on XLA CPU: does it run,
+    how long, and the training process's peak resident memory."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for topo in ("eager_cpu", "cpu"):
+            name = f"full_{topo}"
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *FULL_WIDTH_ARGS, f"tpu_topology={topo}",
+                                   f"output_root={tmp}", f"run_name={name}"], env=clean_env(), cwd=REPO,
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                rows.append({"backend": topo, "error": (proc.stdout[-600:] + proc.stderr[-600:]).replace("\n", " ")})
+                continue
+            (epoch,) = [r for r in map(json.loads, (Path(tmp) / name / "metrics.jsonl").read_text().splitlines())
+                        if r["kind"] == "epoch"]
+            ph = epoch["phases"]
+            rows.append({"backend": topo, "run_wall_s": round(time.perf_counter() - t0, 1),
+                         "sampling_s": ph["sampling"]["seconds"], "training_s": ph["training"]["seconds"],
+                         "compile_s": round(sum(p["compile_seconds"] for p in ph.values()), 1),
+                         "compilations": epoch["new_compilations"], "peak_rss_gib": epoch["host_peak_rss_gib"],
+                         "loss": epoch["loss"]})
+            print(json.dumps(rows[-1]), flush=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (f"\n## {stamp} — {platform.machine()}, {os.cpu_count()} CPU cores\n\n`python scripts/bench.py "
+            f"{' '.join(sys.argv[1:])}`\n\nOne epoch of SD 1.4 at full width (model=sd14_random: 860M-param UNet, "
+            f"512 px, random weights; LoRA; 1 sample, 2 denoising steps, train batch 1): wall seconds and the training "
+            f"process's peak resident memory (on XLA CPU it holds the device buffers too):\n\n{table(rows)}\n")
+    print(text)
+    with open(args.out, "a") as f:
+        f.write(text)
 
 
 def host_overhead(args) -> None:
