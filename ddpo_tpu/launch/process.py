@@ -17,6 +17,7 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_BUSY = 3        # another training process holds this host's accelerator
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoint; the same command resumes
+DOCUMENTED = (EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BUSY, EXIT_PREEMPTED)
 
 
 def _terminate_with_parent() -> None:
@@ -48,7 +49,18 @@ def run_training(env: dict[str, str], log_path: Path) -> int:
             for line in iter(proc.stdout.readline, b""):
                 log.write(line)
                 live.show(line)
-        return proc.wait()
+            code = proc.wait()
+            if code in DOCUMENTED:
+                return code
+            # killed by a signal (Popen gives -N, which would leak out as 256-N) or an undocumented exit: 1, and
+            # one line saying how it ended, in train.log and on the console
+            how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+                   else f"exited with code {code}")
+            line = (f"error: the training process {how} (see {log_path}; the same command resumes from the last "
+                    f"checkpoint)\n").encode()
+            log.write(line)
+            live.show(line)
+            return EXIT_FAILED
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
