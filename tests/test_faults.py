@@ -106,3 +106,59 @@ def test_a_checkpoint_without_checksums_still_loads(tmp_path):
     weights = state_file.with_name("trainable.safetensors")
     weights.write_bytes(weights.read_bytes()[:20])  # damage is still found, by loading
     assert ckpt.load_resume(tmp_path, "auto", tree, on_damaged=lambda e: None).epoch == 0
+
+
+@pytest.mark.slow
+def test_a_killed_training_process_exits_1_with_one_line(tmp_path, model_cache):
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from conftest import clean_env
+
+    args = [*BASE, f"model.cache_dir={model_cache}"]
+    proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "sampling start" in line:
+            break
+    (worker,) = psutil.Process(proc.pid).children()
+    worker.send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out[-2000:]  # not 247 (-9 leaking through)
+    assert "training process was killed by SIGKILL" in out
+    assert "killed by SIGKILL" in (tmp_path / "outputs" / "smoke" / "train.log").read_text()
+
+
+def test_a_nonfinite_stop_before_any_checkpoint_does_not_claim_one():
+    from ddpo_tpu.ddpo.loop import Trainer
+
+    assert "no checkpoint was written yet" in Trainer._saved_state(SimpleNamespace(last_saved_epoch=-1))
+    assert "checkpoint (epoch 2) is intact" in Trainer._saved_state(SimpleNamespace(last_saved_epoch=2))
+
+
+def test_a_stop_request_ends_a_hanging_remote_reward_within_a_second():
+    import socket
+    import threading
+    import time
+
+    import numpy as np
+
+    from ddpo_tpu.rewards.remote import RemoteReward, RewardInterrupted
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)  # accepts connections, never answers
+    try:
+        reward = RemoteReward(url=f"http://127.0.0.1:{server.getsockname()[1]}/score", timeout_s=30, retries=3)
+        stop = threading.Event()
+        reward.should_stop = stop.is_set
+        threading.Timer(0.5, stop.set).start()  # SIGTERM arrives half a second into the hang
+        t0 = time.monotonic()
+        with pytest.raises(RewardInterrupted):
+            reward(np.zeros((2, 8, 8, 3), dtype=np.uint8), ["a", "b"])
+        assert time.monotonic() - t0 < 1.5  # was timeout_s x (retries + 1) = 120 s
+    finally:
+        server.close()

@@ -37,6 +37,7 @@ from ddpo_tpu.diffusion.ddim import DDIMTables
 from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, make_denoise_step, sample_trajectory
 from ddpo_tpu.runtime import Runtime, make_runtime
 from ddpo_tpu.runtime.base import Counters
+from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir import RunDir
 
 STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
@@ -180,6 +181,9 @@ class Trainer:
         if cfg.reward.name in ("aesthetic", "clip_score") and rt.device.type == "cuda":
             extra["device"] = str(rt.device)  # CLIP rewards stay on a CUDA device; on XLA they run on the host CPU
         self.reward = make_reward(cfg.reward.name, **extra)
+        for r in (self.reward, *getattr(self.reward, "components", ())):
+            if hasattr(r, "should_stop"):  # remote rewards: a SIGTERM ends a hanging request within a second
+                r.should_stop = lambda: self.stop.requested
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)
         self.global_batch = cfg.sample.batch_size * rt.replicas
@@ -306,6 +310,12 @@ class Trainer:
                           "path": str(path)})
             say(self.rt, f"[epoch {epoch}] checkpoint {path}")
         self.last_saved_epoch = epoch
+
+    def _saved_state(self) -> str:
+        """What a stop leaves to resume from, for its message."""
+        if self.last_saved_epoch < 0:
+            return "no checkpoint was written yet (the same command starts over)"
+        return f"the last checkpoint (epoch {self.last_saved_epoch}) is intact"
 
     def _stop_if_requested(self, epoch_done: int, tracker_state: dict) -> None:
         """At a safe point: write the state as of the end of `epoch_done` (unless saved already) and stop."""
@@ -469,7 +479,7 @@ class Trainer:
         self.global_step += 1
         if not all(np.isfinite(host)):
             raise NonFinite(f"non-finite loss or gradient at global step {self.global_step} (loss {host[0]}, "
-                            f"grad norm {host[3]}): stopped; the last checkpoint is intact. Try a lower "
+                            f"grad norm {host[3]}): stopped; {self._saved_state()}. Try a lower "
                             f"train.learning_rate or train.mixed_precision=no")
         rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step, "loss": host[0],
                "approx_kl": host[1], "clipfrac": host[2], "grad_norm": host[3]}
@@ -497,16 +507,20 @@ class Trainer:
             tracker_at_start = self.tracker.state_dict()  # what a checkpoint of epoch-1 holds
             clock = PhaseClock(rt)
             say(rt, f"[epoch {epoch}] sampling start")
-            with clock.measure("sampling"):
-                parts, prompts, pending, first_images = self.sample_epoch(epoch)
-            with clock.measure("reward"):
-                if cfg.xla.sync_before_reward_gather:
-                    rt.sync()
-                rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in pending])
+            try:
+                with clock.measure("sampling"):
+                    parts, prompts, pending, first_images = self.sample_epoch(epoch)
+                with clock.measure("reward"):
+                    if cfg.xla.sync_before_reward_gather:
+                        rt.sync()
+                    rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in pending])
+            except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
+                self._stop_if_requested(epoch - 1, tracker_at_start)
+                raise
                 bad = ~np.isfinite(rewards)
                 if bad.any() and cfg.on_nonfinite_reward == "stop":
                     raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) in "
-                                    f"epoch {epoch}: stopped; the last checkpoint is intact (on_nonfinite_reward=skip "
+                                    f"epoch {epoch}: stopped; {self._saved_state()} (on_nonfinite_reward=skip "
                                     f"gives those samples zero advantage instead)")
             say(rt, f"[epoch {epoch}] rewards gathered: mean {rewards.mean():.4f} std {rewards.std():.4f}")
             with clock.measure("advantages"):
@@ -519,7 +533,7 @@ class Trainer:
                 else:
                     adv = self.advantages(prompts, rewards)
                 if not np.isfinite(adv).all():
-                    raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; the last checkpoint is intact")
+                    raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self._saved_state()}")
                 samples = EpochSamples(
                     latents=torch.cat([t.latents for t, _ in parts]),
                     log_probs=torch.cat([t.log_probs for t, _ in parts]),

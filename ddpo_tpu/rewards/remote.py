@@ -240,6 +240,13 @@ class _Transient(Exception):
         self.text = text
 
 
+class RewardInterrupted(Exception):
+    """The trainer asked to stop (SIGTERM) while a request was waiting: the epoch's rewards are abandoned."""
+
+
+_STOP_POLL_S = 0.2
+
+
 @register_reward(_NAME)
 class RemoteReward(Reward):
     """Rewards computed by an HTTP server (see the module docstring for the wire format).
@@ -348,13 +355,46 @@ class RemoteReward(Reward):
             out[start:stop] = self._score_chunk(body, stop - start, start)
         return out
 
+    # set by the trainer: a request (or a backoff) that is waiting gives up within ~0.2 s once this returns True,
+    # so a SIGTERM during a hanging server stops the run in seconds, not after timeouts x retries
+    should_stop = staticmethod(lambda: False)
+
+    def _wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.should_stop():
+                raise RewardInterrupted(f"reward.url={self._shown_url}: stop requested while waiting to retry")
+            time.sleep(min(left, _STOP_POLL_S))
+
+    def _post_interruptible(self, body: bytes) -> bytes:
+        """_post in a daemon thread, watched for a stop request (a blocked socket read cannot be interrupted)."""
+        import threading
+
+        done, box = threading.Event(), {}
+
+        def work():
+            try:
+                box["payload"] = self._post(body)
+            except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="ddpo-remote-reward", daemon=True).start()
+        while not done.wait(_STOP_POLL_S):
+            if self.should_stop():
+                raise RewardInterrupted(f"reward.url={self._shown_url}: stop requested while a request was waiting")
+        if "error" in box:
+            raise box["error"]
+        return box["payload"]
+
     def _score_chunk(self, body: bytes, count: int, start: int) -> np.ndarray:
         last: _Transient | None = None
         for attempt in range(self.retries + 1):
             if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                self._wait(self.backoff_s * 2 ** (attempt - 1))
             try:
-                payload = self._post(body)
+                payload = self._post_interruptible(body)
             except _Transient as exc:
                 last = exc
                 continue
