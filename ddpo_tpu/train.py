@@ -198,7 +198,7 @@ def _job(cfg) -> None:
     code = process.run_training(child_env, run_dir / "train.log")
     _last_code.append(code)
     if code == process.EXIT_PREEMPTED:  # not a failure; a sweep stops here too (the same command continues it)
-        print(f"ddpo_tpu: stopped after a checkpoint (exit {code}): the same command resumes", file=sys.stderr)
+        print(f"ddpo_tpu: stopped by SIGTERM (exit {code}): the same command resumes", file=sys.stderr)
         sys.exit(code)
     if code != process.EXIT_OK:
         _failures.append(f"{' '.join(hc.overrides.task) or '(no overrides)'}: exit code {code}, log {run_dir / 'train.log'}")

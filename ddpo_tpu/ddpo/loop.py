@@ -325,6 +325,8 @@ class Trainer:
             self.save_checkpoint(epoch_done, tracker_state)
         if self.rt.is_main:
             self.out.log({"kind": "event", "event": "preempted", "epoch": epoch_done, "global_step": self.global_step})
+        if epoch_done < 0:
+            raise Preempted("stopped before the first epoch was done (no checkpoint yet); the same command starts over")
         raise Preempted(f"stopped after epoch {epoch_done}; the same command resumes")
 
     # --- pieces -------------------------------------------------------------------------------------------------
