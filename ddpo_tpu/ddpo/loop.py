@@ -516,14 +516,14 @@ class Trainer:
                     if cfg.xla.sync_before_reward_gather:
                         rt.sync()
                     rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in pending])
+                    bad = ~np.isfinite(rewards)
+                    if bad.any() and cfg.on_nonfinite_reward == "stop":
+                        raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) "
+                                        f"in epoch {epoch}: stopped; {self._saved_state()} (on_nonfinite_reward=skip "
+                                        f"gives those samples zero advantage instead)")
             except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
                 self._stop_if_requested(epoch - 1, tracker_at_start)
                 raise
-                bad = ~np.isfinite(rewards)
-                if bad.any() and cfg.on_nonfinite_reward == "stop":
-                    raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) in "
-                                    f"epoch {epoch}: stopped; {self._saved_state()} (on_nonfinite_reward=skip "
-                                    f"gives those samples zero advantage instead)")
             say(rt, f"[epoch {epoch}] rewards gathered: mean {rewards.mean():.4f} std {rewards.std():.4f}")
             with clock.measure("advantages"):
                 if bad.any():
