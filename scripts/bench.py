@@ -365,6 +365,7 @@ def main() -> None:
                     help="only the host-overhead benchmark at SD 1.4's topology (model=sd14_topology)")
     ap.add_argument("--full-width", action="store_true",
                     help="only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU")
+    ap.add_argument("--overrides", nargs="*", default=[], help="--full-width: extra config overrides for its runs")
     ap.add_argument("--variants", nargs="*", default=list(HOST_VARIANTS), choices=list(HOST_VARIANTS),
                     help="training runs of the host-overhead benchmark (none: only the per-step estimate)")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 5], help="fused timesteps for the parity estimate")
@@ -413,19 +414,21 @@ def full_width(args) -> None:
     how long, and the training process's peak resident memory."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for topo in ("eager_cpu", "cpu"):
+        for topo in [b for b in args.backends if b in ("eager_cpu", "cpu")]:
             name = f"full_{topo}"
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *FULL_WIDTH_ARGS, f"tpu_topology={topo}",
+            proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *FULL_WIDTH_ARGS, *args.overrides,
+                                   f"tpu_topology={topo}",
                                    f"output_root={tmp}", f"run_name={name}"], env=clean_env(), cwd=REPO,
                                   capture_output=True, text=True)
             if proc.returncode:
-                rows.append({"backend": topo, "error": (proc.stdout[-600:] + proc.stderr[-600:]).replace("\n", " ")})
+                rows.append({"backend": topo, "overrides": " ".join(args.overrides), "error": (proc.stdout[-600:] + proc.stderr[-600:]).replace("\n", " ")})
                 continue
             (epoch,) = [r for r in map(json.loads, (Path(tmp) / name / "metrics.jsonl").read_text().splitlines())
                         if r["kind"] == "epoch"]
             ph = epoch["phases"]
-            rows.append({"backend": topo, "run_wall_s": round(time.perf_counter() - t0, 1),
+            rows.append({"backend": topo, "overrides": " ".join(args.overrides),
+                         "run_wall_s": round(time.perf_counter() - t0, 1),
                          "sampling_s": ph["sampling"]["seconds"], "training_s": ph["training"]["seconds"],
                          "compile_s": round(sum(p["compile_seconds"] for p in ph.values()), 1),
                          "compilations": epoch["new_compilations"], "peak_rss_gib": epoch["host_peak_rss_gib"],
