@@ -422,7 +422,7 @@ def full_width(args) -> None:
                                    f"output_root={tmp}", f"run_name={name}"], env=clean_env(), cwd=REPO,
                                   capture_output=True, text=True)
             if proc.returncode:
-                rows.append({"backend": topo, "overrides": " ".join(args.overrides), "error": (proc.stdout[-600:] + proc.stderr[-600:]).replace("\n", " ")})
+                rows.append({"backend": topo, "overrides": " ".join(args.overrides), "error": " ".join((proc.stdout[-600:] + proc.stderr[-600:]).split()).replace("|", "/")})
                 continue
             (epoch,) = [r for r in map(json.loads, (Path(tmp) / name / "metrics.jsonl").read_text().splitlines())
                         if r["kind"] == "epoch"]

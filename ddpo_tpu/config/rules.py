@@ -280,10 +280,15 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     return problems
 
 
-# Activation memory of one SD 1.x UNet evaluation at 512 px (64x64 latents) kept for the backward pass, per sample:
-# measured on the CPU with the full-width random SD 1.4 build (model=sd14_random, LoRA, float32; benchmarks/RESULTS.md)
-# and halved for bf16 autocast. An estimate for the HBM rule, not a TPU figure.
-ACTIVATION_GIB_PER_UNET_EVAL_512 = {"no": 2.3, "bf16": 1.2}
+# Activation memory of one SD 1.x UNet evaluation at 512 px (64x64 latents) kept for the backward pass, per sample, on
+# XLA. Two parts: (1) 2.3 GiB measured on eager CPU with the full-width random SD 1.4 build (model=sd14_random, LoRA,
+# float32: peak RSS of a forward + backward at batch 1 and 2), halved for bf16 autocast; eager CPU attention does not
+# keep its score matrices; (2) XLA lowers attention to matmul + softmax and keeps each softmax for the backward:
+# 8 heads x S^2 x 4 bytes (softmax runs in float32 under autocast) over SD 1.4's 16 self-attentions (5 each at 4096,
+# 1024 and 256 tokens, 1 at 64) = 2.7 GiB. On XLA CPU one training evaluation at full width did not fit in 24 GiB in
+# either precision (RESULTS.md). An estimate for the HBM rule, not a TPU figure.
+ATTENTION_SCORES_GIB_512 = 2.7
+ACTIVATION_GIB_PER_UNET_EVAL_512 = {"no": 2.3 + ATTENTION_SCORES_GIB_512, "bf16": 1.2 + ATTENTION_SCORES_GIB_512}
 SMALL_BUILDERS = ("tiny", "sd14_topology")  # local builds with 32-64 px images: their activations are negligible
 RESIDENT_GIB = 6.0  # frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (SD 1.x, float32 weights)
 
