@@ -162,3 +162,33 @@ def test_a_stop_request_ends_a_hanging_remote_reward_within_a_second():
         assert time.monotonic() - t0 < 1.5  # was timeout_s x (retries + 1) = 120 s
     finally:
         server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("err", ["ENOSPC", "EROFS"])
+def test_a_full_or_read_only_disk_is_one_line_naming_the_path(tmp_path, model_cache, monkeypatch, capsys, err):
+    """A write the run dir's disk refuses mid-run (disk full, a read-only remount) ends with exit 1 and one line that
+    names the path and the fix; no traceback. Root ignores permissions, so the refusal is injected at the write."""
+    import errno
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.launch.process import EXIT_FAILED
+    from ddpo_tpu.rundir import RunDir
+
+    code = getattr(errno, err)
+
+    def refuse(self, epoch, *args, **kwargs):
+        target = self.path / "samples" / f"epoch_{epoch:04d}.png"
+        raise OSError(code, __import__("os").strerror(code), str(target))
+
+    monkeypatch.setattr(RunDir, "save_image_grid", refuse)
+    v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", "num_epochs=1"])
+    (tmp_path / "run").mkdir()
+    assert loop.run(v, tmp_path / "run") == EXIT_FAILED
+    stderr = capsys.readouterr().err  # also holds the libraries' loading noise
+    err_lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(err_lines) == 1 and "Traceback" not in stderr, err_lines
+    line = err_lines[0]
+    assert str(tmp_path / "run" / "samples" / "epoch_0000.png") in line
+    assert ("no space left" in line) == (err == "ENOSPC") and "output_root=" in line

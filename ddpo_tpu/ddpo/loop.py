@@ -15,6 +15,7 @@ noise and shuffles for the same seed, and a run restarted at an epoch boundary c
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
 import sys
 import time
@@ -586,6 +587,20 @@ class Trainer:
         self.logger.finish()
 
 
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def storage_error_line(e: OSError, run_dir: Path) -> str:
+    """One line for a write the run dir's disk refused. Checkpoints are written whole and renamed into place, so the
+    last complete one is intact whatever write failed."""
+    path = e.filename or run_dir
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what, fix = "no space left on the disk", "free space there or set output_root=... on a larger disk"
+    else:
+        what, fix = f"cannot write there ({e.strerror})", "make the run dir writable or set output_root=..."
+    return f"{path}: {what}: {fix}; the same command then resumes from the last complete checkpoint"
+
+
 def run(validated: Validated, run_dir: Path) -> int:
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
     from ddpo_tpu.models.loading import ModelLoadError
@@ -604,6 +619,11 @@ def run(validated: Validated, run_dir: Path) -> int:
         return EXIT_PREEMPTED
     except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRORS:
+            raise
+        print(f"error: {storage_error_line(e, run_dir)}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     say(rt, "ddpo_tpu: run complete")
     return 0
