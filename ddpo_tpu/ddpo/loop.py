@@ -42,6 +42,7 @@ from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir import RunDir
 
 STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
+PROGRESS_EVERY_S = 30.0  # at most one progress line per phase this often (sampling also says each batch)
 
 
 def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0) -> int:
@@ -410,7 +411,8 @@ class Trainer:
         N, T = s.log_probs.shape
         dev = rt.device
         logs = []
-        micro = 0
+        micro, said = 0, time.monotonic()
+        total = cfg.train.num_inner_epochs * N * self.train_timesteps // self.train_batch
         stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
         for inner in range(cfg.train.num_inner_epochs):
             gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
@@ -450,6 +452,10 @@ class Trainer:
                         stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
                     else:
                         rt.sync()
+                    if time.monotonic() - said > PROGRESS_EVERY_S:  # a long phase is not a silent one
+                        said = time.monotonic()
+                        say(rt, f"[epoch {epoch}] training: {micro}/{total} timesteps trained, {len(logs)} optimizer "
+                                f"step(s) done")
         return logs
 
     def _make_micro_step_loss(self, autocast):
@@ -506,6 +512,7 @@ class Trainer:
         if rt.compiles_graphs:
             say(rt, f"ddpo_tpu: epoch {self.start_epoch} compiles the graphs first (the denoising step, the training "
                     f"micro-step, the update; minutes at Stable Diffusion scale); later epochs reuse them")
+        ran, t0 = [], time.monotonic()  # (epoch, reward) of the epochs this process trains, for the summary
         for epoch in range(self.start_epoch, cfg.num_epochs):
             tracker_at_start = self.tracker.state_dict()  # what a checkpoint of epoch-1 holds
             clock = PhaseClock(rt)
@@ -582,9 +589,15 @@ class Trainer:
                                 + (f"+{v['replicate_compilations']}r" if "replicate_compilations" in v else "")
                                 for k, v in clock.phases.items()))
             self._stop_if_requested(epoch, self.tracker.state_dict())
+            ran.append((epoch, float(np.nanmean(rewards))))
         if self.pool is not None:
             self.pool.shutdown()
         self.logger.finish()
+        if ran:
+            (e0, r0), (e1, r1) = ran[0], ran[-1]
+            say(rt, f"ddpo_tpu: summary: epochs {e0}-{e1} of {cfg.num_epochs} in {(time.monotonic() - t0) / 60:.1f} min "
+                    f"(this process), reward {r0:.4f} -> {r1:.4f}, {self.global_step} optimizer steps in all; weights "
+                    f"{out.path / 'weights' / 'final.safetensors'}; metrics {out.path / 'metrics.jsonl'}")
 
 
 _STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
