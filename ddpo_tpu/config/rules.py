@@ -214,16 +214,15 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 f"int({sample.num_steps} steps x {train.timestep_fraction}) = 0 timesteps to train",
                                 f"use train.timestep_fraction>={_min_fraction(sample.num_steps)}"))
 
-    K = train.timesteps_per_micro_step
+    K, budget = train.timesteps_per_micro_step, _activation_budget(cfg)
     if K != "auto" and tot.train_timesteps >= 1 and tot.train_timesteps % K:
         fits = [d for d in range(1, tot.train_timesteps + 1) if tot.train_timesteps % d == 0]
         problems.append(Problem("train.timesteps_per_micro_step", K,
                                 f"{tot.train_timesteps} timesteps are trained per sample and a micro-step fuses {K}: "
                                 f"it must divide them",
                                 f"try train.timesteps_per_micro_step={max(d for d in fits if d <= K)} (or auto)"))
-    elif K != "auto" and _activation_budget(cfg) is not None and training_activation_gib(cfg, K) > _activation_budget(cfg):
-        fits = [d for d in range(1, K) if tot.train_timesteps % d == 0
-                and training_activation_gib(cfg, d) <= _activation_budget(cfg)]
+    elif K != "auto" and budget is not None and training_activation_gib(cfg, K) > budget:
+        fits = [d for d in range(1, K) if tot.train_timesteps % d == 0 and training_activation_gib(cfg, d) <= budget]
         problems.append(Problem("train.timesteps_per_micro_step", K,
                                 f"{K} timesteps x {train.batch_size} samples{' x 2 (CFG)' if train.cfg else ''} "
                                 f"in one forward/backward need about {training_activation_gib(cfg, K):.1f} GiB of "
