@@ -1,0 +1,130 @@
+"""GRPO pieces of Flow-GRPO (yifan123/flow_grpo, ``scripts/train_sd3.py``): group-relative advantages, the closed-form
+KL to the reference policy, and the clipped objective with the KL penalty.
+
+Semantics follow the reference:
+
+* Advantages (``flow_grpo/stat_tracking.py``, ``PerPromptStatTracker.update(..., type='grpo')``, cleared every
+  epoch): for each prompt of the epoch, ``(r - mean) / (std + 1e-4)`` over that prompt's rewards, ``std`` the
+  population std (``np.std``, ddof 0), statistics in float64. With ``global_std`` the std is that of all rewards of the
+  epoch (the reference's ``sample.global_std``). The advantage is clipped to ``+-adv_clip_max`` in the loss, as there;
+  ``group_advantages(clip=...)`` can clip up front too.
+* KL (``train_sd3.py``, ``beta > 0``): ``((mean - ref_mean)^2).mean(dims (1, 2, 3)) / (2 std_dev_t^2)``, then averaged
+  over the batch, with ``mean`` / ``std_dev_t`` from ``sde_step_with_logprob`` under the trained policy and
+  ``ref_mean`` under the reference (the base model with the LoRA adapter disabled), computed without gradient. For the
+  "sde" step ``std_dev_t`` is the reference's ``std`` *before* the ``sqrt(-dt)`` factor, so this is the exact KL of
+  the two step Gaussians (per latent element, averaged) times ``-dt``; for "cps" ``std_dev_t`` is the step's std and
+  the value is the exact per-element KL. We keep the reference's value.
+* Loss: the PPO-clip policy loss of ``ddpo_tpu.ddpo.ppo.ppo_loss`` (the same as the reference's GRPO logic: advantages
+  clamped to ``+-adv_clip_max``, ratio ``exp(logp - logp_old)``, ``mean(max(-A r, -A clip(r, 1 +- eps)))``), plus
+  ``beta * mean(kl)`` when ``beta > 0``.
+
+Not here (the loop's business): the reference drops samples whose advantage is exactly 0 over all timesteps
+(``mask = advantages.abs().sum(1) != 0``, padded back to a multiple of ``num_batches_per_epoch``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ddpo_tpu.ddpo.ppo import ppo_loss
+
+__all__ = ["GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss"]
+
+GROUP_STD_EPS = 1e-4  # flow_grpo's PerPromptStatTracker: std + 1e-4
+
+
+def group_advantages(
+    rewards: np.ndarray | Sequence[float],
+    group_ids: np.ndarray | Sequence,
+    eps: float = GROUP_STD_EPS,
+    clip: float | None = None,
+    global_std: bool = False,
+) -> np.ndarray:
+    """Group-relative advantages: ``(r - mean_g) / (std_g + eps)`` per group ``g`` (e.g. the prompt).
+
+    ``rewards`` is (B,) or (B, ...) (the reference repeats each reward over the trained timesteps: (B, T)); statistics
+    are over the samples of a group along axis 0, in float64, ``std`` the population std. ``group_ids`` (B,) are
+    hashable labels (prompts or ints). ``global_std=True`` divides by the std of all rewards instead.
+    ``clip`` clamps the result to ``[-clip, clip]``. Returns float32, the shape of ``rewards``.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim < 1:
+        raise ValueError(f"rewards must have a batch axis, got shape {r.shape}")
+    groups = np.asarray(group_ids)
+    if groups.ndim != 1 or groups.shape[0] != r.shape[0]:
+        raise ValueError(f"group_ids must be 1-D with one label per reward ({r.shape[0]}), got shape {groups.shape}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    adv = np.zeros_like(r)
+    if r.shape[0] == 0:
+        return adv.astype(np.float32)
+    _, inverse = np.unique(groups, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    all_std = np.std(r, axis=0, keepdims=True)
+    for g in range(int(inverse.max()) + 1):
+        mask = inverse == g
+        group = r[mask]
+        mean = np.mean(group, axis=0, keepdims=True)
+        std = all_std if global_std else np.std(group, axis=0, keepdims=True)
+        adv[mask] = (group - mean) / (std + eps)
+    if clip is not None:
+        adv = np.clip(adv, -clip, clip)
+    return adv.astype(np.float32)
+
+
+def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+    """Per-sample closed-form KL penalty of Flow-GRPO: ``mean over non-batch dims of (mean - ref_mean)^2 / (2 std^2)``.
+
+    ``mean`` / ``ref_mean`` (B, ...) are the step means under the policy and the reference; ``std`` is the step's
+    ``std_dev_t`` ((B, 1, ..., 1), (B,), (1, ...) or a scalar). Returns (B,), in the dtype of ``mean``. The batch
+    mean of this is the reference's ``kl_loss``.
+
+    A zero ``std`` gives 0 / 0 (NaN): the last step of a "cps" schedule (sigma' = 0) is deterministic. flow_grpo
+    never trains that step (``timestep_fraction`` 0.99 trains the first ``int(0.99 T)`` = T - 1 steps); do the same.
+    """
+    if mean.shape != ref_mean.shape:
+        raise ValueError(f"mean and ref_mean must have the same shape, got {tuple(mean.shape)} and {tuple(ref_mean.shape)}")
+    batch = mean.shape[0]
+    sq = ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim)))
+    std = torch.as_tensor(std, dtype=sq.dtype, device=sq.device)
+    if std.numel() == batch:
+        std = std.reshape(batch)
+    elif std.numel() == 1:
+        std = std.reshape(())
+    else:
+        raise ValueError(f"std must have one value per sample ({batch}) or one in all, got shape {tuple(std.shape)}")
+    return sq / (2 * std**2)
+
+
+def grpo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    clip_range: float,
+    adv_clip_max: float,
+    kl: Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``ppo_loss(...) + beta * mean(kl)`` (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
+
+    Returns ``(loss, info)``; info holds ``approx_kl`` and ``clipfrac`` (as ppo_loss), ``policy_loss`` and ``kl``
+    (``mean(kl)``, logged even when beta is 0; zero when kl is None), all detached, on the device.
+    """
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and kl is None:
+        raise ValueError("beta > 0 needs the kl term")
+    policy_loss, info = ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
+    if kl is not None:
+        kl_mean = torch.mean(kl)
+        loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
+        info["kl"] = kl_mean.detach()
+    else:
+        loss = policy_loss
+        info["kl"] = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
+    info["policy_loss"] = policy_loss.detach()
+    return loss, info
