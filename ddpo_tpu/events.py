@@ -146,6 +146,16 @@ class WorkerExited(Event):
 
     kind: ClassVar[str] = "worker_exited"
     code: int
+    message: str = ""  # how it ended, for people ("was killed by SIGKILL"); empty for a documented exit code
+
+
+@dataclass(frozen=True)
+class WorkerStarted(Event):
+    """Written by the front end when it starts the training process: it opens an attempt (ddpo-status decides a
+    run's state from its last attempt), before the training process has written anything."""
+
+    kind: ClassVar[str] = "worker_started"
+    worker_pid: int
 
 
 # --- an epoch --------------------------------------------------------------------------------------------------------
@@ -306,7 +316,10 @@ def parse(rec: dict[str, Any]) -> Event | None:
     if cls is None:
         return None
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in rec.items() if k in names})
+    try:
+        return cls(**{k: v for k, v in rec.items() if k in names})
+    except TypeError:  # a required field missing: a record of another version, read as unknown
+        return None
 
 
 def _jsonable(x: Any) -> Any:
