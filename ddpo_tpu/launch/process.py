@@ -4,10 +4,14 @@ accelerator is exclusive, so sweep points never share one."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+
+from ddpo_tpu.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
 
 WORKER_MODULE = "ddpo_tpu.worker"
 
@@ -33,10 +37,16 @@ def _terminate_with_parent() -> None:
 
 
 def run_training(env: dict[str, str], log_path: Path) -> int:
+    """Run the training process to its end; its output goes to the console and to log_path (train.log), and its start
+    and exit code to events.jsonl beside it. Returns the documented exit code."""
+    run_dir = Path(log_path).parent
+    record = EventLog(run_dir, echo=_silent)
+    follow = EventFollower(run_dir / EVENTS_FILE, start=_size(run_dir / EVENTS_FILE))
     cmd = [sys.executable, "-m", WORKER_MODULE]
     # a new session: a terminal's Ctrl-C reaches only us, and we forward it once (no double interrupt)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
+    record.emit(WorkerStarted(worker_pid=proc.pid))  # long before the worker's first event (it imports torch first)
 
     def forward(signum, _frame):
         if proc.poll() is None:
@@ -44,32 +54,85 @@ def run_training(env: dict[str, str], log_path: Path) -> int:
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with open(log_path, "ab", buffering=0) as log, _LiveStatus() as live:
+        with open(log_path, "ab", buffering=0) as log, _LiveStatus(follow) as live:
             assert proc.stdout is not None
             for line in iter(proc.stdout.readline, b""):
                 log.write(line)
                 live.show(line)
-            code = proc.wait()
-            if code in DOCUMENTED:
-                return code
-            # killed by a signal (Popen gives -N, which would leak out as 256-N) or an undocumented exit: 1, and
-            # one line saying how it ended, in train.log and on the console
-            how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
-                   else f"exited with code {code}")
-            line = (f"error: the training process {how} (see {log_path}; the same command resumes from the last "
-                    f"checkpoint)\n").encode()
-            log.write(line)
-            live.show(line)
-            return EXIT_FAILED
+            code, how = reported_exit(proc.wait())
+            if how:  # one line saying how it ended, in train.log and on the console
+                line = (f"error: the training process {how} (see {log_path}; the same command resumes from the last "
+                        f"checkpoint)\n").encode()
+                log.write(line)
+                live.show(line)
+            record.emit(WorkerExited(code=code, message=how))
+            return code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
+def reported_exit(returncode: int) -> tuple[int, str]:
+    """(the exit code the front end reports, how the process ended when that is not a documented code). A process
+    killed by a signal (Popen gives -N, which would leak out as 256-N) or ending with an undocumented code gives 1."""
+    if returncode in DOCUMENTED:
+        return returncode, ""
+    if returncode < 0 and -returncode in signal.valid_signals():
+        return EXIT_FAILED, f"was killed by {signal.Signals(-returncode).name}"
+    return EXIT_FAILED, f"exited with code {returncode}"
+
+
+def _silent(*_args) -> None:
+    """The front end's events have no console text; the worker's are printed by the worker."""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+class EventFollower:
+    """The events appended to an events file since `start` (a byte offset), complete lines only: what the live
+    status line shows. A line being written is kept until its newline arrives."""
+
+    def __init__(self, path: Path, start: int = 0):
+        self.path, self.offset, self._partial = Path(path), start, b""
+
+    def poll(self) -> list[Event]:
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self.offset:  # rewritten shorter: read it from the start
+                    self.offset, self._partial = 0, b""
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("event"), str):
+                event = parse(rec)
+                if event is not None:
+                    out.append(event)
+        return out
+
+
 class _LiveStatus:
     """Pass the training process's lines through; on a terminal, also keep a live status line with the latest
-    phase ("[epoch 3] sampling batch 2/8 done"). Built from the lines the trainer prints anyway, so it never touches
-    the device or forces a sync."""
+    event ("[epoch 3] sampling batch 2/8 done"), read from events.jsonl every half second (never from the lines,
+    so rewording a console line changes nothing here; never touching the device or forcing a sync)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, follow: EventFollower):
+        self.follow = follow
 
     def __enter__(self):
         self.status, self.gone = None, False
@@ -79,31 +142,43 @@ class _LiveStatus:
             self.console = Console(highlight=False)
             self.status = self.console.status("starting the training process")
             self.status.start()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._follow, name="ddpo-live-status", daemon=True)
+            self._thread.start()
         return self
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            self.update(self.follow.poll())
+
+    def update(self, events: list[Event]) -> None:
+        """The status line shows the newest event that has a console text (its first line)."""
+        texts = [t for t in (e.text() for e in events) if t]
+        if texts and self.status is not None and not self.gone:
+            from rich.markup import escape
+
+            try:
+                self.status.update(escape(texts[-1].splitlines()[0]))  # "[epoch 3]" is not rich markup
+            except (OSError, ValueError):
+                self.gone = True
 
     def show(self, raw: bytes) -> None:
         """Never raises: a console that is gone (closed terminal, broken pipe) is dropped, train.log goes on."""
         if self.gone:
             return
         try:
-            self._show(raw)
+            if self.status is None:
+                sys.stdout.buffer.write(raw)
+                sys.stdout.flush()
+            else:
+                self.console.print(raw.decode(errors="replace").rstrip("\n"), markup=False)
         except (OSError, ValueError):
             self.gone = True
 
-    def _show(self, raw: bytes) -> None:
-        if self.status is None:
-            sys.stdout.buffer.write(raw)
-            sys.stdout.flush()
-            return
-        text = raw.decode(errors="replace").rstrip("\n")
-        self.console.print(text, markup=False)
-        if text.startswith("[epoch"):
-            from rich.markup import escape
-
-            self.status.update(escape(text))  # "[epoch 3]" is not rich markup
-
     def __exit__(self, *exc):
         if self.status is not None:
+            self._stop.set()
+            self._thread.join()
             try:
                 self.status.stop()
             except (OSError, ValueError):

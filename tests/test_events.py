@@ -1,0 +1,241 @@
+"""ddpo_tpu.events: writing, reading and rendering events; and the front end's part (ddpo_tpu.launch.process): the
+start and exit of the training process recorded as events, the live status line following events.jsonl."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpo_tpu import events as ev
+from ddpo_tpu.launch import process
+
+# one event of every kind and the console text it renders as (None: machines only). A new kind without a row here
+# fails test_every_kind_has_a_text_row.
+TEXTS = [
+    (ev.RunStart("eager_cpu on cpu", 6, 0, 8, 2, 8, "LoRA adapters", False),
+     "ddpo_tpu: eager_cpu on cpu; 6 epochs of 8 x 2 samples, 8 train timesteps; LoRA adapters"),
+    (ev.RunStart("xla on cpu", 6, 2, 8, 2, 8, "LoRA", True),
+     "ddpo_tpu: xla on cpu; 6 epochs of 8 x 2 samples, 8 train timesteps; LoRA\n"
+     "ddpo_tpu: epoch 2 compiles the graphs first (the denoising step, the training micro-step, the update; minutes "
+     "at Stable Diffusion scale); later epochs reuse them"),
+    (ev.Resumed(3, 8, "out/checkpoints/epoch_0003"),
+     "ddpo_tpu: resumed from out/checkpoints/epoch_0003 (epoch 3 done, global step 8)"),
+    (ev.CheckpointDamaged("ck/epoch_0004", "ck/epoch_0004/optimizer.pt: checksum mismatch"),
+     "ddpo_tpu: warning: ck/epoch_0004/optimizer.pt: checksum mismatch; trying the previous checkpoint"),
+    (ev.AlreadyComplete(5), "ddpo_tpu: run complete (all 5 epochs were done already)"),
+    (ev.RunComplete(), "ddpo_tpu: run complete"),
+    (ev.RunComplete(0, 4, 5, 1.25, -1.5, -1.25, 10, "w/final.safetensors", "m.jsonl"),
+     "ddpo_tpu: summary: epochs 0-4 of 5 in 1.2 min (this process), reward -1.5000 -> -1.2500, 10 optimizer steps in "
+     "all; weights w/final.safetensors; metrics m.jsonl\nddpo_tpu: run complete"),
+    (ev.Preempted(2, 6, "SIGTERM: checkpoint written"), "ddpo_tpu: preempted: SIGTERM: checkpoint written"),
+    (ev.Failed("disk full"), "error: disk full"),
+    (ev.WorkerExited(1, "was killed by SIGKILL"), None),
+    (ev.WorkerStarted(4242), None),
+    (ev.PhaseStart(3, "sampling"), "[epoch 3] sampling start"),
+    (ev.PhaseStart(3, "training"), "[epoch 3] training start"),
+    (ev.PhaseStart(3, "evaluation"), None),
+    (ev.PhaseEnd(3, "sampling", 1.5, 1.25, 2, 0.5), None),
+    (ev.SamplingBatch(3, 1, 2), "[epoch 3] sampling batch 1/2 done"),
+    (ev.RewardsGathered(3, 0.5, 0.25), "[epoch 3] rewards gathered: mean 0.5000 std 0.2500"),
+    (ev.RewardsGathered(3, 0.5, 0.25, 2), "[epoch 3] rewards gathered: mean 0.5000 std 0.2500\n"
+                                          "[epoch 3] 2 non-finite reward(s): zero advantage for those samples"),
+    (ev.TrainingProgress(3, 16, 32, 1), "[epoch 3] training: 16/32 timesteps trained, 1 optimizer step(s) done"),
+    (ev.Evaluated(3, 0.5, 0.125), "[epoch 3] eval: reward 0.5000 +- 0.1250"),
+    (ev.CheckpointSaved(3, 8, "ck/epoch_0003"), "[epoch 3] checkpoint ck/epoch_0003"),
+    (ev.EpochDone(3, 0.5, 0.125, 1.5e-4, 0.25, 2, {"sampling": {"seconds": 1.25, "compilations": 2},
+                                                   "training": {"seconds": 2.0, "compilations": 0,
+                                                                "replicate_compilations": 1}}),
+     "[epoch 3] done: reward 0.5000 +- 0.1250, approx_kl 1.50e-04, clipfrac 0.250, 2 updates, sampling 1.2s/2c, "
+     "training 2.0s/0c+1r"),
+]
+
+
+@pytest.mark.parametrize("event,text", TEXTS, ids=[f"{e.kind}-{i}" for i, (e, _) in enumerate(TEXTS)])
+def test_text_of_each_kind(event, text):
+    assert event.text() == text
+
+
+def test_every_kind_has_a_text_row():
+    assert {type(e) for e, _ in TEXTS} == set(ev._KINDS.values())
+    assert len({cls.kind for cls in ev._KINDS.values()}) == len(ev._KINDS)  # no two classes share a kind
+
+
+def test_emit_appends_a_line_and_prints_the_text(tmp_path, capsys):
+    log = ev.EventLog(tmp_path)
+    before = time.time()
+    rec = log.emit(ev.SamplingBatch(0, 1, 2))
+    log.emit(ev.WorkerExited(75))
+    log.emit(ev.Failed("no space left"))
+    lines = (tmp_path / ev.EVENTS_FILE).read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0]) == rec
+    assert rec == {"time": rec["time"], "pid": os.getpid(), "event": "sampling_batch", "epoch": 0, "batch": 1, "of": 2}
+    assert before - 0.01 <= rec["time"] <= time.time() + 0.01
+    out = capsys.readouterr()
+    assert out.out == "[epoch 0] sampling batch 1/2 done\n"  # worker_exited has no text
+    assert out.err == "error: no space left\n"  # errors go to stderr
+
+
+def test_round_trip_through_the_file(tmp_path):
+    log = ev.EventLog(tmp_path, echo=lambda *a: None)
+    sent = [e for e, _ in TEXTS]
+    for e in sent:
+        log.emit(e)
+    got = [ev.parse(r) for r in ev.read_events(tmp_path)]  # a run dir or the file itself
+    assert got == sent
+    assert [ev.parse(r) for r in ev.read_events(tmp_path / ev.EVENTS_FILE)] == sent
+
+
+def test_torn_and_foreign_lines_are_skipped(tmp_path):
+    path = tmp_path / ev.EVENTS_FILE
+    log = ev.EventLog(tmp_path, echo=lambda *a: None)
+    log.emit(ev.PhaseStart(0, "sampling"))
+    with open(path, "a") as f:
+        f.write('[1, 2]\n{"time": 1, "no_event": true}\n{"time": 1, "event": 7}\nnot json\n')
+    log.emit(ev.SamplingBatch(0, 1, 2))
+    with open(path, "a") as f:
+        f.write('{"time": 2, "event": "sampling_batch", "epo')  # killed mid-write
+    assert [r["event"] for r in ev.read_events(path)] == ["phase_start", "sampling_batch"]
+    assert ev.read_events(tmp_path / "missing") == []
+
+
+def test_unknown_kinds_and_missing_fields_parse_as_none():
+    assert ev.parse({"time": 1, "event": "from_a_newer_version", "x": 1}) is None
+    assert ev.parse({"time": 1, "event": "sampling_batch", "epoch": 0}) is None  # batch and of missing
+    assert ev.parse({"time": 1, "pid": 3, "event": "worker_exited", "code": 1, "extra": "ignored"}) == \
+        ev.WorkerExited(1)
+
+
+def test_only_the_main_process_writes_or_prints(tmp_path, capsys):
+    rec = ev.EventLog(tmp_path, is_main=False).emit(ev.Failed("boom"))
+    assert rec["event"] == "error" and rec["message"] == "boom"
+    assert not (tmp_path / ev.EVENTS_FILE).exists()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_an_unwritable_events_file_does_not_stop_the_run(tmp_path, capsys):
+    log = ev.EventLog(tmp_path / "gone")  # the directory does not exist: open() fails
+    log.emit(ev.PhaseStart(1, "training"))
+    assert capsys.readouterr().out == "[epoch 1] training start\n"
+
+
+def test_events_are_frozen_records():
+    e = ev.PhaseStart(1, "sampling")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.epoch = 2
+    assert e.record() == {"event": "phase_start", "epoch": 1, "phase": "sampling"}
+
+
+# --- the front end: its events, the live status line --------------------------------------------------------------
+
+def test_follower_reads_complete_new_lines_only(tmp_path):
+    path = tmp_path / ev.EVENTS_FILE
+    log = ev.EventLog(tmp_path, echo=lambda *a: None)
+    log.emit(ev.PhaseStart(0, "sampling"))  # before the follower starts: not shown
+    follow = process.EventFollower(path, start=path.stat().st_size)
+    assert follow.poll() == []
+    log.emit(ev.SamplingBatch(0, 1, 2))
+    with open(path, "a") as f:
+        f.write('{"time": 1, "event": "from_the_future"}\n{"time": 1, "event": "sampling_batch", "epoch": 0, ')
+    assert follow.poll() == [ev.SamplingBatch(0, 1, 2)]
+    with open(path, "a") as f:
+        f.write('"batch": 2, "of": 2}\n')  # the rest of the line being written
+    assert follow.poll() == [ev.SamplingBatch(0, 2, 2)]
+    assert follow.poll() == []
+    path.write_text("")  # rewritten: followed from the start again
+    log.emit(ev.Failed("x"))
+    assert follow.poll() == [ev.Failed("x")]
+    assert process.EventFollower(tmp_path / "none").poll() == []
+
+
+@pytest.mark.parametrize("returncode,reported,how", [
+    (0, 0, ""), (1, 1, ""), (2, 2, ""), (3, 3, ""), (75, 75, ""),
+    (-signal.SIGKILL, 1, "was killed by SIGKILL"), (-signal.SIGSEGV, 1, "was killed by SIGSEGV"),
+    (247, 1, "exited with code 247"),
+])
+def test_reported_exit(returncode, reported, how):
+    assert process.reported_exit(returncode) == (reported, how)
+
+
+FAKE_WORKER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from pathlib import Path
+    # a stand-in for ddpo_tpu.worker: prints, writes one event the way the training process does, then ends as asked
+    run_dir = Path(os.environ["FAKE_RUN_DIR"])
+    print("loading", flush=True)
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "pid": os.getpid(), "event": "phase_start", "epoch": 0,
+                            "phase": "sampling"}) + "\\n")
+    print("[epoch 0] sampling start", flush=True)
+    how = os.environ["FAKE_END"]
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(how))
+""")
+
+
+@pytest.mark.parametrize("end,code,message", [("0", 0, ""), ("75", 75, ""), ("kill", 1, "was killed by SIGKILL")])
+def test_the_front_end_records_start_and_exit(tmp_path, monkeypatch, end, code, message):
+    (tmp_path / "fake_worker.py").write_text(FAKE_WORKER)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setattr(process, "WORKER_MODULE", "fake_worker")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "FAKE_RUN_DIR": str(run_dir), "FAKE_END": end}
+    assert process.run_training(env, run_dir / "train.log") == code
+    recs = ev.read_events(run_dir)
+    assert [r["event"] for r in recs] == ["worker_started", "phase_start", "worker_exited"]
+    assert recs[0]["pid"] == os.getpid() and recs[1]["pid"] == recs[0]["worker_pid"] != os.getpid()
+    assert ev.parse(recs[2]) == ev.WorkerExited(code, message)
+    log = (run_dir / "train.log").read_text()
+    assert log.startswith("loading\n[epoch 0] sampling start\n")  # the output, unchanged
+    assert (f"error: the training process {message}" in log) == bool(message)
+
+
+class _Tty:
+    """A terminal stand-in for sys.stdout."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+    encoding = "utf-8"
+
+
+def test_the_live_line_follows_events_not_output(tmp_path, monkeypatch):
+    from rich.markup import escape
+
+    monkeypatch.setattr(sys, "stdout", _Tty())
+    monkeypatch.setattr(process._LiveStatus, "POLL_S", 0.05)
+    log = ev.EventLog(tmp_path, echo=lambda *a: None)
+    with process._LiveStatus(process.EventFollower(tmp_path / ev.EVENTS_FILE)) as live:
+        assert live.status is not None
+        live.show(b"[epoch 9] a console line that is not an event\n")
+        log.emit(ev.PhaseStart(0, "sampling"))
+        log.emit(ev.PhaseEnd(0, "sampling", 1.0, 1.0, 0, 0.0))  # no text: the line keeps the last one that has
+        deadline = time.monotonic() + 10
+        while live.status.status != escape("[epoch 0] sampling start"):
+            assert time.monotonic() < deadline, live.status.status
+            time.sleep(0.02)
+        log.emit(ev.RewardsGathered(0, 0.5, 0.25, 1))  # two lines of text: the first one
+        while live.status.status != escape("[epoch 0] rewards gathered: mean 0.5000 std 0.2500"):
+            assert time.monotonic() < deadline, live.status.status
+            time.sleep(0.02)
+    assert not live._thread.is_alive()
+    assert "a console line that is not an event" in "".join(sys.stdout.parts)
+
