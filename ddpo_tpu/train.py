@@ -13,9 +13,10 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpo_tpu.config.compose import conf_dir, overridden_keys, validate
+from ddpo_tpu.config.compose import Validated, conf_dir, overridden_keys, validate
 from ddpo_tpu.config.errors import ConfigError
 from ddpo_tpu.launch import env as envmod
 from ddpo_tpu.launch import process
@@ -48,6 +49,44 @@ def expand_sweep(overrides: list[str]) -> list[list[str]]:
     return [list(p) for p in itertools.product(*axes)]
 
 
+@dataclass
+class Point:
+    """One run of a command line: the command itself, or one point of a sweep."""
+
+    index: int
+    overrides: list[str]
+    where: str  # "[job N: overrides] " in a sweep, "" otherwise: what its problem lines start with
+    validated: Validated | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def compose_points(overrides: list[str], multirun: bool) -> list[Point]:
+    """Compose and validate every run of a command (every sweep point), writing nothing: each point carries its
+    validated config or its problems, one line each. Raises ConfigError when the sweep itself cannot be expanded (a
+    malformed override, an interval sweep). Shared by the front end and the pod launcher (ddpo_tpu.launch.pod)."""
+    from hydra.errors import OverrideParseException
+
+    from ddpo_tpu.config.compose import compose_and_validate, grammar_problem
+
+    try:
+        runs = expand_sweep(overrides) if multirun else [overrides]
+    except OverrideParseException as e:  # a malformed sweep override, named like any other problem
+        if envmod.full_error_requested():
+            raise
+        raise ConfigError([grammar_problem(e)]) from None
+    points = []
+    for i, run in enumerate(runs):
+        point = Point(i, run, f"[job {i}: {' '.join(run)}] " if multirun else "")
+        try:
+            point.validated = compose_and_validate(run)
+        except ConfigError as e:
+            if envmod.full_error_requested():
+                raise
+            point.problems = [point.where + str(p) for p in e.problems]
+        points.append(point)
+    return points
+
+
 def preflight(argv: list[str]) -> None:
     """Everything that must hold before Hydra writes a single file."""
     from hydra._internal.utils import get_args_parser
@@ -60,40 +99,23 @@ def preflight(argv: list[str]) -> None:
         _fail(legacy)
     if args.cfg or args.info:
         return  # showing the config is allowed even when it would not validate
-    from hydra.errors import OverrideParseException
-
-    from ddpo_tpu.config.compose import compose_and_validate, grammar_problem
-
     try:
-        points = expand_sweep(args.overrides) if args.multirun else [args.overrides]
-    except OverrideParseException as e:  # a malformed sweep override, named like any other problem
-        if envmod.full_error_requested():
-            raise
-        _fail([str(grammar_problem(e))])
+        points = compose_points(args.overrides, args.multirun)
     except ConfigError as e:
         _fail([str(p) for p in e.problems] or [e.context])
     errors: list[str] = []
-    locks = set()
-    roots = set()
-    valid = []
-    for i, point in enumerate(points):
-        where = f"[job {i}: {' '.join(point)}] " if args.multirun else ""
-        try:
-            validated = compose_and_validate(point)
-            locks.add(envmod.accelerator_lock_path(validated.cfg))
-            roots.add(validated.cfg.output_root)
-            valid.append(validated)
-        except ConfigError as e:
-            if envmod.full_error_requested():
-                raise
-            errors.extend(where + str(p) for p in e.problems)
-            continue
-        if args.multirun and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in point):
-            errors.extend(where + line for line in _changed_sweep_point(validated, i))
+    for p in points:
+        errors.extend(p.problems)
+        if (p.validated is not None and args.multirun
+                and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in p.overrides)):
+            errors.extend(p.where + line for line in _changed_sweep_point(p.validated, p.index))
     if errors:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
+    valid = [p.validated for p in points]
+    locks = {envmod.accelerator_lock_path(v.cfg) for v in valid}
+    roots = {v.cfg.output_root for v in valid}
     for root in roots:  # an unwritable output root is refused before Hydra tries to create a run dir there
         existing = Path(root).expanduser().absolute()
         while not existing.exists():
@@ -109,8 +131,8 @@ def preflight(argv: list[str]) -> None:
         if holder is not None:
             _fail([str(AcceleratorBusy(path, holder))], process.EXIT_BUSY)
     # and a run dir written by a live training process (the same command twice) before anything is written there
-    for i, v in enumerate(valid):
-        _fail_if_run_dir_busy(_run_dir_of(v.cfg, i if args.multirun else None))
+    for p in points:
+        _fail_if_run_dir_busy(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
 
 
 def _run_dir_of(cfg, job: int | None) -> Path:
@@ -160,7 +182,7 @@ def _changed_sweep_point(validated, num: int) -> list[str]:
 
 def _fail_without_runtime_or_credentials(valid) -> None:
     """What a run needs from this machine, checked before a run dir exists (not at compose time: --cfg, the tests
-    and scripts/launch_pod.py compose TPU configs on machines without a TPU)."""
+    and the pod launcher (ddpo-pod) compose TPU configs on machines without a TPU)."""
     import importlib.util
 
     errors = []

@@ -1,13 +1,13 @@
-"""scripts/launch_pod.py: one training command on every worker of a TPU VM slice.
+"""ddpo-pod (ddpo_tpu.launch.pod): one training command on every worker of a TPU VM slice.
 
 No network and no gcloud: the CLI runs with --dry-run (or with a fake `gcloud` first on PATH that records being
 called), the run path with subprocess.run monkeypatched, and the remote shell commands are executed here with bash in
-a temporary WORKDIR whose `ddpo_tpu.train` is a stand-in (a few lines of Python that record their argv), so quoting,
---detach, --status and --stop are checked by running them, not by reading them."""
+a temporary WORKDIR whose `ddpo_tpu.train` is a stand-in (a few lines of Python that record their argv and write a
+run dir's events the way the training process does; the rest of ddpo_tpu, ddpo_tpu.status included, is the real
+one), so quoting, --detach, --status and --stop are checked by running them, not by reading them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from ddpo_tpu.launch import pod as lp
 from ddpo_tpu.launch.env import OWNED_VARIABLES
+from tests.helpers import REPO, clean_env
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "launch_pod.py"
 TIMEOUT = 60
 
 V6E_16 = ["+experiment=compressibility_parity", "tpu_topology=v6e-16", "sample.num_batches_per_epoch=4",
@@ -38,26 +38,16 @@ TRICKY = ['run_name="my run"', "prompts.file=it's here.txt", 'xla.flags=["--xla_
           "output_root=$HOME/out;rm -rf ~", "run_name=$(touch pwned)", "model.pretrained=/data/*", "seed=7"]
 
 
-def load_module():
-    spec = importlib.util.spec_from_file_location("launch_pod", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lp = load_module()
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(extra)
-    return env
-
-
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env or clean_env(), cwd=cwd or REPO,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run([sys.executable, "-m", "ddpo_tpu.launch.pod", *args], env=env or clean_env(),
+                          cwd=cwd or REPO, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def pod(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (its config composition is the costly part of a subprocess)."""
+    code = lp.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["ddpo-pod", *args], code, out.out, out.err)
 
 
 def gcloud_lines(stdout: str) -> list[list[str]]:
@@ -96,8 +86,8 @@ def test_dry_run_v6e_16_runs_on_all_workers():
     assert "exec .venv/bin/python -m ddpo_tpu.train " in remote
 
 
-def test_dry_run_v4_64_expects_8_processes_and_passes_the_project():
-    proc = cli("--tpu", "big", "--zone", "us-central2-b", "--project", "my-proj", "--dry-run", "--", *V4_64)
+def test_dry_run_v4_64_expects_8_processes_and_passes_the_project(capsys):
+    proc = pod(capsys, "--tpu", "big", "--zone", "us-central2-b", "--project", "my-proj", "--dry-run", "--", *V4_64)
     assert proc.returncode == 0, proc.stderr
     (argv,) = gcloud_lines(proc.stdout)
     assert "--worker=all" in argv and "expecting 8 processes" in proc.stderr
@@ -105,8 +95,8 @@ def test_dry_run_v4_64_expects_8_processes_and_passes_the_project():
     assert train_argv(remote_of(argv)) == V4_64
 
 
-def test_dry_run_single_host_targets_worker_0():
-    proc = cli("--tpu", "v8", "--zone", "europe-west4-a", "--dry-run", "--", *V6E_8)
+def test_dry_run_single_host_targets_worker_0(capsys):
+    proc = pod(capsys, "--tpu", "v8", "--zone", "europe-west4-a", "--dry-run", "--", *V6E_8)
     assert proc.returncode == 0, proc.stderr
     (argv,) = gcloud_lines(proc.stdout)
     assert "--worker=0" in argv and "--worker=all" not in argv
@@ -114,8 +104,8 @@ def test_dry_run_single_host_targets_worker_0():
     assert "expecting" not in proc.stderr
 
 
-def test_dry_run_workdir_and_venv():
-    proc = cli("--tpu", "p", "--zone", "z", "--workdir", "/srv/ddpo tpu", "--venv", "/opt/venv", "--dry-run", "--",
+def test_dry_run_workdir_and_venv(capsys):
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--workdir", "/srv/ddpo tpu", "--venv", "/opt/venv", "--dry-run", "--",
                *V6E_16)
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(remote_of(gcloud_lines(proc.stdout)[0]))
@@ -123,9 +113,9 @@ def test_dry_run_workdir_and_venv():
     assert "/opt/venv/bin/python" in words
 
 
-def test_overrides_with_spaces_survive_the_cli():
+def test_overrides_with_spaces_survive_the_cli(capsys):
     tricky = V6E_16 + ['xla.flags=["--xla_a=1", "--xla_b=2"]', 'model.cache_dir="/data/it\'s my cache"', 'xla.compilation_cache_dir="$HOME/x c"']
-    proc = cli("--tpu", "p", "--zone", "z", "--dry-run", "--", *tricky)
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *tricky)
     assert proc.returncode == 0, proc.stderr
     assert train_argv(remote_of(gcloud_lines(proc.stdout)[0])) == tricky
 
@@ -150,23 +140,23 @@ def test_invalid_config_exits_2_and_names_the_key(tmp_path):
     ([], "no training overrides"),
     (["-m", "tpu_topology=v6e-8,v6e-16"], "different host counts"),
 ])
-def test_refused_arguments_exit_2(overrides, message):
-    proc = cli("--tpu", "p", "--zone", "z", "--dry-run", "--", *overrides)
+def test_refused_arguments_exit_2(capsys, overrides, message):
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *overrides)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and proc.stdout == "" and "Traceback" not in proc.stderr
 
 
-def test_multirun_is_validated_per_point_and_passed_on():
-    proc = cli("--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2", "train.clip_range=0.0001,-1")
+def test_multirun_is_validated_per_point_and_passed_on(capsys):
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2", "train.clip_range=0.0001,-1")
     assert proc.returncode == 2 and "[job 1:" in proc.stderr and "[job 0:" not in proc.stderr
-    proc = cli("--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2")
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2")
     assert proc.returncode == 0, proc.stderr
     assert train_argv(remote_of(gcloud_lines(proc.stdout)[0])) == ["-m", *V6E_16, "seed=1,2"]
 
 
-def test_stop_and_status_dry_run_target_all_workers():
-    for action, needle in (("--stop", "kill -TERM"), ("--status", "[epoch")):
-        proc = cli("--tpu", "p", "--zone", "z", "--dry-run", action)
+def test_stop_and_status_dry_run_target_all_workers(capsys):
+    for action, needle in (("--stop", "kill -TERM"), ("--status", "-m ddpo_tpu.status --brief --events 5")):
+        proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", action)
         assert proc.returncode == 0, proc.stderr
         (argv,) = gcloud_lines(proc.stdout)
         assert "--worker=all" in argv and needle in remote_of(argv)
@@ -189,7 +179,7 @@ def test_detach_wraps_in_nohup_setsid_with_a_log_per_worker():
     i = words.index("nohup")
     assert words[i + 1:i + 5] == ["setsid", ".venv/bin/python", "-m", "ddpo_tpu.train"]
     assert words[i + 5:i + 5 + len(V6E_16)] == V6E_16
-    assert 'log="logs/launch_pod-$(hostname).log"' in remote  # one log per worker: each has its own hostname
+    assert 'log="logs/ddpo-pod-$(hostname).log"' in remote  # one log per worker: each has its own hostname
     assert '>>"$log" 2>&1 </dev/null &' in remote
     (argv,) = lp.build_gcloud_commands(args_for("--detach", overrides=V6E_16), hosts=4)
     assert remote_of(argv) == remote
@@ -199,7 +189,8 @@ def test_stop_and_status_commands():
     stop = lp.build_stop_command("~/ddpo_tpu")
     assert "kill -TERM" in stop and shlex.quote(lp.FRONT_END_PATTERN) in stop and "ddpo_tpu.train " not in stop
     status = lp.build_status_command("~/ddpo_tpu", "outputs", lines=7)
-    assert "grep -F '[epoch'" in status and "tail -n 7" in status and "ps -o pid,etime,args" in status
+    assert ".venv/bin/python -m ddpo_tpu.status --brief --events 7" in status and "ps -o pid,etime,args" in status
+    assert "grep -F" not in status and "[epoch" not in status  # the state comes from events, not log lines
     (argv,) = lp.build_gcloud_commands(args_for("--stop"), hosts=None)
     assert remote_of(argv) == stop and "--worker=all" in argv
     (argv,) = lp.build_gcloud_commands(args_for("--status", "--lines", "7"), hosts=None)
@@ -295,11 +286,31 @@ def test_dry_run_runs_nothing(fake_run):
 
 FAKE_TRAIN = textwrap.dedent("""
     import json, os, signal, sys, time
-    # a stand-in for the front end: records its argv and pid, prints an epoch line, waits for SIGTERM (exit 75)
+    from pathlib import Path
+    # a stand-in for the front end: records its argv and pid, prints a line, writes a run dir's events the way the
+    # training process does (holding its lock), and on SIGTERM records a preemption and exits 75
+    from ddpo_tpu import events as ev  # the real modules, through the stand-in package's __path__
+    from ddpo_tpu.launch.lock import RunDirLock
+
     json.dump(sys.argv[1:], open("argv.json", "w"))
+    run = Path("outputs/run")
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.yaml").write_text("run_name: run\\nnum_epochs: 3\\n")
+    lock = RunDirLock(run).acquire()
+    log = ev.EventLog(run)
+    log.emit(ev.WorkerStarted(os.getpid()))
+    log.emit(ev.RunStart("stand-in", 3, 0, 8, 2, 8, "LoRA", False))
+    log.emit(ev.PhaseStart(0, "sampling"))
+    log.emit(ev.SamplingBatch(0, 1, 2))
+
+    def stop(*_):
+        open("sigterm", "w").close()
+        log.emit(ev.Preempted(-1, 0, "SIGTERM before the first checkpoint"))
+        log.emit(ev.WorkerExited(75))
+        sys.exit(75)
+
+    signal.signal(signal.SIGTERM, stop)
     open("train.pid", "w").write(str(os.getpid()))
-    print("[epoch 0] done: reward 0.5 +- 0.1", flush=True)
-    signal.signal(signal.SIGTERM, lambda *a: (open("sigterm", "w").close(), sys.exit(75)))
     if os.environ.get("FAKE_WAIT"):
         time.sleep(float(os.environ["FAKE_WAIT"]))
 """)
@@ -307,12 +318,15 @@ FAKE_TRAIN = textwrap.dedent("""
 
 @pytest.fixture
 def workdir(tmp_path):
-    """WORKDIR on a worker: .venv/bin/python (this Python) and a ddpo_tpu.train that `-m` finds first (cwd)."""
+    """WORKDIR on a worker: .venv/bin/python (this Python, with its packages) and a ddpo_tpu package that `-m` finds
+    first (cwd) whose train module is the stand-in and whose other modules are the real ones."""
     wd = tmp_path / "work dir"  # a space, so the cd is quoted
     (wd / ".venv" / "bin").mkdir(parents=True)
-    (wd / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    python = wd / ".venv" / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    python.chmod(0o755)
     (wd / "ddpo_tpu").mkdir()
-    (wd / "ddpo_tpu" / "__init__.py").write_text("")
+    (wd / "ddpo_tpu" / "__init__.py").write_text(f"__path__.append({str(REPO / 'ddpo_tpu')!r})\n")
     (wd / "ddpo_tpu" / "train.py").write_text(FAKE_TRAIN)
     yield wd
     pid_file = wd / "train.pid"
@@ -365,18 +379,21 @@ def test_detach_status_guard_and_stop_on_a_worker(workdir):
     pid = int((workdir / "train.pid").read_text())
     assert json.loads((workdir / "argv.json").read_text()) == V6E_16
     assert os.getsid(pid) == pid  # setsid: its own session, no controlling terminal to hang up
-    log = workdir / "logs" / f"launch_pod-{host}.log"
+    log = workdir / "logs" / f"ddpo-pod-{host}.log"
     end = time.monotonic() + 20
-    while "[epoch 0]" not in (log.read_text() if log.exists() else ""):
-        assert time.monotonic() < end, "no [epoch line in the detached log"
+    while "[epoch 0] sampling batch 1/2 done" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < end, "the events' text is not in the detached log"
         time.sleep(0.05)
 
-    # status: the process (found by command line and working directory) and the last [epoch line, host-prefixed
-    status = bash(lp.build_status_command(str(workdir), "outputs", lines=5))
+    # status: the process (found by command line and working directory) and the run's state from its events,
+    # host-prefixed
+    status = bash(lp.build_status_command(str(workdir), "outputs", lines=2))
     assert status.returncode == 0, status.stderr
-    assert re.search(rf"^{re.escape(host)}: +{pid} .*\.venv/bin/python -m ddpo_tpu\.train \+experiment", status.stdout,
+    assert re.search(rf"^{re.escape(host)}: +{pid} .*python -m ddpo_tpu\.train \+experiment", status.stdout,
                      re.M), status.stdout
-    assert f"{host}: [epoch 0] done: reward 0.5" in status.stdout
+    assert (f"{host}: run: running; 0/3 epochs done; epoch 0 (#1 of 3); sampling batch 2/2 (1/2 done); "
+            "last event") in status.stdout, status.stdout
+    assert f"{host}:   [epoch 0] sampling start\n{host}:   [epoch 0] sampling batch 1/2 done\n" in status.stdout
 
     # a second start on the same worker is refused while it runs (a retried SSH never starts a second copy)
     again = bash(start, FAKE_WAIT="60")
@@ -393,6 +410,7 @@ def test_detach_status_guard_and_stop_on_a_worker(workdir):
         time.sleep(0.05)
     status = bash(lp.build_status_command(str(workdir), "outputs"))
     assert f"{host}: no training process in" in status.stdout
+    assert f"{host}: run: stopped (preempted); 0/3 epochs done" in status.stdout, status.stdout
     stop = bash(lp.build_stop_command(str(workdir)))
     assert stop.returncode == 0 and "no training process" in stop.stdout
 
@@ -400,10 +418,34 @@ def test_detach_status_guard_and_stop_on_a_worker(workdir):
 def test_status_and_stop_ignore_training_in_other_directories(workdir, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
-    assert "no training process" in bash(lp.build_status_command(str(other), "outputs")).stdout
+    empty = bash(lp.build_status_command(str(other), "outputs")).stdout
+    assert "no training process" in empty and "no run dir with events.jsonl under outputs yet" in empty
     proc = bash(lp.build_remote_command(["seed=1"], str(workdir), ".venv", detach=True), FAKE_WAIT="60")
     assert proc.returncode == 0, proc.stderr
     wait_for(workdir / "train.pid")
     assert "no training process" in bash(lp.build_stop_command(str(other))).stdout
     pid = int((workdir / "train.pid").read_text())
     assert alive(pid) and not (workdir / "sigterm").exists()
+
+
+def test_the_validation_is_the_front_ends(monkeypatch):
+    """The pod launcher validates with ddpo_tpu.train.compose_points: the same problems, the same lines."""
+    from ddpo_tpu import train
+
+    seen = []
+    real = train.compose_points
+    monkeypatch.setattr(train, "compose_points", lambda o, m: seen.append((o, m)) or real(o, m))
+    topo, root = lp.validated_topology(V6E_16, False)
+    assert seen == [(V6E_16, False)] and (topo.name, topo.hosts, root) == ("v6e-16", 4, "outputs")
+    with pytest.raises(lp.Refused) as e:
+        lp.validated_topology(["seed=[1,2"], False)  # a Hydra grammar error, named like any other problem
+    assert len(e.value.lines) == 1 and e.value.lines[0].startswith("seed=[1,2: not a valid override")
+
+
+def test_the_old_script_name_still_works():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "launch_pod.py"), "--tpu", "p", "--zone", "z",
+                           "--dry-run", "--stop"], env=clean_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = gcloud_lines(proc.stdout)
+    assert remote_of(argv) == lp.build_stop_command("~/ddpo_tpu")
