@@ -17,7 +17,8 @@ run that went on. The first rule that holds decides (the output names it):
   rule             state
   error_event      failed       the last attempt has an `error` event
   exit_code        failed       the last attempt ended with an exit code other than 0 and 75 (`worker_exited`)
-  preempted        stopped      the last attempt has a `preempted` event or ended with exit 75 (the same command resumes)
+  preempted        stopped      the last attempt has a `preempted` event or ended with exit 75 (the same command
+                                resumes)
   complete         finished     the last attempt has `run_complete` or `already_complete`, or ended with exit 0
   lock_holder      running      a live process holds the run's lock (run_dir/lock or this host's accelerator lock)
   heartbeat_dead   stopped      heartbeat.json is older than 60 s and no live process holds the lock: killed (SIGKILL,

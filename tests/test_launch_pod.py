@@ -105,8 +105,8 @@ def test_dry_run_single_host_targets_worker_0(capsys):
 
 
 def test_dry_run_workdir_and_venv(capsys):
-    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--workdir", "/srv/ddpo tpu", "--venv", "/opt/venv", "--dry-run", "--",
-               *V6E_16)
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--workdir", "/srv/ddpo tpu", "--venv", "/opt/venv", "--dry-run",
+               "--", *V6E_16)
     assert proc.returncode == 0, proc.stderr
     words = shlex.split(remote_of(gcloud_lines(proc.stdout)[0]))
     assert words[:2] == ["cd", "/srv/ddpo tpu"]
@@ -147,7 +147,8 @@ def test_refused_arguments_exit_2(capsys, overrides, message):
 
 
 def test_multirun_is_validated_per_point_and_passed_on(capsys):
-    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2", "train.clip_range=0.0001,-1")
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2",
+               "train.clip_range=0.0001,-1")
     assert proc.returncode == 2 and "[job 1:" in proc.stderr and "[job 0:" not in proc.stderr
     proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2")
     assert proc.returncode == 0, proc.stderr

@@ -264,7 +264,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--project", help="the GCP project (default: gcloud's configured one)")
     parser.add_argument("--workdir", default="~/ddpo_tpu",
                         help="the ddpo_tpu checkout on every worker (default ~/ddpo_tpu; the run dirs go under it)")
-    parser.add_argument("--venv", default=".venv", help="its virtual environment, relative to --workdir (default .venv)")
+    parser.add_argument("--venv", default=".venv",
+                        help="its virtual environment, relative to --workdir (default .venv)")
     parser.add_argument("--dry-run", action="store_true", help="print the gcloud command line(s) and run nothing")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--detach", action="store_true",
