@@ -87,7 +87,9 @@ def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     never trains that step (``timestep_fraction`` 0.99 trains the first ``int(0.99 T)`` = T - 1 steps); do the same.
     """
     if mean.shape != ref_mean.shape:
-        raise ValueError(f"mean and ref_mean must have the same shape, got {tuple(mean.shape)} and {tuple(ref_mean.shape)}")
+        raise ValueError(
+            f"mean and ref_mean must have the same shape, got {tuple(mean.shape)} and {tuple(ref_mean.shape)}"
+        )
     batch = mean.shape[0]
     sq = ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim)))
     std = torch.as_tensor(std, dtype=sq.dtype, device=sq.device)

@@ -305,12 +305,18 @@ def load_sd3(
     ``vae_dtype`` (float32 by default, as flow_grpo keeps it). Every model is in eval mode with requires_grad False.
     Failures raise ``ModelLoadError`` naming the part, the reason and the fix.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer
 
     pretrained = os.fspath(pretrained)
     if not pretrained or not pretrained.strip():
-        raise _load_error(repr(pretrained), revision, f"no Stable Diffusion 3 checkpoint there (empty value).{_fix(True)}")
+        raise _load_error(repr(pretrained), revision,
+                          f"no Stable Diffusion 3 checkpoint there (empty value).{_fix(True)}")
     local_path = os.path.expanduser(pretrained)
     is_local = os.path.isdir(local_path)
     if is_local:
