@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,16 +279,19 @@ class EventLog:
         if not self.is_main:
             return rec
         if self.path is not None:
-            with open(self.path, "a") as f:  # flushed on close; a SIGKILL loses no line the OS was handed
-                f.write(json.dumps(rec, default=_jsonable) + "\n")
+            try:
+                with open(self.path, "a") as f:  # flushed on close; a SIGKILL loses no line the OS was handed
+                    f.write(json.dumps(rec, default=_jsonable) + "\n")
+            except OSError:
+                pass  # a full or read-only disk is reported by the writes that matter (and by this event's text)
         text = event.text()
         if text is not None:
-            (self._echo or _print)(text)
+            (self._echo or _print)(text, isinstance(event, Failed))
         return rec
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)
+def _print(text: str, error: bool = False) -> None:
+    print(text, file=sys.stderr if error else sys.stdout, flush=True)
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -95,7 +95,7 @@ v = compose_and_validate(["+experiment=smoke", f"tpu_topology={topo}", f"sample.
 rt = make_runtime(v.cfg)
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 from ddpo_tpu.diffusion.ddim import DDIMTables
-from ddpo_tpu.diffusion.sampling import decode_to_uint8, sample_trajectory
+from ddpo_tpu.diffusion.sampling import decode_to_uint8, make_denoise_step, sample_trajectory
 from ddpo_tpu.models.tiny import ensure_tiny_model
 from pathlib import Path
 path = ensure_tiny_model(Path(v.cfg.model.cache_dir).expanduser())
@@ -115,8 +115,9 @@ def ours():
         cond, uncond = pipe.text_encoder(ids)[0], pipe.text_encoder(neg)[0]
     tables = DDIMTables.from_scheduler(pipe.scheduler, steps, rt.device)
     shape = (B, 4, 8, 8)
-    traj = sample_trajectory(pipe.unet, tables, cond, uncond, torch.randn(shape, generator=g),
-                             torch.randn((steps, *shape), generator=g), eta=1.0, guidance_scale=5.0, rt=rt,
+    step = make_denoise_step(pipe.unet, tables, eta=1.0, guidance_scale=5.0)
+    traj = sample_trajectory(step, steps, cond, uncond, torch.randn(shape, generator=g),
+                             torch.randn((steps, *shape), generator=g), rt=rt,
                              sync_every=v.cfg.xla.sync_every_n_denoising_steps if topo != "eager_cpu" else 0)
     return rt.to_host(decode_to_uint8(pipe.vae, traj.latents[:, -1]))
 

@@ -25,7 +25,9 @@ def trainer(run_dir: Path, model_cache: Path, *extra: str):
 
     v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", *extra])
     run_dir.mkdir(exist_ok=True)
-    return loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(run_dir), tree=v.tree, stop=SimpleNamespace(requested=False))
+    t = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(run_dir), tree=v.tree, stop=SimpleNamespace(requested=False))
+    t.resume()
+    return t
 
 
 @pytest.mark.slow

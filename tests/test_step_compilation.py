@@ -5,8 +5,6 @@ test_training.py and test_xla.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import types
 
 import pytest
 import torch
@@ -71,11 +69,14 @@ def test_unknown_compiler_and_zero_fusion_are_refused(bad):
 
 
 def _micro_step_loss(unet, tables, K: int):
-    from ddpo_tpu.ddpo.loop import Trainer
+    from ddpo_tpu.ddpo.algorithm import DDPO
+    from ddpo_tpu.ddpo.loop import make_micro_step_loss
+    from ddpo_tpu.families.sd1 import SD1Family
 
     cfg = compose_and_validate(["+experiment=smoke", "model.lora.enabled=true"]).cfg
-    owner = types.SimpleNamespace(cfg=cfg, unet=unet, tables=tables)
-    return Trainer._make_micro_step_loss(owner, contextlib.nullcontext)
+    family = SD1Family.__new__(SD1Family)  # the family's score step around this UNet and these tables
+    family.cfg, family.model, family.tables = cfg, unet, tables
+    return make_micro_step_loss(family.make_score_step(None), DDPO(cfg).loss)
 
 
 def test_fused_micro_steps_give_the_unfused_gradient(tmp_path):
@@ -102,7 +103,7 @@ def test_fused_micro_steps_give_the_unfused_gradient(tmp_path):
         uncond = torch.zeros(B * K, 77, 32)
         total = 0.0
         for j in range(0, T, K):
-            loss, kl, clipfrac = fn(cur, nxt, old_lp, idx, emb, adv, torch.arange(j, j + K), uncond)
+            loss, kl, clipfrac = fn(cur, nxt, old_lp, idx, (emb,), adv, torch.arange(j, j + K), (uncond,))
             (loss / (T // K)).backward()  # the trainer's scaling with a window of T timesteps
             total += K * float(loss.detach())
         return total, torch.cat([p.grad.flatten() for p in unet.parameters()])

@@ -327,8 +327,8 @@ for rt in runtimes:
     tables = DDIMTables.from_scheduler(comps.scheduler, T, rt.device)
     step = rt.compile_step(make_denoise_step(unet, tables, eta=1.0, guidance_scale=5.0))
     for k in range(2):  # two batches: the second compiles nothing
-        traj = sample_trajectory(unet, tables, cond.to(rt.device), uncond.to(rt.device), inits[k], noises[k],
-                                 eta=1.0, guidance_scale=5.0, rt=rt, sync_every=0, step=step)
+        traj = sample_trajectory(step, T, cond.to(rt.device), uncond.to(rt.device), inits[k], noises[k], rt=rt,
+                                 sync_every=0)
         out[(rt.name, k)] = (rt.to_host(traj.latents), rt.to_host(traj.log_probs))
         compiles.append(rt.counters().compilations)
 rel = lambda a, b: float((a - b).abs().max() / b.abs().max())

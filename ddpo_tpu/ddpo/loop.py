@@ -1,15 +1,16 @@
-"""The DDPO epoch loop, written once against the runtime interface (ddpo_tpu/runtime). Read top to bottom:
+"""The training loop, written once against small interfaces: a runtime (ddpo_tpu/runtime: eager, XLA, SPMD), a model
+family (ddpo_tpu/families: encode, a denoising step with its log-prob, decode) and an algorithm (ddpo/algorithm.py:
+advantages and the loss). Read `Trainer.fit` top to bottom:
 
-  setup     load the model, add LoRA, build the optimizer, the prompt source, the reward, the stat tracker
-  epoch:
-    sample     per batch: prompts -> text embeddings -> DDIM trajectory with log-probs -> uint8 images to the host
-    reward     host rewards overlap the sampling of the next batch (thread pool)
-    advantages per-prompt (or whole-batch) normalisation, clipped
-    train      shuffle samples and time axes on the device, PPO-clip micro-steps, one optimizer step per window
-    save       metrics line, image grid, trained weights every save_freq epochs
+  sample      per batch: prompts -> conditioning -> trajectory with log-probs -> uint8 images to the host
+  reward      host rewards overlap the sampling of the next batch (thread pool)
+  advantages  the algorithm's normalisation of the rewards
+  train       shuffle samples and time axes on the device, clipped-objective micro-steps, an update per window
+  save        metrics line, image grid, weights and checkpoint every save_freq epochs (committed last)
 
 All randomness comes from host generators seeded by (seed, epoch, stream), so every backend sees the same prompts,
-noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically.
+noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically. Progress
+leaves as typed events (ddpo_tpu/events.py), numbers as metrics.jsonl lines (ddpo_tpu/rundir.py).
 """
 
 from __future__ import annotations
@@ -17,32 +18,31 @@ from __future__ import annotations
 import contextlib
 import errno
 import signal
-import sys
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from ddpo_tpu import checkpoint as ckpt
+from ddpo_tpu import events as ev
 from ddpo_tpu.config.compose import Validated
 from ddpo_tpu.config.rules import fused_timesteps, num_train_timesteps
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.ddpo.ppo import ppo_loss
-from ddpo_tpu.ddpo.stat_tracking import PerPromptStatTracker, global_advantages
-from ddpo_tpu.diffusion.ddim import DDIMTables
-from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, make_denoise_step, sample_trajectory
-from ddpo_tpu.runtime import Runtime, make_runtime
-from ddpo_tpu.runtime.base import Counters
+from ddpo_tpu.ddpo.algorithm import make_algorithm
+from ddpo_tpu.ddpo.state import TrainState
+from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
+from ddpo_tpu.families import Cond, load_family
 from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir import RunDir
+from ddpo_tpu.runtime import Runtime, make_runtime
+from ddpo_tpu.runtime.base import Counters
 
 STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
-PROGRESS_EVERY_S = 30.0  # at most one progress line per phase this often (sampling also says each batch)
+PROGRESS_EVERY_S = 30.0  # at most one progress event per phase this often (sampling also reports each batch)
 
 
 def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0) -> int:
@@ -56,47 +56,61 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def say(rt: Runtime, msg: str) -> None:
-    if rt.is_main:
-        print(msg, flush=True)
+def cat_cond(conds: list[Cond]) -> Cond:
+    return tuple(torch.cat(parts) for parts in zip(*conds))
+
+
+@dataclass
+class SampledEpoch:
+    """What sampling an epoch produced: trajectories and conditioning on the device, rewards pending on the host."""
+
+    trajectories: list[Trajectory]
+    conds: list[Cond]
+    prompts: list[str]
+    pending_rewards: list        # per batch: a Future or an array
+    first_images: np.ndarray     # the first batch's uint8 images (for the grid)
 
 
 @dataclass
 class EpochSamples:
-    """One epoch's trajectories, global batch first, on the device."""
+    """One epoch's trajectories with their advantages, global batch first, on the device."""
 
     latents: torch.Tensor       # (N, T+1, C, h, w)
     log_probs: torch.Tensor     # (N, T)
     step_indices: torch.Tensor  # (N, T)
-    embeds: torch.Tensor        # (N, L, D)
+    cond: Cond                  # each (N, ...)
     advantages: torch.Tensor    # (N,)
 
 
 @dataclass
 class PhaseClock:
+    """Wall time, main-thread CPU time and the runtime's counters of each phase of an epoch."""
+
     rt: Runtime
+    events: ev.EventLog | None = None
+    epoch: int = 0
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    @contextlib.contextmanager
     def measure(self, name: str):
-        clock = self
+        t0, c0, h0 = time.perf_counter(), self.rt.counters(), time.thread_time()
+        yield
+        d: Counters = self.rt.counters().minus(c0)
+        p = self.phases[name] = {"seconds": round(time.perf_counter() - t0, 4),
+                                 # CPU time of this (the main) thread: tracing, dispatch and Python; XLA executes on
+                                 # other threads. Near `seconds`: the phase is host-bound
+                                 "host_seconds": round(time.thread_time() - h0, 4),
+                                 "compilations": d.compilations, "compile_seconds": round(d.compile_time_s, 4),
+                                 **({"replicate_compilations": d.replicate_compilations}
+                                    if d.replicate_compilations else {}),
+                                 "host_transfers": d.host_transfers,
+                                 **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {})}
+        if self.events is not None:
+            self.events.emit(ev.PhaseEnd(self.epoch, name, p["seconds"], p["host_seconds"], p["compilations"],
+                                         p["compile_seconds"]))
 
-        class _Ctx:
-            def __enter__(self):
-                self.t0, self.c0, self.h0 = time.perf_counter(), clock.rt.counters(), time.thread_time()
-
-            def __exit__(self, *exc):
-                d: Counters = clock.rt.counters().minus(self.c0)
-                clock.phases[name] = {"seconds": round(time.perf_counter() - self.t0, 4),
-                                      # CPU time of this (the main) thread: tracing, dispatch and Python; XLA
-                                      # executes on other threads. Near `seconds`: the phase is host-bound
-                                      "host_seconds": round(time.thread_time() - self.h0, 4),
-                                      "compilations": d.compilations, "compile_seconds": round(d.compile_time_s, 4),
-                                      **({"replicate_compilations": d.replicate_compilations}
-                                         if d.replicate_compilations else {}),
-                                      "host_transfers": d.host_transfers,
-                                      **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {})}
-
-        return _Ctx()
+    def total(self, key: str) -> float:
+        return sum(p.get(key, 0) for p in self.phases.values())
 
 
 class Preempted(Exception):
@@ -130,97 +144,71 @@ class CannotStart(RuntimeError):
     """The run dir cannot hold this run (permissions, disk space): found before any training."""
 
 
+def make_micro_step_loss(score_step, loss):
+    """The clipped-objective loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into
+    one guided forward of B x K samples (sample-major, so each data-parallel shard keeps its own samples). Returns
+    the algorithm's (loss, *statistics), each a mean over the B x K terms. A plain function of tensors: the runtime
+    compiles it once."""
+
+    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond):
+        B, K = cur.shape[0], cols.shape[0]
+        flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
+        score = score_step(flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond),
+                           uncond)
+        return loss(score, flat(old_lp), adv.repeat_interleave(K))
+
+    return micro_step_loss
+
+
 class Trainer:
+    """Builds a run's parts from its config; `resume()` restores a checkpoint; `fit()` trains. Building reads the
+    run dir (is it writable, is there room) but changes nothing in it."""
+
     def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir, tree: dict | None = None,
-                 stop: StopRequest | None = None):
-        from ddpo_tpu.models.from_config import load_from_config
-        from ddpo_tpu.models.lora import make_trainable
+                 stop: StopRequest | None = None, events: ev.EventLog | None = None):
         from ddpo_tpu.prompts import make_prompt_source
-        from ddpo_tpu.rewards import make_reward
+        from ddpo_tpu.rewards.from_config import reward_from_config
 
         self.cfg, self.rt, self.out = cfg, rt, out
         self.tree = tree if tree is not None else cfg.model_dump()
         self.stop = stop or StopRequest()
+        self.events = events or ev.EventLog(out.path, rt.is_main)
         self.mixed = cfg.train.mixed_precision == "bf16"
         torch.manual_seed(cfg.seed)  # adapter init: drawn on the host, identical on every backend
-        comps = load_from_config(cfg.model)
-        self.tokenizer, self.scheduler = comps.tokenizer, comps.scheduler
-        make_trainable(comps.unet, cfg.model)
-        self.unet = comps.unet.to(rt.device)
-        self.vae = comps.vae.to(rt.device)
-        self.text_encoder = comps.text_encoder.to(rt.device)
-        # after .to(device): moving to an XLA device may replace the Parameter objects
-        self.params = [p for p in self.unet.parameters() if p.requires_grad]
-        t = cfg.train
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                           weight_decay=t.adam_weight_decay, eps=t.adam_epsilon)
-        # every UNet weight (frozen ones too) replicated or split on the fsdp axis; then each gradient and moment
-        # placed as it is made, so under fsdp they are never whole on a device
-        rt.place_state(self.unet.parameters())
-        # AdamW's state as its first step would create it (step on the host, zero moments), but uploaded as data:
-        # created lazily inside the first step it would make that step a graph of its own, compiled again at the
-        # second step (in epoch 1 when an epoch has a single update)
-        for p in self.params:
-            st = self.optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                            "exp_avg": torch.zeros(p.shape, dtype=p.dtype).to(rt.device),
-                                            "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype).to(rt.device)}
-            # gradients too (backward accumulates into them, zero_grad zeroes them in place): one layout for the
-            # first micro-step and every later one. (A trainable weight no loss reaches would now get AdamW's weight
-            # decay where a None gradient skipped it; LoRA and the UNet reach every one.)
-            p.grad = torch.zeros(p.shape, dtype=p.dtype).to(rt.device)
-            rt.place_state([p.grad, st["exp_avg"], st["exp_avg_sq"]])
-        self.tables = DDIMTables.from_scheduler(self.scheduler, cfg.sample.num_steps, rt.device)
+        self.family = load_family(cfg, rt)
+        self.state = TrainState(self.family.model, cfg.train, rt)
+        self.algorithm = make_algorithm(cfg)
         p = cfg.prompts
         self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,
                                           activities_file=p.activities_file)
-        # reward-specific keys of the reward group (clip_model, mlp_path, ...) go to the reward's constructor
-        extra = cfg.reward.model_dump(exclude={"name", "host_workers"}, exclude_none=True)
-        if extra.get("clip_model") == "tiny":  # model=tiny pairs with tiny stand-ins (conf/reward_local)
-            from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
-
-            clip, mlp = ensure_tiny_aesthetic(Path(cfg.model.cache_dir).expanduser())
-            extra.update(clip_model=str(clip), **({"mlp_path": str(mlp)} if "mlp_path" in extra else {}))
-        if cfg.reward.name in ("aesthetic", "clip_score") and rt.device.type == "cuda":
-            extra["device"] = str(rt.device)  # CLIP rewards stay on a CUDA device; on XLA they run on the host CPU
-        self.reward = make_reward(cfg.reward.name, **extra)
-        for r in (self.reward, *getattr(self.reward, "components", ())):
-            if hasattr(r, "should_stop"):  # remote rewards: a SIGTERM ends a hanging request within a second
-                r.should_stop = lambda: self.stop.requested
+        self.reward = reward_from_config(cfg.reward, model_cache_dir=cfg.model.cache_dir, device=rt.device,
+                                         should_stop=lambda: self.stop.requested)
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
-        self.tracker = PerPromptStatTracker(cfg.stat_tracking.buffer_size, cfg.stat_tracking.min_count)
         self.global_batch = cfg.sample.batch_size * rt.replicas
         self.train_batch = cfg.train.batch_size * rt.replicas
         self.train_timesteps = num_train_timesteps(cfg)
         self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # trained timesteps per update
         self.fused = fused_timesteps(cfg)  # timesteps per forward/backward (divides train_timesteps)
-        self.latent_shape = (self.unet.config.in_channels, self.unet.config.sample_size, self.unet.config.sample_size)
         with torch.no_grad():
-            neg = self.encode([""])  # (1, L, D): the unconditional prompt
+            neg = self.family.encode([""])  # each (1, ...): the unconditional prompt
             # expanded once and materialised here: a view created per epoch would join (and change) the next graph
-            self.uncond_sample = rt.shard_batch(neg.expand(self.global_batch, -1, -1).contiguous())
-            self.uncond_train = rt.shard_batch(neg.expand(self.train_batch * self.fused, -1, -1).contiguous())
+            expand = lambda n: tuple(rt.shard_batch(c.expand(n, *c.shape[1:]).contiguous()) for c in neg)
+            self.uncond_sample, self.uncond_train = expand(self.global_batch), expand(self.train_batch * self.fused)
         rt.sync()
         # the two functions every step runs, compiled once by backends that can (xla.step_compiler)
         autocast = lambda: rt.autocast(self.mixed)
-        self.denoise_step = rt.compile_step(make_denoise_step(self.unet, self.tables, eta=cfg.sample.eta,
-                                                              guidance_scale=cfg.sample.guidance_scale,
-                                                              autocast=autocast))
-        self.micro_step_loss = rt.compile_step(self._make_micro_step_loss(autocast))
+        self.denoise_step = rt.compile_step(self.family.make_denoise_step(autocast))
+        self.micro_step_loss = rt.compile_step(make_micro_step_loss(self.family.make_score_step(autocast),
+                                                                    self.algorithm.loss))
         self._check_room()
-        self.global_step = 0
-        self.start_epoch = 0
+        self.start_epoch, self.last_saved_epoch = 0, -1
         self.run_id = uuid.uuid4().hex[:12]
-        self.last_saved_epoch = -1
-        self._resume()
-        self.layout = rt.state_layout([*self.unet.parameters(), *(p.grad for p in self.params),
-                                       *(t for st in self.optimizer.state.values() for t in st.values())])
-        if rt.is_main:
-            out.log({"kind": "event", "event": "state_layout", **asdict(self.layout)})
-        from ddpo_tpu.tracking import make_tracker
+        self.logger = None
 
-        self.logger = make_tracker(cfg.logger, out.path, self.run_id, cfg.run_name, self.tree, rt.is_main)
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
 
-    # --- checkpoints --------------------------------------------------------------------------------------------
     def _check_room(self) -> None:
         """Before any training: the run dir is writable and has room for the checkpoints it will keep."""
         import os
@@ -229,69 +217,58 @@ class Trainer:
         path = self.out.path
         if not os.access(path, os.W_OK):
             raise CannotStart(f"run dir {path} is not writable: fix its permissions or set output_root=...")
-        per_ckpt = sum(p.numel() * 4 for p in self.params) * 4  # weights x2 (checkpoint + weights/) + Adam moments
+        per_ckpt = self.state.parameter_bytes() * 4  # weights x2 (checkpoint + weights/) + Adam moments
         need = per_ckpt * (min(self.cfg.checkpoint_limit, self.cfg.num_epochs) + 1)
         free = shutil.disk_usage(path).free
         if free < need:
             raise CannotStart(f"run dir {path} has {free / 2**30:.1f} GiB free but {self.cfg.checkpoint_limit} "
-                                     f"checkpoint(s) need about {need / 2**30:.1f} GiB: free space, lower "
-                                     f"checkpoint_limit, or set output_root=... on a larger disk")
+                              f"checkpoint(s) need about {need / 2**30:.1f} GiB: free space, lower "
+                              f"checkpoint_limit, or set output_root=... on a larger disk")
 
+    # --- checkpoints --------------------------------------------------------------------------------------------
     @property
     def ckpt_root(self) -> Path:
         return self.out.path / "checkpoints"
 
-    def _resume(self) -> None:
-        from ddpo_tpu.models.lora import load_trainable_state_dict
-
+    def resume(self) -> None:
+        """Continue from the newest complete checkpoint (resume=auto) or the one named; metrics of epochs after it
+        (work a killed attempt did past its last checkpoint) are dropped, so each epoch is logged once."""
         cfg = self.cfg
         if cfg.resume == "never" and ckpt.complete(self.ckpt_root):
             raise ckpt.ResumeRefused(f"resume=never but {self.ckpt_root} holds checkpoints of an earlier run: use "
                                      f"resume=auto to continue it or a new run_name to start over")
+
         def damaged(e: ckpt.CheckpointDamaged) -> None:
             if self.rt.is_main:
                 self.out.log({"kind": "event", "event": "checkpoint_damaged", "checkpoint": str(e.path),
                               "problem": e.problem})
-            say(self.rt, f"ddpo_tpu: warning: {e}; trying the previous checkpoint")
+            self.events.emit(ev.CheckpointDamaged(str(e.path), str(e)))
 
         loaded = ckpt.load_resume(self.out.path, cfg.resume, self.tree, force=cfg.force_resume, on_damaged=damaged)
         if loaded is None:
             self.out.truncate_after_epoch(-1)  # a run killed before its first checkpoint starts clean
             return
-        path = loaded.path
-        load_trainable_state_dict(self.unet, cfg.model, {k: v.to(self.rt.device) for k, v in loaded.trainable.items()})
-        self.rt.place_state(self.params)  # copy_ into an XLA tensor drops its sharding: pin the loaded weights again
-        self._load_optimizer(loaded.optimizer)
-        self.tracker.load_state_dict(loaded.tracker)
-        self.start_epoch, self.global_step = loaded.epoch + 1, loaded.global_step
+        self.family.load_trainable_state({k: v.to(self.rt.device) for k, v in loaded.trainable.items()})
+        self.state.load_state_dict(loaded.optimizer)
+        self.algorithm.load_state_dict(loaded.tracker)
+        self.start_epoch, self.state.global_step = loaded.epoch + 1, loaded.global_step
         self.run_id, self.last_saved_epoch = loaded.run_id, loaded.epoch
         self.out.truncate_after_epoch(loaded.epoch)  # epochs after the checkpoint are logged again, once
         self.rt.sync()
         if self.rt.is_main:
             self.out.log({"kind": "event", "event": "resumed", "epoch": loaded.epoch, "global_step": self.global_step,
-                          "checkpoint": str(path)})
-        say(self.rt, f"ddpo_tpu: resumed from {path} (epoch {loaded.epoch} done, global step {self.global_step})")
+                          "checkpoint": str(loaded.path)})
+        self.events.emit(ev.Resumed(loaded.epoch, self.global_step, str(loaded.path)))
 
-    def _load_optimizer(self, saved: dict) -> None:
-        """A saved AdamW state, one parameter at a time: each moment uploaded, cast as load_state_dict would, and
-        placed as it arrives (load_state_dict would upload them all replicated beside the fresh ones)."""
-        self.optimizer.load_state_dict({**saved, "state": {}})  # the groups' hyperparameters; drops the fresh state
-        ids = [i for group in saved["param_groups"] for i in group["params"]]
-        for i, p in zip(ids, self.params, strict=True):
-            st = saved["state"][i]
-            moments = {k: st[k].to(dtype=p.dtype).to(self.rt.device) for k in ("exp_avg", "exp_avg_sq")}
-            self.optimizer.state[p] = {"step": st["step"].to(torch.float32), **moments}
-            self.rt.place_state(moments.values())
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return self.rt.state_to_host(self.family.trainable_state())
 
-    def save_checkpoint(self, epoch: int, tracker_state: dict, commit: bool = True) -> ckpt.Pending | None:
-        """Weights, optimizer and stat tracker as they are at the end of `epoch`. With commit=False the checkpoint is
-        written but not yet in place: the caller writes the epoch's metrics line and grid, then commits it, so a
-        kill at any point either finds all of the epoch's outputs or redoes the epoch."""
+    def save_checkpoint(self, epoch: int, commit: bool = True) -> ckpt.Pending | None:
+        """Weights, optimizer and algorithm state as they are now, as the end of `epoch`. With commit=False the
+        checkpoint is written but not yet in place: the caller writes the epoch's metrics line and grid, then
+        commits it, so a kill at any point either finds all of the epoch's outputs or redoes the epoch."""
         trainable = self.trainable_state()
-        opt = self.optimizer.state_dict()
-        flat = {f"{k}/{n}": t for k, v in opt["state"].items() for n, t in v.items() if torch.is_tensor(t)}
-        host = self.rt.state_to_host(flat)  # one sync, then plain copies
-        opt["state"] = {k: {n: host.get(f"{k}/{n}", t) for n, t in v.items()} for k, v in opt["state"].items()}
+        optimizer = self.state.state_dict()
         pending = None
         if self.rt.is_main:
             # the weights first: an epoch whose checkpoint is in place has its weights files too
@@ -299,7 +276,8 @@ class Trainer:
             if epoch + 1 == self.cfg.num_epochs:
                 self.out.save_weights("final", trainable)
             pending = ckpt.prepare(self.ckpt_root, epoch=epoch, global_step=self.global_step, trainable=trainable,
-                                   optimizer=opt, tracker=tracker_state, run_id=self.run_id, tree=self.tree)
+                                   optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
+                                   tree=self.tree)
         if commit:
             self.commit_checkpoint(epoch, pending)
         return pending
@@ -310,7 +288,7 @@ class Trainer:
             path = pending.commit(self.cfg.checkpoint_limit)
             self.out.log({"kind": "event", "event": "checkpoint", "epoch": epoch, "global_step": self.global_step,
                           "path": str(path)})
-            say(self.rt, f"[epoch {epoch}] checkpoint {path}")
+            self.events.emit(ev.CheckpointSaved(epoch, self.global_step, str(path)))
         self.last_saved_epoch = epoch
 
     def _saved_state(self) -> str:
@@ -319,101 +297,175 @@ class Trainer:
             return "no checkpoint was written yet (the same command starts over)"
         return f"the last checkpoint (epoch {self.last_saved_epoch}) is intact"
 
-    def _stop_if_requested(self, epoch_done: int, tracker_state: dict) -> None:
-        """At a safe point: write the state as of the end of `epoch_done` (unless saved already) and stop."""
+    def _stop_if_requested(self, epoch_done: int) -> None:
+        """At a safe point: write the state as of the end of `epoch_done` (unless saved already) and stop. Safe
+        points are where the algorithm's state is that of the end of `epoch_done` (its advantages of the next
+        epoch not yet taken)."""
         if not self.stop.requested:
             return
         if epoch_done >= 0 and self.last_saved_epoch != epoch_done:
-            self.save_checkpoint(epoch_done, tracker_state)
+            self.save_checkpoint(epoch_done)
         if self.rt.is_main:
             self.out.log({"kind": "event", "event": "preempted", "epoch": epoch_done, "global_step": self.global_step})
         if epoch_done < 0:
             raise Preempted("stopped before the first epoch was done (no checkpoint yet); the same command starts over")
         raise Preempted(f"stopped after epoch {epoch_done}; the same command resumes")
 
-    # --- pieces -------------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                             truncation=True, return_tensors="pt").input_ids
-        ids = self.rt.shard_batch(ids.to(self.rt.device)) if len(prompts) > 1 else ids.to(self.rt.device)
-        return self.text_encoder(ids)[0]
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def fit(self) -> None:
+        cfg, rt = self.cfg, self.rt
+        self._start()
+        ran, t0 = [], time.monotonic()  # (epoch, reward) of the epochs this process trains, for the summary
+        for epoch in range(self.start_epoch, cfg.num_epochs):
+            clock = PhaseClock(rt, self.events, epoch)
+            with clock.measure("sampling"):
+                sampled = self.sample_epoch(epoch)
+            with clock.measure("reward"):
+                rewards = self.gather_rewards(epoch, sampled)
+            with clock.measure("advantages"):
+                samples = self.epoch_samples(epoch, sampled, rewards)
+            self.events.emit(ev.PhaseStart(epoch, "training"))
+            with clock.measure("training"):
+                steps = self.train_epoch(epoch, samples)
+            del samples
+            if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
+                with clock.measure("evaluation"):
+                    self.evaluate(epoch)
+            self.end_epoch(epoch, sampled, rewards, steps, clock)
+            ran.append((epoch, float(np.nanmean(rewards))))
+        self._finish(ran, t0)
 
+    def _start(self) -> None:
+        from ddpo_tpu.tracking import make_tracker
+
+        cfg, rt = self.cfg, self.rt
+        layout = self.state.layout()
+        if rt.is_main:
+            self.out.log({"kind": "event", "event": "state_layout", **asdict(layout)})
+        self.logger = make_tracker(cfg.logger, self.out.path, self.run_id, cfg.run_name, self.tree, rt.is_main)
+        self.events.emit(ev.RunStart(rt.describe(), cfg.num_epochs, self.start_epoch, self.global_batch,
+                                     cfg.sample.num_batches_per_epoch, self.train_timesteps, layout.describe(),
+                                     rt.compiles_graphs))
+
+    def _finish(self, ran: list[tuple[int, float]], t0: float) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.logger.finish()
+        if not ran:
+            self.events.emit(ev.RunComplete())
+            return
+        (e0, r0), (e1, r1) = ran[0], ran[-1]
+        self.events.emit(ev.RunComplete(e0, e1, self.cfg.num_epochs, round((time.monotonic() - t0) / 60, 2), r0, r1,
+                                        self.global_step, str(self.out.path / "weights" / "final.safetensors"),
+                                        str(self.out.path / "metrics.jsonl")))
+
+    # --- sampling and rewards ---------------------------------------------------------------------------------
     def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray:
         if self.pool is None:
             return self.reward(images, prompts)
         return self.pool.submit(self.reward, images, prompts)
 
-    def sample_epoch(self, epoch: int) -> tuple[list[torch.Tensor], list[str], list[Any], np.ndarray]:
+    def _sample_batch(self, prompts: list[str], gen: torch.Generator) -> tuple[Trajectory, Cond, np.ndarray]:
+        """One batch: initial latents and per-step noise from `gen`, the trajectory, its images on the host."""
         cfg, rt = self.cfg, self.rt
+        B, T, shape = len(prompts), self.family.num_steps, self.family.latent_shape
+        init = torch.randn((B, *shape), generator=gen)
+        noise = torch.randn((T, B, *shape), generator=gen)
+        cond = self.family.encode(prompts)
+        traj = sample_trajectory(self.denoise_step, T, cond, self.uncond_sample, init, noise, rt=rt,
+                                 sync_every=cfg.xla.sync_every_n_denoising_steps)
+        with rt.autocast(self.mixed):
+            images = self.family.decode(traj.latents[:, -1])
+        return traj, cond, rt.to_host(images).numpy()  # the one device-to-host copy of this batch
+
+    def sample_epoch(self, epoch: int) -> SampledEpoch:
+        cfg, rt = self.cfg, self.rt
+        self.events.emit(ev.PhaseStart(epoch, "sampling"))
         prompt_rng = np.random.default_rng(stream_seed(cfg.seed, epoch, STREAM_PROMPTS))
         noise_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_NOISE))
-        self.unet.eval()
-        parts, prompts_all, pending, first_images = [], [], [], None
-        B, T = self.global_batch, self.tables.num_steps
-        uncond = self.uncond_sample
-        for b in range(cfg.sample.num_batches_per_epoch):
-            prompts = self.prompts.sample(B, prompt_rng)
-            init = torch.randn((B, *self.latent_shape), generator=noise_gen)
-            noise = torch.randn((T, B, *self.latent_shape), generator=noise_gen)
-            cond = self.encode(prompts)
-            traj = sample_trajectory(self.unet, self.tables, cond, uncond, init, noise, eta=cfg.sample.eta,
-                                     guidance_scale=cfg.sample.guidance_scale, rt=rt,
-                                     sync_every=cfg.xla.sync_every_n_denoising_steps, step=self.denoise_step)
-            with rt.autocast(self.mixed):
-                images = decode_to_uint8(self.vae, traj.latents[:, -1])
-            host_images = rt.to_host(images).numpy()  # the one device-to-host copy of this batch
-            pending.append(self._score(host_images, prompts))
-            parts.append((traj, cond))
-            prompts_all.extend(prompts)
-            if first_images is None:
-                first_images = host_images
+        self.family.model.eval()
+        out = SampledEpoch([], [], [], [], None)
+        n = cfg.sample.num_batches_per_epoch
+        for b in range(n):
+            prompts = self.prompts.sample(self.global_batch, prompt_rng)
+            traj, cond, images = self._sample_batch(prompts, noise_gen)
+            out.pending_rewards.append(self._score(images, prompts))
+            out.trajectories.append(traj)
+            out.conds.append(cond)
+            out.prompts.extend(prompts)
+            if out.first_images is None:
+                out.first_images = images
             if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
                 rt.sync()
-            say(rt, f"[epoch {epoch}] sampling batch {b + 1}/{cfg.sample.num_batches_per_epoch} done")
-            self._stop_if_requested(epoch - 1, self.tracker.state_dict())
-        return parts, prompts_all, pending, first_images
+            self.events.emit(ev.SamplingBatch(epoch, b + 1, n))
+            self._stop_if_requested(epoch - 1)
+        return out
+
+    def gather_rewards(self, epoch: int, sampled: SampledEpoch) -> np.ndarray:
+        """The epoch's rewards (NaN where a reward was not finite and on_nonfinite_reward=skip)."""
+        cfg = self.cfg
+        if cfg.xla.sync_before_reward_gather:
+            self.rt.sync()
+        try:
+            rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards])
+        except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
+            self._stop_if_requested(epoch - 1)
+            raise
+        bad = ~np.isfinite(rewards)
+        if bad.any() and cfg.on_nonfinite_reward == "stop":
+            raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) in epoch "
+                            f"{epoch}: stopped; {self._saved_state()} (on_nonfinite_reward=skip gives those samples "
+                            f"zero advantage instead)")
+        self.events.emit(ev.RewardsGathered(epoch, float(rewards.mean()), float(rewards.std()), int(bad.sum())))
+        return np.where(bad, np.nan, rewards)
+
+    def epoch_samples(self, epoch: int, sampled: SampledEpoch, rewards: np.ndarray) -> EpochSamples:
+        """Advantages from the algorithm (zero for non-finite rewards), beside the trajectories on the device."""
+        keep = np.isfinite(rewards)
+        adv = np.zeros_like(rewards, dtype=np.float32)
+        if keep.all():
+            adv = self.algorithm.advantages(sampled.prompts, rewards)
+        else:
+            adv[keep] = self.algorithm.advantages([p for p, k in zip(sampled.prompts, keep) if k], rewards[keep])
+        if not np.isfinite(adv).all():
+            raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self._saved_state()}")
+        trajs = sampled.trajectories
+        return EpochSamples(
+            latents=torch.cat([t.latents for t in trajs]),
+            log_probs=torch.cat([t.log_probs for t in trajs]),
+            step_indices=torch.cat([t.step_indices for t in trajs]),
+            cond=cat_cond(sampled.conds),
+            advantages=self.rt.shard_batch(torch.as_tensor(adv, dtype=torch.float32).to(self.rt.device)),
+        )
 
     def evaluate(self, epoch: int) -> dict:
         """Fixed prompts and fixed noise, one sampling batch (the sampling graphs, so nothing new compiles)."""
-        cfg, rt = self.cfg, self.rt
-        B, T = self.global_batch, self.tables.num_steps
-        ev = cfg.evaluation
-        prompts = [ev.prompts[i % len(ev.prompts)] for i in range(B)]
-        gen = torch.Generator().manual_seed(ev.seed)
-        init = torch.randn((B, *self.latent_shape), generator=gen)
-        noise = torch.randn((T, B, *self.latent_shape), generator=gen)
-        self.unet.eval()
-        traj = sample_trajectory(self.unet, self.tables, self.encode(prompts), self.uncond_sample, init, noise,
-                                 eta=cfg.sample.eta, guidance_scale=cfg.sample.guidance_scale, rt=rt,
-                                 sync_every=cfg.xla.sync_every_n_denoising_steps, step=self.denoise_step)
-        with rt.autocast(self.mixed):
-            images = rt.to_host(decode_to_uint8(self.vae, traj.latents[:, -1])).numpy()
+        ev_cfg = self.cfg.evaluation
+        prompts = [ev_cfg.prompts[i % len(ev_cfg.prompts)] for i in range(self.global_batch)]
+        self.family.model.eval()
+        _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed))
         rewards = np.asarray(self.reward(images, prompts), dtype=np.float64)
-        per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev.prompts}
+        per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt}
-        if rt.is_main:
+        if self.rt.is_main:
             self.out.log(rec)
             self.out.save_image_grid(epoch, images, prompts, rewards, name="eval")
             self.logger.log({"eval/reward_mean": rec["reward_mean"]}, step=self.global_step)
-        say(rt, f"[epoch {epoch}] eval: reward {rec['reward_mean']:.4f} +- {rec['reward_std']:.4f}")
+        self.events.emit(ev.Evaluated(epoch, rec["reward_mean"], rec["reward_std"]))
         return rec
 
-    def advantages(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
-        if self.cfg.stat_tracking.per_prompt:
-            return self.tracker.update(prompts, rewards)
-        return global_advantages(rewards)
-
+    # --- training -----------------------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, s: EpochSamples) -> list[dict[str, float]]:
         cfg, rt = self.cfg, self.rt
-        self.unet.train()
+        self.family.model.train()
         N, T = s.log_probs.shape
         dev = rt.device
         logs = []
         micro, said = 0, time.monotonic()
         total = cfg.train.num_inner_epochs * N * self.train_timesteps // self.train_batch
-        stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
+        n_stats = len(self.algorithm.stat_names)
+        stats = torch.zeros(n_stats).to(dev)  # uploaded data, not a pending constant that would join the next graph
         for inner in range(cfg.train.num_inner_epochs):
             gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
             # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
@@ -430,174 +482,83 @@ class Trainer:
             cur, nxt = gat(lat[:, :-1]), gat(lat[:, 1:])
             old_lp = gat(s.log_probs.index_select(0, perm))
             idx = gat(s.step_indices.index_select(0, perm))
-            emb = s.embeds.index_select(0, perm)
+            cond = tuple(c.index_select(0, perm) for c in s.cond)
             adv = s.advantages.index_select(0, perm)
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
             for b in range(N // self.train_batch):
                 sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch).to(dev)
-                batch = [x.index_select(0, sel) for x in (cur, nxt, old_lp, idx, emb, adv)]
+                pick = lambda x: x.index_select(0, sel)
+                batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
                 for j in range(0, self.train_timesteps, K):
                     # this micro-step's K timesteps, uploaded as data: one graph for every j
                     cols = torch.arange(j, j + K).to(dev)
-                    loss, kl, clipfrac = self.micro_step_loss(*batch, cols, uncond)
+                    loss, *rest = self.micro_step_loss(*batch, cols, uncond)
                     # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum, each
                     # timestep weighs what it weighs unfused (1 / trained timesteps per update)
                     (loss / (self.window // K)).backward()
-                    stats = stats + K * torch.stack([loss.detach(), kl, clipfrac])
+                    stats = stats + K * torch.stack([loss.detach(), *rest])
                     micro += K
                     if micro % self.window == 0:
                         logs.append(self._update(epoch, stats / self.window))
-                        stats = torch.zeros(3).to(dev)  # uploaded data, not a pending constant that would join the next graph
+                        stats = torch.zeros(n_stats).to(dev)  # uploaded data, as above
                     else:
                         rt.sync()
                     if time.monotonic() - said > PROGRESS_EVERY_S:  # a long phase is not a silent one
                         said = time.monotonic()
-                        say(rt, f"[epoch {epoch}] training: {micro}/{total} timesteps trained, {len(logs)} optimizer "
-                                f"step(s) done")
+                        self.events.emit(ev.TrainingProgress(epoch, micro, total, len(logs)))
         return logs
-
-    def _make_micro_step_loss(self, autocast):
-        """The PPO-clip loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into one
-        guided forward of B x K samples (sample-major, so each data-parallel shard keeps its own samples). Returns
-        (loss, approx_kl, clipfrac), each a mean over the B x K terms."""
-        cfg, unet, tables = self.cfg, self.unet, self.tables
-
-        def micro_step_loss(cur, nxt, old_lp, idx, emb, adv, cols, uncond):
-            B, K = cur.shape[0], cols.shape[0]
-            flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
-            x_j, next_j, lp_old, i_j = flat(cur), flat(nxt), flat(old_lp), flat(idx)
-            with autocast():
-                eps = guided_noise_pred(unet, x_j, tables.timestep_at(i_j), emb.repeat_interleave(K, dim=0), uncond,
-                                        cfg.sample.guidance_scale)
-            _, lp = tables.step(eps.float(), i_j, x_j, cfg.sample.eta, prev_sample=next_j)
-            loss, info = ppo_loss(lp, lp_old, adv.repeat_interleave(K), cfg.train.clip_range, cfg.train.adv_clip_max)
-            return loss, info["approx_kl"], info["clipfrac"]
-
-        return micro_step_loss
 
     def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:
         rt = self.rt
         with (rt.profile(self.out.path, self.global_step) if self.global_step in self.cfg.xla.profile_steps
               else contextlib.nullcontext()):
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
-            rt.optimizer_step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=False)
+            norm = self.state.update(self.cfg.train.max_grad_norm)
         host = rt.to_host(torch.cat([stats, norm.reshape(1).float()])).tolist()  # one copy per optimizer step
-        self.global_step += 1
         if not all(np.isfinite(host)):
             raise NonFinite(f"non-finite loss or gradient at global step {self.global_step} (loss {host[0]}, "
-                            f"grad norm {host[3]}): stopped; {self._saved_state()}. Try a lower "
+                            f"grad norm {host[-1]}): stopped; {self._saved_state()}. Try a lower "
                             f"train.learning_rate or train.mixed_precision=no")
-        rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step, "loss": host[0],
-               "approx_kl": host[1], "clipfrac": host[2], "grad_norm": host[3]}
+        rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step,
+               **dict(zip(self.algorithm.stat_names, host)), "grad_norm": host[-1]}
         if rt.is_main:
             self.out.log(rec)
             self.logger.log({f"train/{k}": v for k, v in rec.items() if k not in ("kind", "global_step")},
-                                 step=self.global_step)
+                            step=self.global_step)
         return rec
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        from ddpo_tpu.models.lora import trainable_state_dict
-
-        return self.rt.state_to_host(trainable_state_dict(self.unet, self.cfg.model, to_host=False))
-
-    # --- the loop -----------------------------------------------------------------------------------------------
-    def fit(self) -> None:
+    # --- the end of an epoch ------------------------------------------------------------------------------------
+    def end_epoch(self, epoch: int, sampled: SampledEpoch, rewards: np.ndarray, steps: list[dict],
+                  clock: PhaseClock) -> None:
+        """Checkpoint (written, not yet in place), image grid, metrics line, then the commit: a kill before the
+        commit redoes the epoch, after it finds every output of the epoch."""
         cfg, rt, out = self.cfg, self.rt, self.out
-        say(rt, f"ddpo_tpu: {rt.describe()}; {cfg.num_epochs} epochs of {self.global_batch} x "
-                f"{cfg.sample.num_batches_per_epoch} samples, {self.train_timesteps} train timesteps; "
-                f"{self.layout.describe()}")
-        if rt.compiles_graphs:
-            say(rt, f"ddpo_tpu: epoch {self.start_epoch} compiles the graphs first (the denoising step, the training "
-                    f"micro-step, the update; minutes at Stable Diffusion scale); later epochs reuse them")
-        ran, t0 = [], time.monotonic()  # (epoch, reward) of the epochs this process trains, for the summary
-        for epoch in range(self.start_epoch, cfg.num_epochs):
-            tracker_at_start = self.tracker.state_dict()  # what a checkpoint of epoch-1 holds
-            clock = PhaseClock(rt)
-            say(rt, f"[epoch {epoch}] sampling start")
-            try:
-                with clock.measure("sampling"):
-                    parts, prompts, pending, first_images = self.sample_epoch(epoch)
-                with clock.measure("reward"):
-                    if cfg.xla.sync_before_reward_gather:
-                        rt.sync()
-                    rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in pending])
-                    bad = ~np.isfinite(rewards)
-                    if bad.any() and cfg.on_nonfinite_reward == "stop":
-                        raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) "
-                                        f"in epoch {epoch}: stopped; {self._saved_state()} (on_nonfinite_reward=skip "
-                                        f"gives those samples zero advantage instead)")
-            except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
-                self._stop_if_requested(epoch - 1, tracker_at_start)
-                raise
-            say(rt, f"[epoch {epoch}] rewards gathered: mean {rewards.mean():.4f} std {rewards.std():.4f}")
-            with clock.measure("advantages"):
-                if bad.any():
-                    say(rt, f"[epoch {epoch}] {int(bad.sum())} non-finite reward(s): zero advantage for those samples")
-                    keep = ~bad
-                    adv = np.zeros_like(rewards, dtype=np.float32)
-                    adv[keep] = self.advantages([p for p, k in zip(prompts, keep) if k], rewards[keep])
-                    rewards = np.where(bad, np.nan, rewards)
-                else:
-                    adv = self.advantages(prompts, rewards)
-                if not np.isfinite(adv).all():
-                    raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self._saved_state()}")
-                samples = EpochSamples(
-                    latents=torch.cat([t.latents for t, _ in parts]),
-                    log_probs=torch.cat([t.log_probs for t, _ in parts]),
-                    step_indices=torch.cat([t.step_indices for t, _ in parts]),
-                    embeds=torch.cat([c for _, c in parts]),
-                    advantages=rt.shard_batch(torch.as_tensor(adv, dtype=torch.float32).to(rt.device)),
-                )
-                del parts
-            say(rt, f"[epoch {epoch}] training start")
-            with clock.measure("training"):
-                steps = self.train_epoch(epoch, samples)
-            del samples
-            if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
-                with clock.measure("evaluation"):
-                    self.evaluate(epoch)
-            saving = (epoch + 1) % cfg.save_freq == 0 or epoch + 1 == cfg.num_epochs or self.stop.requested
-            with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
-                pending = self.save_checkpoint(epoch, self.tracker.state_dict(), commit=False) if saving else None
-            if rt.is_main:
-                out.save_image_grid(epoch, first_images, prompts, rewards)
-                self.logger.log_images(self.global_step, first_images[:16],
-                                            [f"{p} | {r:.4f}" for p, r in zip(prompts[:16], rewards[:16])])
-                mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
-                out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step,
-                         "reward_mean": float(np.nanmean(rewards)), "reward_std": float(np.nanstd(rewards)),
-                         "num_samples": int(rewards.size), "loss": mean("loss"), "approx_kl": mean("approx_kl"),
-                         "clipfrac": mean("clipfrac"),
-                         "host_seconds": round(sum(p["host_seconds"] for p in clock.phases.values()), 4),
-                         "host_peak_rss_gib": round(peak_rss_gib(), 3),
-                         "new_compilations": sum(p["compilations"] for p in clock.phases.values()),
-                         "new_replicate_compilations": sum(p.get("replicate_compilations", 0)
-                                                           for p in clock.phases.values()),
-                         "phases": clock.phases})
-                self.logger.log({"epoch": epoch, "reward_mean": float(np.nanmean(rewards)),
-                                      "reward_std": float(np.nanstd(rewards)), "phases": clock.phases},
-                                     step=self.global_step)
-            if saving:  # after every output of the epoch: a kill before this line redoes the epoch
-                self.commit_checkpoint(epoch, pending)
-            kl, cf = (float(np.mean([st[k] for st in steps])) if steps else float("nan") for k in ("approx_kl", "clipfrac"))
-            say(rt, f"[epoch {epoch}] done: reward {np.nanmean(rewards):.4f} +- {np.nanstd(rewards):.4f}, "
-                    f"approx_kl {kl:.2e}, clipfrac {cf:.3f}, {len(steps)} updates, "
-                    + ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
-                                + (f"+{v['replicate_compilations']}r" if "replicate_compilations" in v else "")
-                                for k, v in clock.phases.items()))
-            self._stop_if_requested(epoch, self.tracker.state_dict())
-            ran.append((epoch, float(np.nanmean(rewards))))
-        if self.pool is not None:
-            self.pool.shutdown()
-        self.logger.finish()
-        if ran:
-            (e0, r0), (e1, r1) = ran[0], ran[-1]
-            say(rt, f"ddpo_tpu: summary: epochs {e0}-{e1} of {cfg.num_epochs} in {(time.monotonic() - t0) / 60:.1f} min "
-                    f"(this process), reward {r0:.4f} -> {r1:.4f}, {self.global_step} optimizer steps in all; weights "
-                    f"{out.path / 'weights' / 'final.safetensors'}; metrics {out.path / 'metrics.jsonl'}")
+        saving = (epoch + 1) % cfg.save_freq == 0 or epoch + 1 == cfg.num_epochs or self.stop.requested
+        with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
+            pending = self.save_checkpoint(epoch, commit=False) if saving else None
+        mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
+        reward_mean, reward_std = float(np.nanmean(rewards)), float(np.nanstd(rewards))
+        if rt.is_main:
+            out.save_image_grid(epoch, sampled.first_images, sampled.prompts, rewards)
+            self.logger.log_images(self.global_step, sampled.first_images[:16],
+                                   [f"{p} | {r:.4f}" for p, r in zip(sampled.prompts[:16], rewards[:16])])
+            out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step, "reward_mean": reward_mean,
+                     "reward_std": reward_std, "num_samples": int(rewards.size),
+                     **{k: mean(k) for k in self.algorithm.stat_names},
+                     "host_seconds": round(clock.total("host_seconds"), 4),
+                     "host_peak_rss_gib": round(peak_rss_gib(), 3),
+                     "new_compilations": int(clock.total("compilations")),
+                     "new_replicate_compilations": int(clock.total("replicate_compilations")),
+                     "phases": clock.phases})
+            self.logger.log({"epoch": epoch, "reward_mean": reward_mean, "reward_std": reward_std,
+                             "phases": clock.phases}, step=self.global_step)
+        if saving:  # after every output of the epoch: a kill before this line redoes the epoch
+            self.commit_checkpoint(epoch, pending)
+        nan_mean = lambda k: mean(k) if steps else float("nan")
+        self.events.emit(ev.EpochDone(epoch, reward_mean, reward_std, nan_mean("approx_kl"), nan_mean("clipfrac"),
+                                      len(steps), clock.phases))
+        self._stop_if_requested(epoch)
 
 
 _STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
@@ -621,22 +582,23 @@ def run(validated: Validated, run_dir: Path) -> int:
 
     stop = StopRequest()
     rt = make_runtime(validated.cfg)
+    events = ev.EventLog(run_dir, rt.is_main)
     try:
-        trainer = Trainer(validated.cfg, rt, RunDir(run_dir), tree=validated.tree, stop=stop)
+        trainer = Trainer(validated.cfg, rt, RunDir(run_dir), tree=validated.tree, stop=stop, events=events)
+        trainer.resume()
         if trainer.start_epoch >= validated.cfg.num_epochs:
-            say(rt, f"ddpo_tpu: run complete (all {validated.cfg.num_epochs} epochs were done already)")
+            events.emit(ev.AlreadyComplete(validated.cfg.num_epochs))
             return 0
         trainer.fit()
     except Preempted as e:
-        say(rt, f"ddpo_tpu: preempted: {e}")
+        events.emit(ev.Preempted(trainer.last_saved_epoch, trainer.global_step, str(e)))
         return EXIT_PREEMPTED
     except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        events.emit(ev.Failed(str(e)))
         return EXIT_FAILED
     except OSError as e:
         if e.errno not in _STORAGE_ERRORS:
             raise
-        print(f"error: {storage_error_line(e, run_dir)}", file=sys.stderr, flush=True)
+        events.emit(ev.Failed(storage_error_line(e, run_dir)))
         return EXIT_FAILED
-    say(rt, "ddpo_tpu: run complete")
     return 0

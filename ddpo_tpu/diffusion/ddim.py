@@ -126,13 +126,15 @@ def _ddim_core(
     eta,
     prev_sample: Tensor | None,
     noise: Tensor | None,
-) -> tuple[Tensor, Tensor]:
+    full: bool = False,
+) -> tuple[Tensor, ...]:
     """The DDIM step + Gaussian log-prob.
 
     ``alpha_t`` / ``alpha_prev`` are already broadcastable against ``sample`` (shape
     ``(B, 1, ..., 1)`` or all-ones) and in the compute dtype. Exactly one of
     ``prev_sample`` / ``noise`` is used (``prev_sample`` wins).
-    Returns ``(prev_sample in sample.dtype, log_prob (B,) in the compute dtype)``.
+    Returns ``(prev_sample in sample.dtype, log_prob (B,) in the compute dtype)``, and with ``full`` also the
+    step's ``mean`` and ``std_dev_t`` (what a KL penalty between two policies' steps needs).
     """
     dtype = alpha_t.dtype
     out = model_output.to(dtype)
@@ -188,6 +190,8 @@ def _ddim_core(
         - _LOG_SQRT_2PI
     )
     log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
+    if full:
+        return prev_sample, log_prob, mean, std_dev_t
     return prev_sample, log_prob
 
 
@@ -355,11 +359,13 @@ class DDIMTables:
         eta: float,
         prev_sample: Tensor | None = None,
         noise: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        full: bool = False,
+    ) -> tuple[Tensor, ...]:
         """DDIM step with log-prob at schedule positions ``step_index`` ((B,) or (), on device).
 
         ``noise`` (like ``sample``, drawn by the caller) is used when ``prev_sample`` is None;
-        when ``prev_sample`` is given, ``noise`` is ignored. Returns ``(prev_sample, log_prob (B,))``.
+        when ``prev_sample`` is given, ``noise`` is ignored. Returns ``(prev_sample, log_prob (B,))``,
+        with ``full`` also ``(mean, std_dev_t)``.
         """
         if prev_sample is None and noise is None:
             raise ValueError("DDIMTables.step needs prev_sample or noise")
@@ -380,6 +386,7 @@ class DDIMTables:
             eta,
             prev_sample,
             None if prev_sample is not None else noise,
+            full,
         )
 
     def __repr__(self) -> str:

@@ -49,17 +49,17 @@ def make_denoise_step(unet, tables: DDIMTables, *, eta: float, guidance_scale: f
 
 
 @torch.no_grad()
-def sample_trajectory(unet, tables: DDIMTables, cond: Tensor, uncond: Tensor, init_latents: Tensor,
-                      noise: Tensor, *, eta: float, guidance_scale: float, rt: Runtime, sync_every: int,
-                      step=None) -> Trajectory:
-    """Run the full DDIM schedule. `init_latents` (B,C,h,w) and `noise` (T,B,C,h,w) are host tensors drawn from the
-    run's generator, so every backend samples the same trajectory for the same seed. `step` is the denoising step
-    (make_denoise_step, possibly compiled); by default the plain one."""
-    step = step or make_denoise_step(unet, tables, eta=eta, guidance_scale=guidance_scale)
+def sample_trajectory(step, num_steps: int, cond, uncond, init_latents: Tensor, noise: Tensor, *, rt: Runtime,
+                      sync_every: int) -> Trajectory:
+    """Run a sampler of `num_steps` steps. `step` is a denoising step (x, step index, noise, cond, uncond) ->
+    (x_prev, log_prob), e.g. make_denoise_step's, possibly compiled. `init_latents` (B,C,h,w) and `noise`
+    (T,B,C,h,w) are host tensors drawn from the run's generator, so every backend samples the same trajectory for
+    the same seed. `cond`/`uncond` (a tensor or a tuple of tensors) pass through to the step."""
     batch = init_latents.shape[0]
-    x = rt.shard_batch(init_latents.to(rt.device, dtype=cond.dtype))
+    dtype = (cond[0] if isinstance(cond, tuple) else cond).dtype
+    x = rt.shard_batch(init_latents.to(rt.device, dtype=dtype))
     latents, log_probs, indices = [x], [], []
-    for i in range(tables.num_steps):
+    for i in range(num_steps):
         # an index per sample, uploaded as data: the traced graph is the same for every i
         idx = torch.full((batch,), i, dtype=torch.long).to(rt.device)
         z = rt.shard_batch(noise[i].to(rt.device, dtype=x.dtype))
@@ -67,7 +67,7 @@ def sample_trajectory(unet, tables: DDIMTables, cond: Tensor, uncond: Tensor, in
         latents.append(x)
         log_probs.append(log_prob)
         indices.append(idx)
-        if sync_every and (i + 1) % sync_every == 0 and i + 1 < tables.num_steps:
+        if sync_every and (i + 1) % sync_every == 0 and i + 1 < num_steps:
             rt.sync()
     return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), torch.stack(indices, dim=1))
 

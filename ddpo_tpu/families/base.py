@@ -1,0 +1,60 @@
+"""The small interface between the training loop and a model family (SD 1.x with DDIM, SD 3 with flow matching).
+
+Everything the loop does with a model goes through it: encode prompts, one guided denoising step with its
+log-prob (sampling), the log-prob of a recorded step under the current weights (training), and decoding to images.
+The step functions are plain functions of tensors so a runtime can compile each once (Runtime.compile_step).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+Cond = tuple[Tensor, ...]  # a batch's conditioning, batch first (SD 1.x: (text embeds,); SD 3: (embeds, pooled))
+
+
+class StepScore(NamedTuple):
+    """A recorded step re-scored under the current weights."""
+
+    log_prob: Tensor  # (B,)
+    mean: Tensor      # (B, C, h, w): the step's Gaussian mean (a KL penalty between policies compares means)
+    std: Tensor       # broadcastable against mean
+
+
+class ModelFamily(abc.ABC):
+    name: str
+    model: torch.nn.Module           # the denoiser; its trainable parameters are what a run trains
+    latent_shape: tuple[int, ...]    # (C, h, w)
+    num_steps: int                   # denoising steps per sample
+
+    @abc.abstractmethod
+    def encode(self, prompts: list[str]) -> Cond:
+        """Conditioning of the prompts on the device (batch laid out by the runtime when longer than one)."""
+
+    @abc.abstractmethod
+    def make_denoise_step(self, autocast):
+        """(x_t, step index (B,), noise, cond, uncond) -> (x_prev, log_prob): one guided sampling step."""
+
+    @abc.abstractmethod
+    def make_score_step(self, autocast):
+        """(x_t, step index (B,), x_prev, cond, uncond or None) -> StepScore: a recorded step under the current
+        weights (uncond None: no guidance)."""
+
+    @abc.abstractmethod
+    def decode(self, latents: Tensor) -> Tensor:
+        """Final latents -> uint8 images (B, H, W, 3) on the device."""
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        """The trained weights (adapter or full model), on the device."""
+        raise NotImplementedError
+
+    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
+        raise NotImplementedError
+
+    def reference(self):
+        """A context in which the model is the reference policy (the adapter off): GRPO's KL term."""
+        return contextlib.nullcontext()

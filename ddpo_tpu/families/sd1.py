@@ -1,0 +1,92 @@
+"""Stable Diffusion 1.x: a UNet predicting noise, a CLIP text encoder, the 4-channel VAE, sampled with DDIM whose
+steps are Gaussian policies (DDPO, Black et al. 2023)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.diffusion.ddim import DDIMTables
+from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, make_denoise_step
+from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
+
+
+class SD1Family(ModelFamily):
+    name = "sd1"
+
+    def __init__(self, cfg, rt, unet, vae, text_encoder, tokenizer, scheduler):
+        self.cfg, self.rt = cfg, rt
+        self.model, self.vae, self.text_encoder, self.tokenizer = unet, vae, text_encoder, tokenizer
+        self.tables = DDIMTables.from_scheduler(scheduler, cfg.sample.num_steps, rt.device)
+        self.num_steps = self.tables.num_steps
+        c = unet.config
+        self.latent_shape = (c.in_channels, c.sample_size, c.sample_size)
+
+    @classmethod
+    def load(cls, cfg, rt) -> "SD1Family":
+        from ddpo_tpu.models.from_config import load_from_config
+        from ddpo_tpu.models.lora import make_trainable
+
+        comps = load_from_config(cfg.model)
+        make_trainable(comps.unet, cfg.model)  # adapter weights drawn from torch's global generator (seeded)
+        return cls(cfg, rt, comps.unet.to(rt.device), comps.vae.to(rt.device), comps.text_encoder.to(rt.device),
+                   comps.tokenizer, comps.scheduler)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> Cond:
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids
+        ids = self.rt.shard_batch(ids.to(self.rt.device)) if len(prompts) > 1 else ids.to(self.rt.device)
+        return (self.text_encoder(ids)[0],)
+
+    def make_denoise_step(self, autocast):
+        s = self.cfg.sample
+        step = make_denoise_step(self.model, self.tables, eta=s.eta, guidance_scale=s.guidance_scale,
+                                 autocast=autocast)
+
+        def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
+            return step(x, idx, z, cond[0], uncond[0])
+
+        return denoise_step
+
+    def make_score_step(self, autocast):
+        unet, tables, s = self.model, self.tables, self.cfg.sample
+
+        def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond[0],
+                                        uncond[0] if uncond is not None else None, s.guidance_scale)
+            _, log_prob, mean, std = tables.step(eps.float(), idx, x, s.eta, prev_sample=x_prev, full=True)
+            return StepScore(log_prob, mean, std)
+
+        return score_step
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        return decode_to_uint8(self.vae, latents)
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        from ddpo_tpu.models.lora import trainable_state_dict
+
+        return trainable_state_dict(self.model, self.cfg.model, to_host=False)
+
+    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
+        from ddpo_tpu.models.lora import load_trainable_state_dict
+
+        load_trainable_state_dict(self.model, self.cfg.model, state)
+
+    def reference(self):
+        if not self.cfg.model.lora.enabled:
+            raise ValueError("the reference policy is the model with its LoRA adapter off: model.lora.enabled=true")
+        return _adapters_off(self.model)
+
+
+@contextlib.contextmanager
+def _adapters_off(model):
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
