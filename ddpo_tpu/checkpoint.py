@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ddpo_tpu.config.rules import RUN_CONTROL_KEYS, parity_relevant  # noqa: F401  (RUN_CONTROL_KEYS: re-exported)
+from ddpo_tpu.config.rules import changed_keys, parity_relevant  # one copy of what a resume compares
 
 FORMAT = 1
 _NAME = re.compile(r"^epoch_(\d{4,})$")
@@ -188,7 +188,7 @@ def load(path: Path, tree: dict[str, Any], force: bool = False) -> Loaded:
         raise ResumeRefused(f"resume={path}: checkpoint format {state.get('format')} is not {FORMAT}")
     now = parity_relevant(json.loads(json.dumps(tree, default=str)))
     then = state["config"]
-    changed = sorted(k for k in set(now) | set(then) if now.get(k) != then.get(k))
+    changed = changed_keys(then, now)
     if changed and not force:
         shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
         raise ResumeRefused(f"resume: the checkpoint {path} was trained with a different config ({shown}"

@@ -170,7 +170,7 @@ def _changed_sweep_point(validated, num: int) -> list[str]:
                 f"for this sweep)"]
     then = rules.parity_relevant(saved)
     now = rules.parity_relevant(json.loads(json.dumps(validated.tree, default=str)))
-    changed = sorted(k for k in set(then) | set(now) if then.get(k) != now.get(k))
+    changed = rules.changed_keys(then, now)
     if not changed:
         return []
     key = changed[0]

@@ -206,9 +206,10 @@ def _assigned_tuple(path: Path, name: str) -> tuple | None:
 def test_copied_constants_match_their_torch_modules():
     # read from the source: importing models/loading.py would import torch
     assert rules.PIPELINE_SUBFOLDERS == _assigned_tuple(REPO / "ddpo_tpu" / "models" / "loading.py", "SUBFOLDERS")
-    # checkpoint.py compares configs with the front end's own list (one copy)
+    assert rules.SD3_PIPELINE_SUBFOLDERS == _assigned_tuple(REPO / "ddpo_tpu" / "models" / "sd3.py", "SD3_SUBFOLDERS")
+    # checkpoint.py compares configs with the front end's own rules (one copy)
     assert _assigned_tuple(REPO / "ddpo_tpu" / "checkpoint.py", "RUN_CONTROL_KEYS") is None
-    assert "from ddpo_tpu.config.rules import RUN_CONTROL_KEYS, parity_relevant" in (
+    assert "from ddpo_tpu.config.rules import changed_keys, parity_relevant" in (
         REPO / "ddpo_tpu" / "checkpoint.py").read_text()
 
 

@@ -243,7 +243,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 "set exactly one of model.pretrained (hub id or local dir) and model.builder",
                                 "e.g. model=tiny for the local test model, model=sd14 for Stable Diffusion 1.4"))
     elif m.pretrained is not None:
-        problems.extend(_pretrained_problems(m.pretrained))
+        problems.extend(_pretrained_problems(m.pretrained, m.family))
     if m.dtype == "bfloat16" and train.mixed_precision != "bf16":
         problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
                                 "set train.mixed_precision=bf16 or model.dtype=float32"))
@@ -275,7 +275,74 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                     "weights", "download sac+logos+ava1-l14-linearMSE.pth and set reward.mlp_path=PATH"))
         elif r.mlp_path != "tiny" and not os.path.isfile(os.path.expanduser(r.mlp_path)):
             problems.append(Problem("reward.mlp_path", r.mlp_path, "file not found", "give the path of the MLP weights"))
+    problems.extend(_family_problems(cfg))
+    problems.extend(_algorithm_problems(cfg, tot, overridden))
     problems.extend(_input_problems(cfg, tot))
+    return problems
+
+
+# the sampler and the local builds each model family works with
+FAMILY_SAMPLER = {"sd1": "ddim", "sd3": "flow_sde"}
+FAMILY_BUILDERS = {"sd1": ("tiny", "sd14_topology", "sd14_random"), "sd3": ("tiny_sd3",)}
+FAMILY_SAMPLER_KEYS = {"ddim": ("eta",), "flow_sde": ("noise_level", "sde_type")}
+
+
+def _family_problems(cfg: RunConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    m, s = cfg.model, cfg.sample
+    want = FAMILY_SAMPLER[m.family]
+    if s.name != want:
+        problems.append(Problem("sample.name", s.name, f"model.family={m.family} samples with {want}",
+                                f"use sampler={'flow_sde10' if want == 'flow_sde' else 'ddim50'} (or another {want} "
+                                f"sampler)"))
+    else:
+        for key in FAMILY_SAMPLER_KEYS[want]:
+            if getattr(s, key) is None:
+                problems.append(Problem(f"sample.{key}", None, f"the {want} sampler needs it",
+                                        f"set sample.{key}=... (see conf/sampler/)"))
+    if m.builder is not None and m.builder not in FAMILY_BUILDERS[m.family]:
+        other = next(f for f, b in FAMILY_BUILDERS.items() if m.builder in b)
+        problems.append(Problem("model.builder", m.builder, f"a model.family={other} build, not {m.family}",
+                                f"set model.family={other}, or use model={FAMILY_BUILDERS[m.family][0]}"))
+    if m.text_encoder_3 and m.family != "sd3":
+        problems.append(Problem("model.text_encoder_3", True, "only SD 3 has a third (T5) text encoder",
+                                "set model.text_encoder_3=false"))
+    return problems
+
+
+def _algorithm_problems(cfg: RunConfig, tot: Totals, overridden: frozenset[str]) -> list[Problem]:
+    problems: list[Problem] = []
+    a, n = cfg.algorithm, tot.samples_per_epoch
+    if a.name != "grpo":
+        for key in ("group_size", "kl_beta", "global_std"):
+            if key in {k.removeprefix("algorithm.") for k in overridden}:
+                problems.append(Problem(f"algorithm.{key}", getattr(a, key), "a GRPO setting; algorithm=ddpo",
+                                        "add algorithm=grpo"))
+        return problems
+    if a.group_size is None:
+        return [Problem("algorithm.group_size", None, "GRPO samples every prompt of an epoch group_size times",
+                        "set algorithm.group_size=N (flow_grpo: 24)")]
+    if n % a.group_size:
+        sizes = [g for g in range(2, n + 1) if n % g == 0]
+        near = min(sizes, key=lambda g: (abs(g - a.group_size), g)) if sizes else None
+        per = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+        problems.append(Problem("algorithm.group_size", a.group_size,
+                                f"{per} samples x {tot.replicas} replicas = {n} samples per epoch do not split into "
+                                f"groups of {a.group_size}",
+                                f"try algorithm.group_size={near}" if near else
+                                "raise sample.batch_size or sample.num_batches_per_epoch"))
+    elif n // a.group_size < 1:
+        problems.append(Problem("algorithm.group_size", a.group_size, f"larger than the epoch's {n} samples",
+                                f"set algorithm.group_size={n} or fewer"))
+    if a.kl_beta > 0 and not cfg.model.lora.enabled:
+        problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
+                                "adapter off; a full fine-tune has no adapter", "set model.lora.enabled=true or "
+                                "algorithm.kl_beta=0"))
+    if (a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
+            and tot.train_timesteps >= cfg.sample.num_steps):
+        problems.append(Problem("train.timestep_fraction", cfg.train.timestep_fraction,
+                                "the last CPS step is deterministic (std 0), so its KL term is 0/0",
+                                f"train fewer steps, e.g. train.timestep_fraction=0.99 (flow_grpo)"))
     return problems
 
 
@@ -316,7 +383,8 @@ def fused_timesteps(cfg: RunConfig) -> int:
     K, T = cfg.train.timesteps_per_micro_step, num_train_timesteps(cfg)
     if K != "auto":
         return K
-    if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1:
+    # no activation figure for SD 3 yet: one timestep per micro-step until one is measured
+    if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1 or cfg.model.family != "sd1":
         return 1
     budget = _activation_budget(cfg)
     return max(d for d in range(1, min(T, AUTO_MAX_FUSED) + 1) if T % d == 0
@@ -360,16 +428,21 @@ def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
 
 # --- inputs: names, paths, URLs and flags, checked before a run dir exists -----------------------------------------
 
-# the parts models/loading.py loads from a local checkpoint (its SUBFOLDERS; copied: that module imports torch)
+# the parts models/loading.py (SD 1.x) and models/sd3.py load from a local checkpoint (their SUBFOLDERS and
+# SD3_SUBFOLDERS; copied: those modules import torch; a test keeps them equal)
 PIPELINE_SUBFOLDERS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+SD3_PIPELINE_SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2",
+                           "scheduler")
+FAMILY_SUBFOLDERS = {"sd1": PIPELINE_SUBFOLDERS, "sd3": SD3_PIPELINE_SUBFOLDERS}
 
-# keys that may change between a checkpoint and its resume without changing what is trained (checkpoint.py's
-# RUN_CONTROL_KEYS; copied so the front end compares configs without importing torch; a test keeps them equal)
-RUN_CONTROL_KEYS = ("num_epochs", "save_freq", "checkpoint_limit", "resume", "force_resume", "lock_accelerator",
-                    "output_root", "run_name", "logger.", "xla.debug_level", "xla.profile_steps",
-                    "xla.compilation_cache_dir", "xla.step_compiler", "train.timesteps_per_micro_step",
-                    "reward.host_workers", "model.cache_dir", "model.local_files_only",
-                    "model.pretrained")
+# What a checkpoint must agree on with the run that continues it: the keys that change what is trained (an allow-list:
+# the sections below, less RUN_CONTROL_KEYS). Everything else (epochs, paths, logging, evaluation, how steps are
+# compiled, fused or synced) may change between a checkpoint and its resume. Only keys both configs have are compared,
+# so a key added by an upgrade (whose default keeps the old behaviour) never blocks a resume.
+PARITY_KEYS = ("seed", "sample.", "train.", "algorithm.", "stat_tracking.", "model.", "reward.", "prompts.",
+               "tpu_topology.", "parity.", "xla.shuffle_timesteps")
+RUN_CONTROL_KEYS = ("train.timesteps_per_micro_step", "reward.host_workers", "model.cache_dir",
+                    "model.local_files_only", "model.pretrained")
 
 # what XLA_FLAGS and LIBTPU_INIT_ARGS accept: space-separated --name or --name=value (anything else aborts the runtime)
 _FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")
@@ -377,7 +450,13 @@ _CHECKPOINT_NAME = re.compile(r"^epoch_\d{4,}$")
 
 
 def parity_relevant(tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in sorted(flatten(tree).items()) if not k.startswith(RUN_CONTROL_KEYS)}
+    return {k: v for k, v in sorted(flatten(tree).items())
+            if k.startswith(PARITY_KEYS) and not k.startswith(RUN_CONTROL_KEYS)}
+
+
+def changed_keys(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """Keys of two parity_relevant() configs whose values differ; a key only one of them has is not a change."""
+    return sorted(k for k in set(then) & set(now) if then[k] != now[k])
 
 
 def _input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
@@ -455,13 +534,14 @@ def _holds_checkpoint(path: Path) -> bool:
     return False
 
 
-def _pretrained_problems(pretrained: str) -> list[Problem]:
-    """A local model dir must have what models/loading.py loads; a hub id is checked when it is loaded."""
+def _pretrained_problems(pretrained: str, family: str = "sd1") -> list[Problem]:
+    """A local model dir must have what the family's loader loads; a hub id is checked when it is loaded."""
     path = Path(pretrained).expanduser()
-    fix = ("point model.pretrained at a diffusers Stable Diffusion dir, as `huggingface-cli download "
-           "CompVis/stable-diffusion-v1-4 --local-dir DIR` writes, or use a hub id")
+    example = "stabilityai/stable-diffusion-3.5-medium" if family == "sd3" else "CompVis/stable-diffusion-v1-4"
+    fix = (f"point model.pretrained at a diffusers Stable Diffusion dir, as `huggingface-cli download "
+           f"{example} --local-dir DIR` writes, or use a hub id")
     if path.is_dir():
-        missing = [f"{s}/" for s in PIPELINE_SUBFOLDERS if not (path / s).is_dir()]
+        missing = [f"{s}/" for s in FAMILY_SUBFOLDERS[family] if not (path / s).is_dir()]
         if missing:
             return [Problem("model.pretrained", pretrained,
                             f"not a diffusers Stable Diffusion checkpoint: missing {', '.join(missing)}", fix)]

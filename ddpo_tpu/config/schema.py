@@ -25,12 +25,15 @@ class LoraConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    builder: Literal["tiny", "sd14_topology", "sd14_random"] | None
+    family: Literal["sd1", "sd3"]    # ddpo_tpu/families: SD 1.x (UNet, DDIM) or SD 3 (MMDiT, flow matching)
+    builder: Literal["tiny", "sd14_topology", "sd14_random", "tiny_sd3"] | None
     pretrained: str | None
     revision: str | None
     local_files_only: bool
     cache_dir: str
     dtype: Literal["float32", "bfloat16"]
+    text_encoder_3: bool = False     # SD 3: load the T5 encoder too (false: zeros in its place, as SD 3 allows)
+    resolution: int | None = Field(default=None, ge=8, le=4096)  # image size in pixels (null: the model's own)
     lora: LoraConfig
 
 
@@ -40,6 +43,8 @@ class RewardConfig(_Strict):
     # aesthetic
     clip_model: str | None = None
     mlp_path: str | None = None
+    # pickscore
+    processor: str | None = None
     # remote
     url: str | None = None
     timeout_s: float | None = Field(default=None, gt=0)
@@ -53,8 +58,11 @@ class RewardConfig(_Strict):
 
 
 class SampleConfig(_Strict):
+    name: Literal["ddim", "flow_sde"]  # the sampler: DDIM (SD 1.x) or Flow-GRPO's SDE (SD 3)
     num_steps: int = Field(ge=1, le=1000)
-    eta: float = Field(gt=0, le=1)
+    eta: float | None = Field(default=None, gt=0, le=1)              # ddim
+    noise_level: float | None = Field(default=None, gt=0, le=1)      # flow_sde
+    sde_type: Literal["sde", "cps"] | None = None                    # flow_sde
     guidance_scale: float = Field(ge=1)
     batch_size: int = Field(ge=1)
     num_batches_per_epoch: int = Field(ge=1)
@@ -76,6 +84,13 @@ class TrainConfig(_Strict):
     timestep_fraction: float = Field(gt=0, le=1)
     timesteps_per_micro_step: Literal["auto"] | Annotated[int, Field(ge=1, le=1000)]
     mixed_precision: Literal["no", "bf16"]
+
+
+class AlgorithmConfig(_Strict):
+    name: Literal["ddpo", "grpo"]
+    group_size: int | None = Field(default=None, ge=2)   # grpo: samples per prompt in an epoch
+    kl_beta: float = Field(default=0.0, ge=0)             # grpo: weight of the KL penalty to the reference policy
+    global_std: bool = False                              # grpo: divide by the std of the whole epoch, not the group
 
 
 class StatTrackingConfig(_Strict):
@@ -167,6 +182,7 @@ class RunConfig(_Strict):
     lock_accelerator: Literal["auto"] | bool
     sample: SampleConfig
     train: TrainConfig
+    algorithm: AlgorithmConfig
     stat_tracking: StatTrackingConfig
     evaluation: EvaluationConfig
     model: ModelConfig

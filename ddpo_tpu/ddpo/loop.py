@@ -144,20 +144,35 @@ class CannotStart(RuntimeError):
     """The run dir cannot hold this run (permissions, disk space): found before any training."""
 
 
+def _flat_step_inputs(cur, nxt, idx, cond, cols):
+    """Columns `cols` (K timesteps) of a train batch of B samples as B x K samples, sample-major (so each
+    data-parallel shard keeps its own samples)."""
+    B, K = cur.shape[0], cols.shape[0]
+    flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
+    return flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond), flat
+
+
 def make_micro_step_loss(score_step, loss):
     """The clipped-objective loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into
-    one guided forward of B x K samples (sample-major, so each data-parallel shard keeps its own samples). Returns
-    the algorithm's (loss, *statistics), each a mean over the B x K terms. A plain function of tensors: the runtime
-    compiles it once."""
+    one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
+    terms. A plain function of tensors: the runtime compiles it once."""
 
-    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond):
-        B, K = cur.shape[0], cols.shape[0]
-        flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
-        score = score_step(flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond),
-                           uncond)
-        return loss(score, flat(old_lp), adv.repeat_interleave(K))
+    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None):
+        x, i, x_prev, c, flat = _flat_step_inputs(cur, nxt, idx, cond, cols)
+        return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(cols.shape[0]),
+                    reference_mean)
 
     return micro_step_loss
+
+
+def make_reference_mean(score_step):
+    """The step means of the same B x K samples under the reference policy (run inside family.reference())."""
+
+    def reference_mean(cur, nxt, old_lp, idx, cond, adv, cols, uncond):
+        x, i, x_prev, c, _ = _flat_step_inputs(cur, nxt, idx, cond, cols)
+        return score_step(x, i, x_prev, c, uncond).mean
+
+    return reference_mean
 
 
 class Trainer:
@@ -198,8 +213,11 @@ class Trainer:
         # the two functions every step runs, compiled once by backends that can (xla.step_compiler)
         autocast = lambda: rt.autocast(self.mixed)
         self.denoise_step = rt.compile_step(self.family.make_denoise_step(autocast))
-        self.micro_step_loss = rt.compile_step(make_micro_step_loss(self.family.make_score_step(autocast),
-                                                                    self.algorithm.loss))
+        score_step = self.family.make_score_step(autocast)
+        self.micro_step_loss = rt.compile_step(make_micro_step_loss(score_step, self.algorithm.loss))
+        # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
+        self.reference_mean = (rt.compile_step(make_reference_mean(score_step))
+                               if self.algorithm.needs_reference else None)
         self._check_room()
         self.start_epoch, self.last_saved_epoch = 0, -1
         self.run_id = uuid.uuid4().hex[:12]
@@ -386,8 +404,7 @@ class Trainer:
         self.family.model.eval()
         out = SampledEpoch([], [], [], [], None)
         n = cfg.sample.num_batches_per_epoch
-        for b in range(n):
-            prompts = self.prompts.sample(self.global_batch, prompt_rng)
+        for b, prompts in enumerate(self.algorithm.epoch_prompts(self.prompts, n, self.global_batch, prompt_rng)):
             traj, cond, images = self._sample_batch(prompts, noise_gen)
             out.pending_rewards.append(self._score(images, prompts))
             out.trajectories.append(traj)
@@ -470,7 +487,7 @@ class Trainer:
             gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
             # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
             perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
-            if cfg.xla.shuffle_timesteps:
+            if self.algorithm.shuffle_timesteps:
                 tperm = torch.argsort(torch.rand((N, T), generator=gen).to(dev), dim=1)
             else:
                 tperm = torch.arange(T).expand(N, T).contiguous().to(dev)
@@ -494,7 +511,11 @@ class Trainer:
                 for j in range(0, self.train_timesteps, K):
                     # this micro-step's K timesteps, uploaded as data: one graph for every j
                     cols = torch.arange(j, j + K).to(dev)
-                    loss, *rest = self.micro_step_loss(*batch, cols, uncond)
+                    ref = None
+                    if self.reference_mean is not None:
+                        with torch.no_grad(), self.family.reference():
+                            ref = self.reference_mean(*batch, cols, uncond)
+                    loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref)
                     # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum, each
                     # timestep weighs what it weighs unfused (1 / trained timesteps per update)
                     (loss / (self.window // K)).backward()

@@ -7,6 +7,10 @@ from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
 
 def load_family(cfg, rt) -> ModelFamily:
     """The family of `cfg.model`, loaded through from_pretrained, trainable weights added, on rt.device."""
+    if cfg.model.family == "sd3":
+        from ddpo_tpu.families.sd3 import SD3Family
+
+        return SD3Family.load(cfg, rt)
     from ddpo_tpu.families.sd1 import SD1Family
 
     return SD1Family.load(cfg, rt)

@@ -49,11 +49,15 @@ class ModelFamily(abc.ABC):
         """Final latents -> uint8 images (B, H, W, 3) on the device."""
 
     def trainable_state(self) -> dict[str, Tensor]:
-        """The trained weights (adapter or full model), on the device."""
-        raise NotImplementedError
+        """The trained weights (LoRA adapter or the full denoiser), on the device."""
+        from ddpo_tpu.models.lora import trainable_state_dict
+
+        return trainable_state_dict(self.model, self.cfg.model, to_host=False)
 
     def load_trainable_state(self, state: dict[str, Tensor]) -> None:
-        raise NotImplementedError
+        from ddpo_tpu.models.lora import load_trainable_state_dict
+
+        load_trainable_state_dict(self.model, self.cfg.model, state)
 
     def reference(self):
         """A context in which the model is the reference policy (the adapter off): GRPO's KL term."""

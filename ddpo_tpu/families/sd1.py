@@ -67,24 +67,15 @@ class SD1Family(ModelFamily):
     def decode(self, latents: Tensor) -> Tensor:
         return decode_to_uint8(self.vae, latents)
 
-    def trainable_state(self) -> dict[str, Tensor]:
-        from ddpo_tpu.models.lora import trainable_state_dict
-
-        return trainable_state_dict(self.model, self.cfg.model, to_host=False)
-
-    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
-        from ddpo_tpu.models.lora import load_trainable_state_dict
-
-        load_trainable_state_dict(self.model, self.cfg.model, state)
-
     def reference(self):
-        if not self.cfg.model.lora.enabled:
-            raise ValueError("the reference policy is the model with its LoRA adapter off: model.lora.enabled=true")
-        return _adapters_off(self.model)
+        return adapters_off(self.model, self.cfg.model)
 
 
 @contextlib.contextmanager
-def _adapters_off(model):
+def adapters_off(model, model_cfg):
+    """The model as it was before training: its LoRA adapters off (no second copy of the weights)."""
+    if not model_cfg.lora.enabled:
+        raise ValueError("the reference policy is the model with its LoRA adapter off: needs model.lora.enabled=true")
     model.disable_adapters()
     try:
         yield

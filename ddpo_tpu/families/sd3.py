@@ -1,0 +1,100 @@
+"""Stable Diffusion 3 / 3.5: an MMDiT transformer predicting velocity, two CLIP text encoders (and optionally T5),
+the 16-channel VAE with its shift and scaling factors, sampled with Flow-GRPO's SDE whose steps are Gaussian
+policies (Liu et al. 2025)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.diffusion.flow import FlowTables
+from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
+from ddpo_tpu.families.sd1 import adapters_off
+
+T5_TOKENS = 128  # flow_grpo's max_sequence_length for the T5 part of the prompt (zeros without T5)
+
+
+class SD3Family(ModelFamily):
+    name = "sd3"
+
+    def __init__(self, cfg, rt, components):
+        self.cfg, self.rt, self.c = cfg, rt, components
+        self.model = components.transformer
+        self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
+        self.num_steps = self.tables.num_steps
+        tc = self.model.config
+        size = (cfg.model.resolution // components.vae_scale_factor if cfg.model.resolution else tc.sample_size)
+        self.latent_shape = (tc.in_channels, size, size)
+        self.dtype = self.model.dtype
+
+    @classmethod
+    def load(cls, cfg, rt) -> "SD3Family":
+        from pathlib import Path
+
+        from ddpo_tpu.models.lora import make_trainable
+        from ddpo_tpu.models.sd3 import ensure_tiny_sd3, load_sd3
+
+        m = cfg.model
+        dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
+        if m.builder is not None:
+            source, revision, local = ensure_tiny_sd3(Path(m.cache_dir).expanduser()), None, True
+        else:
+            source, revision, local = m.pretrained, m.revision, m.local_files_only
+        comps = load_sd3(source, revision=revision, local_files_only=local, dtype=dtype, load_t5=m.text_encoder_3)
+        make_trainable(comps.transformer, m)  # adapter weights drawn from torch's global generator (seeded)
+        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            part = getattr(comps, name)
+            if part is not None:
+                setattr(comps, name, part.to(rt.device))
+        return cls(cfg, rt, comps)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> Cond:
+        from ddpo_tpu.models.sd3 import encode_prompts_sd3
+
+        embeds, pooled = encode_prompts_sd3(self.c, prompts, self.rt.device, max_sequence_length=T5_TOKENS)
+        if len(prompts) > 1:
+            embeds, pooled = self.rt.shard_batch(embeds), self.rt.shard_batch(pooled)
+        return embeds, pooled
+
+    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
+        from ddpo_tpu.models.sd3 import sd3_velocity
+
+        neg = uncond if uncond is not None else (None, None)
+        return sd3_velocity(self.model, x.to(self.dtype), self.tables.timestep_at(idx).to(self.dtype), cond[0],
+                            cond[1], neg[0], neg[1], self.cfg.sample.guidance_scale if uncond is not None else 1.0)
+
+    def make_denoise_step(self, autocast):
+        s = self.cfg.sample
+
+        def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                v = self._velocity(x, idx, cond, uncond)
+            prev, log_prob, _, _ = self.tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type, noise=z)
+            return prev, log_prob
+
+        return denoise_step
+
+    def make_score_step(self, autocast):
+        s = self.cfg.sample
+
+        def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                v = self._velocity(x, idx, cond, uncond)
+            _, log_prob, mean, std = self.tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type,
+                                                      prev_sample=x_prev)
+            return StepScore(log_prob, mean, std)
+
+        return score_step
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        from ddpo_tpu.models.sd3 import decode_sd3
+
+        images = decode_sd3(self.c.vae, latents)
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+    def reference(self):
+        return adapters_off(self.model, self.cfg.model)

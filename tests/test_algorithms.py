@@ -1,0 +1,135 @@
+"""GRPO beside DDPO and SD 3 beside SD 1.x: compose-time rules, group sampling, which config keys a resume compares,
+and the GRPO micro-step on the tiny SD3 model (ratio 1 and KL 0 at the first inner step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddpo_tpu.config import rules
+from ddpo_tpu.config.compose import ConfigError, compose_and_validate
+
+FLOW_SMOKE = ["+experiment=flow_grpo_smoke"]
+
+
+def problems(overrides: list[str]) -> dict[str, str]:
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(overrides)
+    return {p.key: f"{p.reason}; {p.fix}" for p in e.value.problems}
+
+
+@pytest.mark.parametrize("topology,replicas", [("eager_cpu", 1), ("cpu", 1), ("cpu_spmd4", 4)])
+def test_flow_grpo_smoke_composes_on_its_topologies(topology, replicas):
+    v = compose_and_validate([*FLOW_SMOKE, f"tpu_topology={topology}"])
+    cfg = v.cfg
+    assert cfg.model.family == "sd3" and cfg.sample.name == "flow_sde" and cfg.algorithm.name == "grpo"
+    assert cfg.tpu_topology.replicas == replicas
+    assert rules.totals(cfg).samples_per_epoch % cfg.algorithm.group_size == 0
+
+
+def test_a_group_that_does_not_divide_the_epoch_is_refused_with_the_fix():
+    found = problems([*FLOW_SMOKE, "algorithm.group_size=5"])
+    assert "16 samples per epoch" in found["algorithm.group_size"]
+    assert "try algorithm.group_size=4" in found["algorithm.group_size"]
+    # the fix works
+    compose_and_validate([*FLOW_SMOKE, "algorithm.group_size=4"])
+    # over 4 replicas the epoch has 64 samples: 16 divides it
+    compose_and_validate([*FLOW_SMOKE, "tpu_topology=cpu_spmd4", "algorithm.group_size=16"])
+
+
+def test_family_sampler_and_builder_must_agree():
+    assert "sample.name" in problems([*FLOW_SMOKE, "sampler=ddim_short"])
+    assert "sample.name" in problems(["+experiment=smoke", "sampler=flow_sde10"])
+    assert "model.builder" in problems(["+experiment=smoke", "model.family=sd3", "sampler=flow_sde10"])
+    assert "sample.noise_level" in problems([*FLOW_SMOKE, "sample.noise_level=null"])
+    assert "model.text_encoder_3" in problems(["+experiment=smoke", "model.text_encoder_3=true"])
+
+
+def test_grpo_settings_need_grpo_and_its_reference():
+    assert "algorithm.group_size" in problems(["+experiment=smoke", "+algorithm.group_size=4"])
+    assert "algorithm.kl_beta" in problems([*FLOW_SMOKE, "model.lora.enabled=false"])
+    compose_and_validate([*FLOW_SMOKE, "model.lora.enabled=false", "algorithm.kl_beta=0"])
+    # CPS: the last step is deterministic, its KL term 0/0; training it with a KL penalty is refused
+    found = problems([*FLOW_SMOKE, "sample.sde_type=cps", "train.timestep_fraction=1.0"])
+    assert "timestep_fraction=0.99" in found["train.timestep_fraction"]
+
+
+def test_grpo_samples_each_prompt_of_an_epoch_group_size_times():
+    from ddpo_tpu.ddpo.algorithm import GRPO
+    from ddpo_tpu.prompts import make_prompt_source
+
+    cfg = compose_and_validate(FLOW_SMOKE).cfg
+    source = make_prompt_source("imagenet_animals", file=None, nouns_file=None, activities_file=None)
+    plan = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=6, rng=np.random.default_rng(0))
+    assert [len(b) for b in plan] == [6, 6, 6, 6]
+    counts = {p: sum(b.count(p) for b in plan) for b in plan for p in b}
+    assert all(c % 4 == 0 for c in counts.values()) and sum(counts.values()) == 24
+    assert plan[0] != sorted(plan[0]) or plan[0] != plan[1]  # shuffled over the batches, not group after group
+    again = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=6, rng=np.random.default_rng(0))
+    assert again == plan
+
+
+def test_a_resume_compares_only_what_is_trained_and_only_keys_both_have():
+    base = compose_and_validate(["+experiment=smoke"]).tree
+    relevant = rules.parity_relevant(base)
+    assert "train.learning_rate" in relevant and "sample.num_steps" in relevant and "seed" in relevant
+    assert "xla.shuffle_timesteps" in relevant and "algorithm.name" in relevant
+    for key in ("num_epochs", "evaluation.every_n_epochs", "xla.sync_every_n_denoising_steps", "logger.name",
+                "train.timesteps_per_micro_step", "model.cache_dir", "on_nonfinite_reward"):
+        assert key not in relevant, key
+    then = dict(relevant)
+    now = {**relevant, "algorithm.kl_beta": 0.5}  # a key an upgrade added
+    del then["train.clip_range"]                   # a key an upgrade removed
+    assert rules.changed_keys(then, now) == []
+    assert rules.changed_keys(then, {**now, "train.learning_rate": 1.0}) == ["train.learning_rate"]
+
+
+def test_grpo_micro_step_at_the_first_inner_step_has_ratio_1_and_kl_0(tmp_path):
+    """Sample a trajectory with the tiny SD3 model, re-score it with the GRPO micro-step: the policy is the sampling
+    policy (log-prob ratio 1) and, with the LoRA adapter freshly initialised (B = 0), equals the reference (KL 0).
+    After the adapter moves, the logged KL is the closed form on the two policies' means."""
+    import torch
+
+    from ddpo_tpu.ddpo.algorithm import GRPO
+    from ddpo_tpu.ddpo.loop import make_micro_step_loss, make_reference_mean
+    from ddpo_tpu.diffusion.sampling import sample_trajectory
+    from ddpo_tpu.families.sd3 import SD3Family
+    from ddpo_tpu.runtime import make_runtime
+
+    cfg = compose_and_validate([*FLOW_SMOKE, f"model.cache_dir={tmp_path}"]).cfg
+    rt = make_runtime(cfg)
+    torch.manual_seed(0)
+    family = SD3Family.load(cfg, rt)
+    grpo = GRPO(cfg)
+    B, T = 2, family.num_steps
+    cond, uncond = family.encode(["a cat", "a dog"]), family.encode(["", ""])
+    uncond_train = family.encode([""] * B * 3)  # one per fused sample (B samples x 3 timesteps)
+    g = torch.Generator().manual_seed(1)
+    traj = sample_trajectory(family.make_denoise_step(None), T, cond, uncond,
+                             torch.randn((B, *family.latent_shape), generator=g),
+                             torch.randn((T, B, *family.latent_shape), generator=g), rt=rt, sync_every=0)
+    lat = traj.latents
+    args = (lat[:, :-1], lat[:, 1:], traj.log_probs, traj.step_indices, cond, torch.tensor([1.0, -1.0]))
+    cols = torch.arange(0, 3)
+    score = family.make_score_step(None)
+    loss_fn, ref_fn = make_micro_step_loss(score, grpo.loss), make_reference_mean(score)
+
+    def step():
+        with torch.no_grad(), family.reference():
+            ref = ref_fn(*args, cols, uncond_train)
+        return ref, loss_fn(*args, cols, uncond_train, ref)
+
+    _, (loss, approx_kl, clipfrac, kl) = step()
+    assert float(approx_kl) < 1e-12 and float(clipfrac) == 0.0  # ratio exp(lp - lp_old) = 1
+    assert abs(float(kl)) < 1e-6
+    with torch.no_grad():  # move the adapter: the policy leaves the reference
+        for name, p in family.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ref, (loss, approx_kl, clipfrac, kl) = step()
+    x, i, x_prev = (t.index_select(1, cols).reshape(B * 3, *t.shape[2:]) for t in (args[0], args[3], args[1]))
+    c = tuple(t.repeat_interleave(3, dim=0) for t in cond)
+    now = score(x, i, x_prev, c, uncond_train)
+    direct = (((now.mean - ref) ** 2).mean(dim=(1, 2, 3)) / (2 * now.std.reshape(-1) ** 2)).mean()
+    assert float(kl) > 0 and float(kl) == pytest.approx(float(direct), rel=1e-5)
+    assert float(approx_kl) > 0
