@@ -26,6 +26,7 @@ from ddpo_tpu.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # 
 # CLIP + LAION MLP; imports torch/transformers only when built
 from ddpo_tpu.rewards import aesthetic as _aesthetic  # noqa: F401,E402
 from ddpo_tpu.rewards import clip_score as _clip_score  # noqa: F401,E402  (prompt-image alignment)
+from ddpo_tpu.rewards import pickscore as _pickscore  # noqa: F401,E402  (PickScore, Flow-GRPO's)
 from ddpo_tpu.rewards import remote as _remote  # noqa: F401,E402  (HTTP reward server; stdlib only)
 from ddpo_tpu.rewards import weighted as _weighted  # noqa: F401,E402  (weighted sum of rewards)
 

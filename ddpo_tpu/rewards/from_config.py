@@ -7,7 +7,7 @@ from typing import Callable
 
 from ddpo_tpu.rewards.base import Reward, make_reward
 
-_TORCH_REWARDS = ("aesthetic", "clip_score")  # rewards that run a torch model and take a `device`
+_TORCH_REWARDS = ("aesthetic", "clip_score", "pickscore")  # rewards that run a torch model and take a `device`
 
 
 def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callable[[], bool] | None = None
@@ -18,7 +18,12 @@ def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callab
     compile their graphs beside the training ones). Remote rewards get `should_stop`, so a SIGTERM ends a hanging
     request within a second."""
     extra = cfg.model_dump(exclude={"name", "host_workers"}, exclude_none=True)
-    if extra.get("clip_model") == "tiny":
+    if extra.get("clip_model") == "tiny" and cfg.name == "pickscore":  # its own tiny CLIP model + processor
+        from ddpo_tpu.rewards.tiny_pickscore import ensure_tiny_pickscore
+
+        processor, model = ensure_tiny_pickscore(Path(model_cache_dir).expanduser())
+        extra.update(clip_model=str(model), processor=str(processor))
+    elif extra.get("clip_model") == "tiny":
         from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
 
         clip, mlp = ensure_tiny_aesthetic(Path(model_cache_dir).expanduser())
