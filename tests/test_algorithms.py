@@ -133,3 +133,22 @@ def test_grpo_micro_step_at_the_first_inner_step_has_ratio_1_and_kl_0(tmp_path):
     direct = (((now.mean - ref) ** 2).mean(dim=(1, 2, 3)) / (2 * now.std.reshape(-1) ** 2)).mean()
     assert float(kl) > 0 and float(kl) == pytest.approx(float(direct), rel=1e-5)
     assert float(approx_kl) > 0
+
+
+@pytest.mark.parametrize("experiment,reward,beta", [("flow_grpo_pickscore_sd35", "pickscore", 0.01),
+                                                    ("flow_grpo_geneval_sd35", "remote", 0.04)])
+def test_flow_grpo_sd35_experiments_pin_the_reference_on_a_v6e_8(tmp_path, experiment, reward, beta):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\na photo of a dog\n")
+    v = compose_and_validate([f"+experiment={experiment}", f"prompts.file={prompts}"])
+    cfg = v.cfg
+    assert cfg.model.family == "sd3" and cfg.model.pretrained == "stabilityai/stable-diffusion-3.5-medium"
+    assert cfg.model.resolution == 512 and cfg.model.lora.rank == 32 and cfg.model.lora.alpha == 64
+    assert cfg.sample.num_steps == 10 and cfg.sample.guidance_scale == 4.5 and cfg.sample.noise_level == 0.7
+    assert cfg.algorithm.group_size == 24 and cfg.algorithm.kl_beta == beta and cfg.reward.name == reward
+    assert rules.totals(cfg).samples_per_epoch == 1152 and rules.totals(cfg).total_train_batch == 576
+    assert rules.num_train_timesteps(cfg) == 9
+    assert not [r for r in v.report if not r["ok"]]
+    # the same run on a v6e-16 is refused with per-replica values that keep the totals
+    found = problems([f"+experiment={experiment}", f"prompts.file={prompts}", "tpu_topology=v6e-16"])
+    assert any("sample." in k for k in found)
