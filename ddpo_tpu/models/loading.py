@@ -149,13 +149,17 @@ def load_components(
             raise err from None
 
     for sub in ("unet", "vae", "text_encoder"):
-        model = loaded[sub]
-        if any(p.dtype != dtype for p in model.parameters()) or any(
-            b.is_floating_point() and b.dtype != dtype for b in model.buffers()
-        ):
-            model = model.to(dtype=dtype)
-        model.eval()
-        model.requires_grad_(False)
-        loaded[sub] = model
-
+        loaded[sub] = frozen(loaded[sub], dtype)
     return Components(**loaded)
+
+
+def frozen(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A loaded part as the trainer holds it: in `dtype` (cast only if some weight or buffer is not), eval mode,
+    no gradients (training adds its adapters or unfreezes the denoiser itself)."""
+    if any(p.dtype != dtype for p in model.parameters()) or any(
+        b.is_floating_point() and b.dtype != dtype for b in model.buffers()
+    ):
+        model = model.to(dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model

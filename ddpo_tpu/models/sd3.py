@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import Tensor
 
+from ddpo_tpu.models.loading import frozen
+
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection, CLIPTokenizer
@@ -367,17 +369,8 @@ def load_sd3(
         parts["tokenizer_3"] = load("tokenizer_3", T5TokenizerFast)
 
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        model = parts.get(name)
-        if model is None:
-            continue
-        want = vae_dtype if name == "vae" else dtype
-        if any(p.dtype != want for p in model.parameters()) or any(
-            b.is_floating_point() and b.dtype != want for b in model.buffers()
-        ):
-            model = model.to(dtype=want)
-        model.eval()
-        model.requires_grad_(False)
-        parts[name] = model
+        if parts.get(name) is not None:
+            parts[name] = frozen(parts[name], vae_dtype if name == "vae" else dtype)
     return SD3Components(**parts)
 
 
