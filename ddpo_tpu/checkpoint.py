@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,8 @@ class Pending:
     ckpt_root: Path
     tmp: Path
     final: Path
+    # the files' bytes (the host copy): what a bucket mirror uploads, whatever rotation does to the local dirs
+    data: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     def commit(self, limit: int) -> Path:
         final, ckpt_root = self.final, self.ckpt_root
@@ -125,9 +127,10 @@ def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[st
     state = {"format": FORMAT, "epoch": epoch, "global_step": global_step, "run_id": run_id, "tracker": tracker,
              "config_hash": config_hash(tree), "config": parity_relevant(tree),
              "sha256": {name: _sha256(data) for name, data in files.items()}}
-    _write(tmp / "state.json", (json.dumps(state, indent=1, default=str) + "\n").encode())
+    files["state.json"] = (json.dumps(state, indent=1, default=str) + "\n").encode()
+    _write(tmp / "state.json", files["state.json"])
     _fsync_dir(tmp)
-    return Pending(ckpt_root, tmp, final)
+    return Pending(ckpt_root, tmp, final, files)
 
 
 def complete(ckpt_root: Path) -> list[Path]:

@@ -70,9 +70,22 @@ class Heartbeat:
 
 
 class RunDir:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, mirror=None):
         self.path = Path(path)
         self.metrics_path = self.path / "metrics.jsonl"
+        self.mirror = mirror  # a storage.Mirror when output_root is a bucket (main process only), else None
+
+    def publish(self, checkpoint=None) -> None:
+        """The epoch's files (and a committed checkpoint: (name, files' bytes, epoch)) to the bucket copy, in the
+        background; nothing for a local run dir."""
+        if self.mirror is not None:
+            self.mirror.publish(checkpoint)
+
+    def close(self) -> None:
+        """Wait for the bucket copy to have everything written so far (the end of the process)."""
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror.check()
 
     def log(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time(), 3), **record}

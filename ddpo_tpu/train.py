@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated, conf_dir, overridden_keys, validate
 from ddpo_tpu.config.errors import ConfigError
 from ddpo_tpu.launch import env as envmod
@@ -117,6 +118,11 @@ def preflight(argv: list[str]) -> None:
     locks = {envmod.accelerator_lock_path(v.cfg) for v in valid}
     roots = {v.cfg.output_root for v in valid}
     for root in roots:  # an unwritable output root is refused before Hydra tries to create a run dir there
+        if storage.is_url(root):  # a bucket: gcsfs installed, the bucket there and writable (a probe object)
+            problem = storage.check_writable(root)
+            if problem is not None:
+                _fail([f"output_root={root}: {problem[0]} ({problem[1]})"])
+            continue
         existing = Path(root).expanduser().absolute()
         while not existing.exists():
             existing = existing.parent
@@ -137,7 +143,7 @@ def preflight(argv: list[str]) -> None:
 
 def _run_dir_of(cfg, job: int | None) -> Path:
     """The run dir Hydra will create (conf/config.yaml: hydra.run.dir and hydra.sweep.dir/subdir)."""
-    root = Path(cfg.output_root).expanduser().absolute()
+    root = Path(storage.local_root(cfg.output_root)).expanduser().absolute()
     return root / cfg.run_name if job is None else root / f"{cfg.run_name}-multirun" / str(job)
 
 
@@ -159,7 +165,7 @@ def _changed_sweep_point(validated, num: int) -> list[str]:
     from ddpo_tpu.config import rules
 
     cfg = validated.cfg
-    job_dir = Path(cfg.output_root).expanduser() / f"{cfg.run_name}-multirun" / str(num)
+    job_dir = Path(storage.local_root(cfg.output_root)).expanduser() / f"{cfg.run_name}-multirun" / str(num)
     saved_file = job_dir / "config.yaml"
     if cfg.force_resume or not saved_file.is_file():
         return []
@@ -212,12 +218,23 @@ def _job(cfg) -> None:
     _fail_if_run_dir_busy(run_dir)  # hydra.run.dir may be overridden: checked again where the job really writes
     validated = validate(cfg, overridden_keys(hc.overrides.task))
     run_dir.mkdir(parents=True, exist_ok=True)
+    url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
+    writer = envmod.tpu_worker_id() in (None, 0)  # on a pod only worker 0 writes the bucket's shared files
+    if url is not None:  # the bucket decides where the run continues (a fresh VM has nothing here)
+        storage.restore(run_dir, url, say=lambda line: print(line, flush=True))
     OmegaConf.save(OmegaConf.create(validated.tree), run_dir / "config.yaml")
     (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
     child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
     (run_dir / "env.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
+    if url is not None and writer:
+        storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"])
     print_start(validated, run_dir)
     code = process.run_training(child_env, run_dir / "train.log")
+    if url is not None and writer:  # the exit the front end recorded, and the log's last lines
+        try:
+            storage.upload_files(run_dir, url, ["events.jsonl", "train.log"])
+        except storage.StorageError as e:
+            print(f"error: {e}", file=sys.stderr)
     _last_code.append(code)
     if code == process.EXIT_PREEMPTED:  # not a failure; a sweep stops here too (the same command continues it)
         print(f"ddpo_tpu: stopped by SIGTERM (exit {code}): the same command resumes", file=sys.stderr)

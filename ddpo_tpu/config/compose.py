@@ -14,9 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
+from ddpo_tpu import storage
 from ddpo_tpu.config import rules
 from ddpo_tpu.config.errors import ConfigError, Problem
 from ddpo_tpu.config.schema import RunConfig
+
+# hydra.run.dir / hydra.sweep.dir (conf/config.yaml): a local output_root as it is, a gs:// one's local staging dir
+OmegaConf.register_new_resolver("ddpo_local_root", storage.local_root, replace=True)
 
 
 def conf_dir() -> Path:

@@ -467,6 +467,9 @@ def _input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
     if not cfg.output_root.strip():  # an empty root puts the run dir at the filesystem root
         problems.append(Problem("output_root", repr(cfg.output_root), "empty path",
                                 "set output_root=outputs or another directory"))
+    url = storage_url_problem(cfg.output_root)  # gs://BUCKET/PREFIX (the bucket itself is checked before a run starts)
+    if url is not None:
+        problems.append(Problem("output_root", cfg.output_root, *url))
     if cfg.resume not in ("auto", "never"):
         path = Path(cfg.resume).expanduser()
         if not path.exists():
@@ -514,6 +517,12 @@ def _input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
     if r.name == "weighted":
         problems.extend(_component_problems(r.components))
     return problems
+
+
+def storage_url_problem(value: str) -> tuple[str, str] | None:
+    from ddpo_tpu.storage import url_problem
+
+    return url_problem(value)
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -307,6 +307,7 @@ class Trainer:
             self.out.log({"kind": "event", "event": "checkpoint", "epoch": epoch, "global_step": self.global_step,
                           "path": str(path)})
             self.events.emit(ev.CheckpointSaved(epoch, self.global_step, str(path)))
+            self.out.publish((path.name, pending.data, epoch))  # bucket copy: the epoch's files, then the checkpoint
         self.last_saved_epoch = epoch
 
     def _saved_state(self) -> str:
@@ -576,6 +577,8 @@ class Trainer:
                              "phases": clock.phases}, step=self.global_step)
         if saving:  # after every output of the epoch: a kill before this line redoes the epoch
             self.commit_checkpoint(epoch, pending)
+        elif rt.is_main:
+            self.out.publish()  # bucket copy of the epoch's files (a checkpoint epoch publishes in its commit)
         nan_mean = lambda k: mean(k) if steps else float("nan")
         self.events.emit(ev.EpochDone(epoch, reward_mean, reward_std, nan_mean("approx_kl"), nan_mean("clipfrac"),
                                       len(steps), clock.phases))
@@ -597,15 +600,39 @@ def storage_error_line(e: OSError, run_dir: Path) -> str:
 
 
 def run(validated: Validated, run_dir: Path) -> int:
+    from ddpo_tpu import storage
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
-    from ddpo_tpu.models.loading import ModelLoadError
-    from ddpo_tpu.rewards import RewardError
 
     stop = StopRequest()
     rt = make_runtime(validated.cfg)
     events = ev.EventLog(run_dir, rt.is_main)
+    url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
+    # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/storage.py)
+    mirror = storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit) if url is not None and rt.is_main else None
+    out = RunDir(run_dir, mirror)
     try:
-        trainer = Trainer(validated.cfg, rt, RunDir(run_dir), tree=validated.tree, stop=stop, events=events)
+        code = _run(validated, rt, out, stop, events)
+    except BaseException:
+        if mirror is not None:
+            mirror.close()  # what was queued still goes up; the error that ended the run is the one reported
+        raise
+    try:
+        out.close()  # a resume on another VM needs what is queued: wait for it
+    except storage.StorageError as e:
+        events.emit(ev.Failed(str(e)))
+        return EXIT_FAILED if code in (0, EXIT_PREEMPTED) else code
+    return code
+
+
+def _run(validated: Validated, rt, out: RunDir, stop: StopRequest, events: ev.EventLog) -> int:
+    from ddpo_tpu import storage
+    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
+    from ddpo_tpu.models.loading import ModelLoadError
+    from ddpo_tpu.rewards import RewardError
+
+    run_dir = out.path
+    try:
+        trainer = Trainer(validated.cfg, rt, out, tree=validated.tree, stop=stop, events=events)
         trainer.resume()
         if trainer.start_epoch >= validated.cfg.num_epochs:
             events.emit(ev.AlreadyComplete(validated.cfg.num_epochs))
@@ -614,7 +641,7 @@ def run(validated: Validated, run_dir: Path) -> int:
     except Preempted as e:
         events.emit(ev.Preempted(trainer.last_saved_epoch, trainer.global_step, str(e)))
         return EXIT_PREEMPTED
-    except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError) as e:
+    except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError, storage.StorageError) as e:
         events.emit(ev.Failed(str(e)))
         return EXIT_FAILED
     except OSError as e:

@@ -79,6 +79,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "ddpo_tpu"
 
 
+# gcsfs (and google-cloud-storage) send requests to this GCS-compatible server instead of storage.googleapis.com
+# (tests run fake-gcs-server on 127.0.0.1). The training process inherits it with the rest of the environment.
+STORAGE_EMULATOR_VARIABLE = "STORAGE_EMULATOR_HOST"
+
+
+def storage_emulator_host(environ: Mapping[str, str] | None = None) -> str | None:
+    """The GCS emulator the bucket client talks to, or None for Google Cloud Storage itself (whose credentials then
+    follow Google's usual chain: GOOGLE_APPLICATION_CREDENTIALS, gcloud's application-default login, the VM's
+    service account)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(STORAGE_EMULATOR_VARIABLE, "").strip()
+    return value if value and value != "default" else None
+
+
 def compilation_cache_dir(cfg: RunConfig) -> str | None:
     """The persistent XLA compilation cache: auto = on for TPU topologies."""
     value = cfg.xla.compilation_cache_dir
