@@ -716,9 +716,37 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> d
 
 def collect(run_dir: Path, now: float | None = None, stale_after: float = DEFAULT_STALE_S,
             lock_paths: list[Path] | None = None) -> dict[str, Any]:
-    """read_run + derive. Raises FileNotFoundError when there is no run here."""
-    run = read_run(run_dir, lock_paths)
+    """read_run + derive. Raises FileNotFoundError when there is no run here. A gs:// run dir is read from the
+    bucket (its files copied into a temporary dir first, ddpo_tpu/storage.py)."""
+    if str(run_dir).startswith("gs://"):
+        run = _read_bucket_run(str(run_dir))
+    else:
+        run = read_run(Path(run_dir), lock_paths)
     return derive(run, time.time() if now is None else now, stale_after)
+
+
+def _read_bucket_run(url: str) -> RunFiles:
+    """read_run of the bucket's copy; a live holder of the run's lock is looked for in this host's staging dir."""
+    import tempfile
+
+    from ddpo_tpu import storage
+
+    problem = storage.url_problem(url)
+    if problem is not None:
+        raise FileNotFoundError(f"{url}: {problem[0]}")
+    if storage.gcsfs_missing():
+        raise FileNotFoundError(f"{url}: gcsfs is not installed ({storage.INSTALL_FIX})")
+    with tempfile.TemporaryDirectory(prefix="ddpo-status-") as tmp:
+        run = read_run(storage.snapshot(url, Path(tmp)), lock_paths=[])
+    run.run_dir = url.rstrip("/")
+    parts = storage.parse(url)
+    root = str(run.cfg.get("output_root") or "")
+    if storage.is_url(root) and storage.url_problem(root) is None:
+        rel = parts.path[len(storage.parse(root).path):].strip("/")
+        staging = Path(storage.local_root(root)) / rel
+        if (staging / "config.yaml").is_file():
+            run.holder = find_live_holder(staging, run.cfg)
+    return run
 
 
 # --- the report ---------------------------------------------------------------------------------------------------
@@ -923,7 +951,7 @@ def _finite(x: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ddpo-status", description="Where a ddpo_tpu run stands (reads its run dir).")
-    p.add_argument("run_dir", type=Path, help="the run dir (outputs/<run_name>)")
+    p.add_argument("run_dir", help="the run dir (outputs/<run_name>, or gs://BUCKET/PREFIX/<run_name>)")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--json", action="store_true", help="print the facts as JSON")
     how.add_argument("--brief", action="store_true", help="one line: state, progress, phase, last event")

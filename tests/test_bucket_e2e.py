@@ -1,0 +1,68 @@
+"""A spot VM's life with output_root=gs://...: SIGKILL mid-epoch, the VM's disk gone (every local file of the run
+deleted), the same command on the empty disk continues from the bucket and ends with the weights of an
+uninterrupted run; metrics.jsonl in the bucket has each epoch once. On fake-gcs-server (tests/helpers_gcs.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from ddpo_tpu import storage
+from tests.helpers import clean_env, run_train
+from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
+
+pytestmark = pytest.mark.slow
+
+BASE = ["+experiment=smoke", "num_epochs=4", "save_freq=1", "sample.num_batches_per_epoch=1", "reward.host_workers=0"]
+
+
+def test_sigkill_and_a_lost_disk_then_the_same_command_continues_from_the_bucket(tmp_path, model_cache, fake_gcs):
+    (tmp_path / "ref").mkdir()
+    ref = run_train([*BASE, f"model.cache_dir={model_cache}", "output_root=local"], tmp_path / "ref")
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-2000:]
+    want = (tmp_path / "ref" / "local" / "smoke" / "weights" / "final.safetensors").read_bytes()
+
+    vm = tmp_path / "vm"  # the VM's disk: launch dir and cache (the staging run dir lives under XDG_CACHE_HOME)
+    vm.mkdir()
+    env = {"XDG_CACHE_HOME": str(vm / "cache")}
+    args = [*BASE, f"model.cache_dir={model_cache}", f"output_root=gs://{fake_gcs}/runs"]
+    proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=vm, env=clean_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "[epoch 2] sampling batch 1/1 done" in line:  # mid-epoch 2: checkpoints 0 and 1 committed
+            break
+    else:
+        raise AssertionError("".join(seen[-30:]))
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.kill()  # the training process first: no chance to checkpoint or drain its uploads
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(vm)  # the preempted spot VM is deleted with its disk
+    vm.mkdir()
+
+    again = run_train(args, vm, **env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert "continuing from gs://" in again.stdout and "resumed from" in again.stdout
+    fs = storage.filesystem()
+    fs.invalidate_cache()
+    run = storage.Url(fake_gcs, "runs/smoke")
+    assert fs.cat_file(run.join("weights", "final.safetensors").path) == want  # byte-identical
+    records = [json.loads(x) for x in fs.cat_file(run.join("metrics.jsonl").path).decode().splitlines()]
+    assert [r["epoch"] for r in records if r.get("kind") == "epoch"] == [0, 1, 2, 3]  # each epoch once
+    listing = storage.list_checkpoints(fs, run)
+    assert 3 in listing.complete and not listing.incomplete
+    events = fs.cat_file(run.join("events.jsonl").path).decode()
+    assert '"worker_exited"' in events and '"run_complete"' in events
+    # ddpo-status reads the run from the bucket alone
+    status = subprocess.run([sys.executable, "-m", "ddpo_tpu.status", "--json", f"gs://{fake_gcs}/runs/smoke"],
+                            env=clean_env(**env), capture_output=True, text=True, cwd=vm, timeout=120)
+    assert status.returncode == 0, status.stderr
+    facts = json.loads(status.stdout)
+    assert facts["state"] == "finished" and facts["run_dir"] == f"gs://{fake_gcs}/runs/smoke"
