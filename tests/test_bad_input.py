@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import clean_env
+from tests.helpers import clean_env
 from ddpo_tpu.config import rules
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu.launch import env as envmod

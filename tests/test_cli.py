@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ddpo_tpu.config.compose import conf_dir
-from conftest import clean_env
+from tests.helpers import clean_env
 from ddpo_tpu.launch.env import OWNED_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def test_info(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cache):
-    from conftest import run_train
+    from tests.helpers import run_train
 
     proc = run_train(["-m", "+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1",
                       "reward.host_workers=0", f"model.cache_dir={model_cache}", "train.learning_rate=1e-4,3e-4"],

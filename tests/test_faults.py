@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import read_metrics
+from tests.helpers import read_metrics
 
 BASE = ["+experiment=smoke", "num_epochs=2", "save_freq=1", "reward.host_workers=0", "sample.num_batches_per_epoch=1"]
 
@@ -118,7 +118,7 @@ def test_a_killed_training_process_exits_1_with_one_line(tmp_path, model_cache):
 
     import psutil
 
-    from conftest import clean_env
+    from tests.helpers import clean_env
 
     args = [*BASE, f"model.cache_dir={model_cache}"]
     proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),

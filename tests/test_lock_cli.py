@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, clean_env, run_train  # noqa: F401
+from tests.helpers import REPO, clean_env, run_train  # noqa: F401
 
 HOLD = """
 import sys, time

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import REPO, clean_env
+from tests.helpers import REPO, clean_env
 
 PROBE = """
 import sys

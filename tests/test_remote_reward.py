@@ -28,7 +28,7 @@ from ddpo_tpu.rewards import REWARDS, RewardError, make_reward
 from ddpo_tpu.rewards.remote import RemoteReward, decode_image, encode_image
 from ddpo_tpu.rewards.weighted import WeightedReward
 
-from conftest import REPO, clean_env
+from tests.helpers import REPO, clean_env
 
 SCRIPT = REPO / "scripts" / "reward_server.py"
 PROMPTS7 = [f"prompt {i}" for i in range(7)]

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import clean_env, read_metrics, run_train
+from tests.helpers import clean_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics, run_train
+from tests.helpers import REPO, clean_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_train
+from tests.helpers import run_train
 
 pytestmark = pytest.mark.slow
 
