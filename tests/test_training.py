@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import read_metrics, run_train
+from tests.helpers import FAST_XLA_CPU, read_metrics, run_train
 
 ONE_EPOCH = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1", "train.gradient_accumulation_steps=2",
              "reward.host_workers=0", "model.lora.enabled=true", "train.clip_range=1e-4", "save_freq=1"]
@@ -16,10 +16,11 @@ ONE_EPOCH = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=
 
 RUNS = {  # name -> overrides of the same seeded one-epoch run (one optimizer step over 2 x 8 trained timesteps)
     "eager_cpu": ["tpu_topology=eager_cpu"],
-    "cpu": ["tpu_topology=cpu"],  # XLA with the compiled (dynamo) denoising step and training micro-step
+    "cpu": ["tpu_topology=cpu", FAST_XLA_CPU],  # XLA, the denoising step and training micro-step compiled (dynamo)
     # all 8 timesteps of a train batch in one forward/backward, eager; and 4 at a time on XLA, traced lazily
     "eager_cpu_fused8": ["tpu_topology=eager_cpu", "train.timesteps_per_micro_step=8"],
-    "cpu_lazy_fused4": ["tpu_topology=cpu", "xla.step_compiler=lazy", "train.timesteps_per_micro_step=4"],
+    "cpu_lazy_fused4": ["tpu_topology=cpu", "xla.step_compiler=lazy", "train.timesteps_per_micro_step=4",
+                        FAST_XLA_CPU],
 }
 
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics, run_train
+from tests.helpers import FAST_XLA_CPU, REPO, clean_env, read_metrics, run_train
 from ddpo_tpu.runtime.base import KNOWN_CPU_FALLBACKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
-SMOKE = ["+experiment=smoke", "reward.host_workers=0"]
+SMOKE = ["+experiment=smoke", "reward.host_workers=0", FAST_XLA_CPU]
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +359,7 @@ def test_sd14_topology_trains_on_xla_with_a_fixed_graph_set(tmp_path, model_cach
     args = ["model=sd14_topology", "tpu_topology=cpu", "sample.num_steps=4", "sample.batch_size=2",
             "sample.num_batches_per_epoch=1", "train.batch_size=1", "train.gradient_accumulation_steps=2",
             "train.timesteps_per_micro_step=2", "num_epochs=2", "save_freq=2", "reward.host_workers=0",
-            f"model.cache_dir={model_cache}"]
+            f"model.cache_dir={model_cache}", FAST_XLA_CPU]
     proc = run_train(args, tmp_path, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     run = tmp_path / "outputs" / "ddpo"
