@@ -221,7 +221,13 @@ def _job(cfg) -> None:
     url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
     writer = envmod.tpu_worker_id() in (None, 0)  # on a pod only worker 0 writes the bucket's shared files
     if url is not None:  # the bucket decides where the run continues (a fresh VM has nothing here)
-        storage.restore(run_dir, url, say=lambda line: print(line, flush=True))
+        try:
+            storage.restore(run_dir, url, say=lambda line: print(line, flush=True))
+        except Exception as e:  # noqa: BLE001 -- network, permission: one line, and the run does not start
+            print(f"error: output_root={validated.cfg.output_root}: cannot read {url} ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
+                  f"the same command again)", file=sys.stderr)
+            sys.exit(process.EXIT_FAILED)
     OmegaConf.save(OmegaConf.create(validated.tree), run_dir / "config.yaml")
     (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
     child_env = envmod.child_environment(validated.cfg, run_dir.resolve())

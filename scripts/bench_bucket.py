@@ -62,10 +62,8 @@ def _one(root: str, cwd: Path, env: dict[str, str], models: Path) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
-    metrics = next((cwd / "cache" / "ddpo_tpu" / "runs").rglob("metrics.jsonl"), None) if root.startswith("gs://") \
-        else max((cwd / root).rglob("metrics.jsonl"), key=lambda p: p.stat().st_mtime)
-    if root.startswith("gs://"):
-        metrics = max((cwd / "cache" / "ddpo_tpu" / "runs").rglob("metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    where = cwd / "cache" / "ddpo_tpu" / "runs" if root.startswith("gs://") else cwd / root  # the staging dir
+    metrics = max(where.rglob("metrics.jsonl"), key=lambda p: p.stat().st_mtime)
     epochs = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("kind") == "epoch"]
     return {"wall_s": wall, "epochs_s": sum(sum(p["seconds"] for p in e["phases"].values()) for e in epochs),
             "checkpoint_s": sum(e["phases"]["checkpoint"]["seconds"] for e in epochs)}
