@@ -103,6 +103,8 @@ def preflight(argv: list[str]) -> None:
     try:
         points = compose_points(args.overrides, args.multirun)
     except ConfigError as e:
+        if envmod.full_error_requested():  # HYDRA_FULL_ERROR=1: the traceback, as Hydra gives it
+            raise
         _fail([str(p) for p in e.problems] or [e.context])
     errors: list[str] = []
     for p in points:
