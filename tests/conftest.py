@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,3 +16,15 @@ from tests.helpers import REPO, clean_env, read_metrics, run_train  # noqa: F401
 def model_cache(tmp_path_factory) -> Path:
     """One tiny-model build for the whole session (each run loads it through from_pretrained)."""
     return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread_in_pytest():
+    """torch in the pytest process computes with one intra-op thread. The tiny models gain nothing from two, and two
+    spinning OpenMP threads collapse when anything else uses the 2 cores (measured: the fused micro-step gradient test
+    70 s with two threads next to another test process, 11 s with one). Training processes the tests start keep
+    torch's default; torch is not imported here for tests that check it stays unimported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+    yield

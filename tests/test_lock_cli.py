@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers import REPO, clean_env, run_train  # noqa: F401
 
 HOLD = """
@@ -41,6 +43,7 @@ def test_second_launch_is_refused_naming_the_holder(tmp_path):
     assert AcceleratorLock.holder(default_lock_path(cache / "ddpo_tpu", "cpu")) is None
 
 
+@pytest.mark.slow  # a real run, up to its first sampling batch
 def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_path, model_cache):
     """One writer per run dir on every accelerator (CPU too): the same command twice is refused fast, with exit 3,
     before the running run's files are touched."""

@@ -6,7 +6,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.helpers import REPO, clean_env
+
+pytestmark = pytest.mark.slow  # builds a wheel with pip (7-12 s)
 
 PROBE = """
 import sys

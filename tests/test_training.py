@@ -10,6 +10,8 @@ from safetensors.numpy import load_file
 
 from tests.helpers import FAST_XLA_CPU, read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # every test here starts the training process
+
 ONE_EPOCH = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1", "train.gradient_accumulation_steps=2",
              "reward.host_workers=0", "model.lora.enabled=true", "train.clip_range=1e-4", "save_freq=1"]
 
@@ -36,7 +38,6 @@ def first_epoch_runs(tmp_path_factory, model_cache):
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cpu", "eager_cpu_fused8", "cpu_lazy_fused4"])
 def test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch(first_epoch_runs, name):
     """The same losses, log-probs and updated weights as plain eager PyTorch within 1e-5 relative: dynamo's compiled
@@ -62,7 +63,6 @@ def test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch(first_epoch
     assert float(np.abs(a - b).max()) < 1e-4 * float(np.abs(a).max())
 
 
-@pytest.mark.slow
 def test_epoch_line_reports_host_seconds_per_phase(first_epoch_runs):
     for name in RUNS:
         epoch = read_metrics(first_epoch_runs[name], "epoch")[0]
@@ -71,7 +71,6 @@ def test_epoch_line_reports_host_seconds_per_phase(first_epoch_runs):
         assert epoch["host_seconds"] == pytest.approx(sum(p["host_seconds"] for p in phases.values()), abs=1e-3)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("topo,tol", [("eager_cpu", 1e-8), ("cpu", 1e-8)])
 def test_first_window_recomputes_sampling_logprob(first_epoch_runs, topo, tol):
     # every micro-step of the first accumulation window runs before any optimizer step: the policy is the sampling
@@ -82,7 +81,6 @@ def test_first_window_recomputes_sampling_logprob(first_epoch_runs, topo, tol):
     assert step["clipfrac"] == 0.0
 
 
-@pytest.mark.slow
 def test_eager_and_xla_agree_on_first_loss_and_rewards(first_epoch_runs):
     eager, xla = (read_metrics(first_epoch_runs[t], "step")[0] for t in ("eager_cpu", "cpu"))
     assert math.isclose(eager["loss"], xla["loss"], rel_tol=1e-4, abs_tol=1e-7), (eager["loss"], xla["loss"])
@@ -90,7 +88,6 @@ def test_eager_and_xla_agree_on_first_loss_and_rewards(first_epoch_runs):
     assert math.isclose(re, rx, rel_tol=1e-3), (re, rx)
 
 
-@pytest.mark.slow
 def test_run_dir_contents(first_epoch_runs):
     run = first_epoch_runs["eager_cpu"]
     for name in ("config.yaml", "parity.json", "parity.txt", "env.json", "train.log", "metrics.jsonl",
@@ -105,14 +102,12 @@ def test_run_dir_contents(first_epoch_runs):
     assert len(epochs) == 1 and "reward_mean" in epochs[0] and epochs[0]["epoch"] == 0
 
 
-@pytest.mark.slow
 def test_xla_epoch_reports_compilations(first_epoch_runs):
     epoch = read_metrics(first_epoch_runs["cpu"], "epoch")[0]
     assert epoch["new_compilations"] > 0  # the first epoch compiles; later epochs are covered by the XLA tests
     assert epoch["phases"]["sampling"]["host_transfers"] >= 1
 
 
-@pytest.mark.slow
 def test_smoke_run_learns_jpeg_compressibility(tmp_path, model_cache):
     """The README's main job, as configured: the mean reward of the last two epochs beats the first epoch."""
     proc = run_train(["+experiment=smoke", f"model.cache_dir={model_cache}"], tmp_path)
@@ -127,7 +122,6 @@ def test_smoke_run_learns_jpeg_compressibility(tmp_path, model_cache):
     assert len(weights) > 10  # the full UNet (smoke trains it without LoRA)
 
 
-@pytest.mark.slow
 def test_bfloat16_lora_run_trains(tmp_path, model_cache):
     proc = run_train([*ONE_EPOCH, "model.dtype=bfloat16", "train.mixed_precision=bf16",
                       f"model.cache_dir={model_cache}"], tmp_path)
@@ -145,7 +139,6 @@ def test_missing_model_is_one_clear_error(tmp_path):
     assert "Traceback" not in proc.stdout
 
 
-@pytest.mark.slow
 def test_evaluation_is_logged_apart_and_does_not_perturb_training(tmp_path, model_cache, first_epoch_runs):
     proc = run_train([*ONE_EPOCH, "tpu_topology=eager_cpu", "evaluation.every_n_epochs=1",
                       f"model.cache_dir={model_cache}"], tmp_path)
