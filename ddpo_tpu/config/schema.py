@@ -84,6 +84,9 @@ class TrainConfig(_Strict):
     timestep_fraction: float = Field(gt=0, le=1)
     timesteps_per_micro_step: Literal["auto"] | Annotated[int, Field(ge=1, le=1000)]
     mixed_precision: Literal["no", "bf16"]
+    ema: bool = False                                # keep an EMA of the trained weights (evaluation, final_ema)
+    ema_decay: float = Field(default=0.9, gt=0, lt=1)  # its decay, reached after the warm-up min((1+s)/(10+s), d)
+    ema_every: int = Field(default=8, ge=1)          # optimizer steps between EMA updates (flow_grpo: 8)
 
 
 class AlgorithmConfig(_Strict):
@@ -103,6 +106,8 @@ class EvaluationConfig(_Strict):
     every_n_epochs: int = Field(ge=0)
     seed: int = Field(ge=0, lt=2**31)
     prompts: list[str] = Field(min_length=1)
+    num_steps: int | None = Field(default=None, ge=1, le=1000)  # denoising steps (null: sample.num_steps)
+    deterministic: bool = False      # the sampler's noise-free step (DDIM eta 0, the flow ODE) instead of its own
 
 
 class PromptsConfig(_Strict):

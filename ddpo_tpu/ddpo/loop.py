@@ -213,6 +213,13 @@ class Trainer:
         # the two functions every step runs, compiled once by backends that can (xla.step_compiler)
         autocast = lambda: rt.autocast(self.mixed)
         self.denoise_step = rt.compile_step(self.family.make_denoise_step(autocast))
+        # evaluation: the sampling step, or its own (another step count, the noise-free step): a graph of its own
+        ev_cfg = cfg.evaluation
+        self.eval_steps = ev_cfg.num_steps or self.family.num_steps
+        self.eval_step = self.denoise_step
+        if ev_cfg.every_n_epochs and (self.eval_steps != self.family.num_steps or ev_cfg.deterministic):
+            tables = self.family.schedule(self.eval_steps)
+            self.eval_step = rt.compile_step(self.family.make_denoise_step(autocast, tables, ev_cfg.deterministic))
         score_step = self.family.make_score_step(autocast)
         self.micro_step_loss = rt.compile_step(make_micro_step_loss(score_step, self.algorithm.loss))
         # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
@@ -287,12 +294,19 @@ class Trainer:
         commits it, so a kill at any point either finds all of the epoch's outputs or redoes the epoch."""
         trainable = self.trainable_state()
         optimizer = self.state.state_dict()
+        last = epoch + 1 == self.cfg.num_epochs
+        final_ema = None
+        if last and self.state.ema is not None:  # every process swaps (device work); the main one writes
+            with self.state.ema_weights():
+                final_ema = self.trainable_state()
         pending = None
         if self.rt.is_main:
             # the weights first: an epoch whose checkpoint is in place has its weights files too
             self.out.save_weights(f"epoch_{epoch:04d}", trainable)
-            if epoch + 1 == self.cfg.num_epochs:
+            if last:
                 self.out.save_weights("final", trainable)
+            if final_ema is not None:
+                self.out.save_weights("final_ema", final_ema)
             pending = ckpt.prepare(self.ckpt_root, epoch=epoch, global_step=self.global_step, trainable=trainable,
                                    optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
                                    tree=self.tree)
@@ -384,14 +398,16 @@ class Trainer:
             return self.reward(images, prompts)
         return self.pool.submit(self.reward, images, prompts)
 
-    def _sample_batch(self, prompts: list[str], gen: torch.Generator) -> tuple[Trajectory, Cond, np.ndarray]:
+    def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False
+                      ) -> tuple[Trajectory, Cond, np.ndarray]:
         """One batch: initial latents and per-step noise from `gen`, the trajectory, its images on the host."""
         cfg, rt = self.cfg, self.rt
-        B, T, shape = len(prompts), self.family.num_steps, self.family.latent_shape
+        step, T = (self.eval_step, self.eval_steps) if evaluation else (self.denoise_step, self.family.num_steps)
+        B, shape = len(prompts), self.family.latent_shape
         init = torch.randn((B, *shape), generator=gen)
         noise = torch.randn((T, B, *shape), generator=gen)
         cond = self.family.encode(prompts)
-        traj = sample_trajectory(self.denoise_step, T, cond, self.uncond_sample, init, noise, rt=rt,
+        traj = sample_trajectory(step, T, cond, self.uncond_sample, init, noise, rt=rt,
                                  sync_every=cfg.xla.sync_every_n_denoising_steps)
         with rt.autocast(self.mixed):
             images = self.family.decode(traj.latents[:, -1])
@@ -457,11 +473,14 @@ class Trainer:
         )
 
     def evaluate(self, epoch: int) -> dict:
-        """Fixed prompts and fixed noise, one sampling batch (the sampling graphs, so nothing new compiles)."""
+        """Fixed prompts and fixed noise, one sampling batch, with the EMA weights when train.ema. The sampling
+        graphs unless evaluation has its own step count or the noise-free step (then one graph of its own, compiled
+        at the first evaluation)."""
         ev_cfg = self.cfg.evaluation
         prompts = [ev_cfg.prompts[i % len(ev_cfg.prompts)] for i in range(self.global_batch)]
         self.family.model.eval()
-        _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed))
+        with self.state.ema_weights():
+            _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed), evaluation=True)
         rewards = np.asarray(self.reward(images, prompts), dtype=np.float64)
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
@@ -530,6 +549,7 @@ class Trainer:
                     if time.monotonic() - said > PROGRESS_EVERY_S:  # a long phase is not a silent one
                         said = time.monotonic()
                         self.events.emit(ev.TrainingProgress(epoch, micro, total, len(logs)))
+                self.state.end_batch()
         return logs
 
     def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:

@@ -1,15 +1,72 @@
-"""The training state: the trained parameters' optimizer, gradients and placement on the devices, and the step
-counter. It owns what a checkpoint holds of it (state_dict / load_state_dict, host copies), as torchtitan's
-Stateful components do; the trained weights themselves belong to the model family."""
+"""The training state: the trained parameters' optimizer, gradients and placement on the devices, the step
+counter and an optional EMA of the trained weights. It owns what a checkpoint holds of it (state_dict /
+load_state_dict, host copies), as torchtitan's Stateful components do; the trained weights themselves belong to the
+model family."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from ddpo_tpu.runtime import Runtime
 from ddpo_tpu.runtime.base import StateLayout
+
+
+class EMA:
+    """An exponential moving average of the trained weights, as flow_grpo keeps one for evaluation and for the
+    weights it saves: after every train batch, when (step + 1) is a multiple of `every` (step: optimizer steps done
+    so far), shadow += (1 - d) (weights - shadow) with d = min((1 + step) / (10 + step), decay).
+
+    The update runs after every train batch with a weight of 0 between updates (shadow + 0 (w - shadow) is shadow
+    exactly), so on XLA it is one graph from the first batch on, never a new one when the first real update comes
+    in a later epoch."""
+
+    def __init__(self, params: list[torch.Tensor], decay: float, every: int, rt: Runtime):
+        self.params, self.decay, self.every, self.rt = params, decay, every, rt
+        with torch.no_grad():
+            self.shadow = [p.detach().clone() for p in params]
+        rt.place_state(self.shadow)
+        rt.sync()
+
+    def weight(self, step: int) -> float:
+        """1 - d at this step, or 0 when the step does not update."""
+        if (step + 1) % self.every:
+            return 0.0
+        return 1.0 - min((1 + step) / (10 + step), self.decay)
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        w = torch.tensor(self.weight(step), dtype=torch.float32).to(self.rt.device)  # data, not a graph constant
+        for e, p in zip(self.shadow, self.params):
+            e.add_(w * (p.detach() - e))
+        self.rt.sync()
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def swapped_in(self):
+        """The model holds the average inside the block and its trained weights again after it."""
+        stash = [p.detach().clone() for p in self.params]
+        for p, e in zip(self.params, self.shadow):
+            p.copy_(e)
+        self.rt.place_state(self.params)  # copy_ into an XLA tensor drops its sharding
+        self.rt.sync()
+        try:
+            yield
+        finally:
+            for p, s in zip(self.params, stash):
+                p.copy_(s)
+            self.rt.place_state(self.params)
+            self.rt.sync()
+
+    def reset(self) -> None:
+        """Start the average at the current weights (a resume from a checkpoint that has none)."""
+        with torch.no_grad():
+            for e, p in zip(self.shadow, self.params):
+                e.copy_(p.detach())
+        self.rt.place_state(self.shadow)
+        self.rt.sync()
 
 
 class TrainState:
@@ -37,6 +94,7 @@ class TrainState:
             p.grad = torch.zeros(p.shape, dtype=p.dtype).to(rt.device)
             rt.place_state([p.grad, st["exp_avg"], st["exp_avg_sq"]])
         self.global_step = 0
+        self.ema = EMA(self.params, t.ema_decay, t.ema_every, rt) if t.ema else None
 
     def update(self, max_grad_norm: float) -> torch.Tensor:
         """Clip the accumulated gradients, step the optimizer, zero the gradients in place; the norm (device)."""
@@ -45,6 +103,16 @@ class TrainState:
         self.optimizer.zero_grad(set_to_none=False)
         self.global_step += 1
         return norm
+
+    def end_batch(self) -> None:
+        """After every train batch (flow_grpo's EMA step)."""
+        if self.ema is not None:
+            self.ema.update(self.global_step)
+
+    def ema_weights(self):
+        """A context in which the model holds the EMA of its trained weights (evaluation, the final EMA weights);
+        the trained weights themselves when there is no EMA."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
 
     def layout(self) -> StateLayout:
         return self.rt.state_layout([*self._model.parameters(), *(p.grad for p in self.params),
@@ -55,11 +123,16 @@ class TrainState:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state with host copies of its tensors (one sync, then plain copies)."""
+        """The optimizer's state with host copies of its tensors (one sync, then plain copies), and the EMA's
+        weights (in parameter order) under "ema" when there is one."""
         opt = self.optimizer.state_dict()
         flat = {f"{k}/{n}": t for k, v in opt["state"].items() for n, t in v.items() if torch.is_tensor(t)}
+        if self.ema is not None:
+            flat.update({f"ema/{i}": t for i, t in enumerate(self.ema.shadow)})
         host = self.rt.state_to_host(flat)
         opt["state"] = {k: {n: host.get(f"{k}/{n}", t) for n, t in v.items()} for k, v in opt["state"].items()}
+        if self.ema is not None:
+            opt["ema"] = [host[f"ema/{i}"] for i in range(len(self.ema.shadow))]
         return opt
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -67,6 +140,8 @@ class TrainState:
         placed as it arrives (load_state_dict would upload them all replicated beside the fresh ones). The loaded
         weights are pinned to their layout again too (copy_ into an XLA tensor drops its sharding)."""
         self.rt.place_state(self.params)
+        saved = dict(saved)
+        ema = saved.pop("ema", None)
         self.optimizer.load_state_dict({**saved, "state": {}})  # the groups' hyperparameters; drops the fresh state
         ids = [i for group in saved["param_groups"] for i in group["params"]]
         for i, p in zip(ids, self.params, strict=True):
@@ -74,3 +149,10 @@ class TrainState:
             moments = {k: st[k].to(dtype=p.dtype).to(self.rt.device) for k in ("exp_avg", "exp_avg_sq")}
             self.optimizer.state[p] = {"step": st["step"].to(torch.float32), **moments}
             self.rt.place_state(moments.values())
+        if self.ema is not None and ema is None:  # train.ema turned on for a run saved without one
+            self.ema.reset()
+        elif self.ema is not None:
+            with torch.no_grad():
+                for e, t in zip(self.ema.shadow, ema, strict=True):
+                    e.copy_(t.to(dtype=e.dtype).to(self.rt.device))
+            self.rt.place_state(self.ema.shadow)

@@ -36,8 +36,14 @@ class ModelFamily(abc.ABC):
         """Conditioning of the prompts on the device (batch laid out by the runtime when longer than one)."""
 
     @abc.abstractmethod
-    def make_denoise_step(self, autocast):
-        """(x_t, step index (B,), noise, cond, uncond) -> (x_prev, log_prob): one guided sampling step."""
+    def schedule(self, num_steps: int):
+        """The sampler's device tables for a schedule of `num_steps` steps (the run's own for sample.num_steps)."""
+
+    @abc.abstractmethod
+    def make_denoise_step(self, autocast, tables=None, deterministic: bool = False):
+        """(x_t, step index (B,), noise, cond, uncond) -> (x_prev, log_prob): one guided sampling step on `tables`
+        (default: the run's schedule). `deterministic`: the sampler's noise-free step (DDIM with eta 0, the flow
+        ODE), as evaluation may use; then the noise is ignored and log_prob is 0."""
 
     @abc.abstractmethod
     def make_score_step(self, autocast):

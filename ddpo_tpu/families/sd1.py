@@ -19,6 +19,7 @@ class SD1Family(ModelFamily):
     def __init__(self, cfg, rt, unet, vae, text_encoder, tokenizer, scheduler):
         self.cfg, self.rt = cfg, rt
         self.model, self.vae, self.text_encoder, self.tokenizer = unet, vae, text_encoder, tokenizer
+        self.scheduler = scheduler
         self.tables = DDIMTables.from_scheduler(scheduler, cfg.sample.num_steps, rt.device)
         self.num_steps = self.tables.num_steps
         c = unet.config
@@ -41,15 +42,25 @@ class SD1Family(ModelFamily):
         ids = self.rt.shard_batch(ids.to(self.rt.device)) if len(prompts) > 1 else ids.to(self.rt.device)
         return (self.text_encoder(ids)[0],)
 
-    def make_denoise_step(self, autocast):
-        s = self.cfg.sample
-        step = make_denoise_step(self.model, self.tables, eta=s.eta, guidance_scale=s.guidance_scale,
-                                 autocast=autocast)
+    def schedule(self, num_steps: int) -> DDIMTables:
+        if num_steps == self.num_steps:
+            return self.tables
+        return DDIMTables.from_scheduler(self.scheduler, num_steps, self.rt.device)
 
-        def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
-            return step(x, idx, z, cond[0], uncond[0])
+    def make_denoise_step(self, autocast, tables: DDIMTables | None = None, deterministic: bool = False):
+        unet, tables, s = self.model, tables or self.tables, self.cfg.sample
+        if not deterministic:
+            step = make_denoise_step(unet, tables, eta=s.eta, guidance_scale=s.guidance_scale, autocast=autocast)
+            return lambda x, idx, z, cond, uncond: step(x, idx, z, cond[0], uncond[0])
 
-        return denoise_step
+        def ddim_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond[0], uncond[0], s.guidance_scale)
+            # eta 0: the step is its mean (DDIM's deterministic sampler); a point mass has no log-density
+            _, _, mean, _ = tables.step(eps, idx, x, 0.0, noise=z, full=True)
+            return mean, torch.zeros(x.shape[0], device=x.device)
+
+        return ddim_step
 
     def make_score_step(self, autocast):
         unet, tables, s = self.model, self.tables, self.cfg.sample

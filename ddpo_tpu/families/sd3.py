@@ -59,23 +59,33 @@ class SD3Family(ModelFamily):
             embeds, pooled = self.rt.shard_batch(embeds), self.rt.shard_batch(pooled)
         return embeds, pooled
 
-    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
+    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None
+                  ) -> Tensor:
         from ddpo_tpu.models.sd3 import sd3_velocity
 
+        tables = tables or self.tables
         neg = uncond if uncond is not None else (None, None)
-        return sd3_velocity(self.model, x.to(self.dtype), self.tables.timestep_at(idx).to(self.dtype), cond[0],
+        return sd3_velocity(self.model, x.to(self.dtype), tables.timestep_at(idx).to(self.dtype), cond[0],
                             cond[1], neg[0], neg[1], self.cfg.sample.guidance_scale if uncond is not None else 1.0)
 
-    def make_denoise_step(self, autocast):
+    def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):
         s = self.cfg.sample
+        tables = tables or self.tables
 
         def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
             with autocast() if autocast is not None else contextlib.nullcontext():
-                v = self._velocity(x, idx, cond, uncond)
-            prev, log_prob, _, _ = self.tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type, noise=z)
+                v = self._velocity(x, idx, cond, uncond, tables)
+            if deterministic:  # the ODE (flow_grpo's SDE at noise_level 0); a point mass has no log-density
+                return tables.ode_step(v.float(), idx, x), torch.zeros(x.shape[0], device=x.device)
+            prev, log_prob, _, _ = tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type, noise=z)
             return prev, log_prob
 
         return denoise_step
+
+    def schedule(self, num_steps: int) -> FlowTables:
+        if num_steps == self.num_steps:
+            return self.tables
+        return FlowTables.from_scheduler(self.c.scheduler, num_steps, self.rt.device)
 
     def make_score_step(self, autocast):
         s = self.cfg.sample
