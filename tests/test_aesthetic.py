@@ -56,9 +56,8 @@ def _images(n, size, seed):
     return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
 
 
-def test_registered_and_needs_host_images(tiny):
+def test_registered(tiny):
     assert REWARDS["aesthetic"] is AestheticReward
-    assert AestheticReward.needs == frozenset({"host_images"})
     clip_dir, mlp_path = tiny
     r = make_reward("aesthetic", clip_model=str(clip_dir), mlp_path=str(mlp_path))
     assert isinstance(r, AestheticReward) and r.name == "aesthetic"

@@ -8,14 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ddpo_tpu.rewards import (
-    REWARDS,
-    Reward,
-    RewardError,
-    make_reward,
-    register_reward,
-    to_uint8_images,
-)
+from ddpo_tpu.rewards import REWARDS, Reward, RewardError, make_reward, register_reward, to_uint8_images
 
 
 def _flat(b=1, h=64, w=64, colour=(120, 30, 200)):
@@ -44,7 +37,6 @@ def test_registry_has_jpeg_rewards():
         r = make_reward(name)
         assert isinstance(r, Reward)
         assert r.name == name
-        assert r.needs == frozenset({"host_images"})
 
 
 def test_flat_is_more_compressible_than_noise():
@@ -135,8 +127,6 @@ def test_register_reward_class_and_factory():
 
         @register_reward("_test_constant")
         class Constant(Reward):
-            needs = frozenset({"prompts"})
-
             def __init__(self, value: float = 1.0):
                 self.value = value
 

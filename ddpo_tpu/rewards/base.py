@@ -8,9 +8,8 @@ A reward is a callable object::
     reward = make_reward("jpeg_compressibility")
     scores = reward(images_uint8_bhwc, prompts)   # float32 (B,)
 
-``reward.needs`` says what the reward consumes, so the training loop knows what
-to prepare (for example, only copy images to the host when some reward needs
-``"host_images"``).
+A run builds its reward from the typed `reward` config with
+``ddpo_tpu.rewards.from_config.reward_from_config``.
 """
 
 from __future__ import annotations
@@ -45,13 +44,13 @@ class RewardError(RuntimeError):
 class Reward(abc.ABC):
     """Base class of all rewards.
 
-    Subclasses set the class attributes ``name`` and ``needs`` and implement
-    ``__call__(images, prompts)`` which takes uint8 images of shape (B, H, W, 3)
-    on the host plus the B prompts, and returns float32 rewards of shape (B,).
+    Subclasses set the class attribute ``name`` (``register_reward`` does) and
+    implement ``__call__(images, prompts)`` which takes uint8 images of shape
+    (B, H, W, 3) on the host plus the B prompts, and returns float32 rewards of
+    shape (B,).
     """
 
     name: str
-    needs: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
@@ -83,7 +82,7 @@ class Reward(abc.ABC):
         return images
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={getattr(self, 'name', None)!r}, needs={sorted(self.needs)})"
+        return f"{type(self).__name__}(name={getattr(self, 'name', None)!r})"
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from ddpo_tpu.rewards.base import Reward, RewardError, register_reward
 @register_reward("clip_score")
 class ClipScoreReward(Reward):
     name = "clip_score"
-    needs = frozenset({"host_images", "prompts"})
 
     def __init__(self, clip_model: str, local_files_only: bool = True, device: Any = "cpu"):
         import torch

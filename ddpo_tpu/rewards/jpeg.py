@@ -35,7 +35,6 @@ def jpeg_sizes_kb(images: np.ndarray, quality: int = JPEG_QUALITY) -> np.ndarray
 
 
 class _JpegReward(Reward):
-    needs = frozenset({"host_images"})
     sign: float = 1.0
 
     def __init__(self, quality: int = JPEG_QUALITY):

@@ -69,7 +69,6 @@ class PickScoreReward(Reward):
     """exp(logit_scale) * cos(text, image) / 26 per (image, its prompt); float32 (B,)."""
 
     name = _NAME
-    needs = frozenset({"host_images", "prompts"})
 
     def __init__(
         self,

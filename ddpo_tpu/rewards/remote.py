@@ -262,7 +262,6 @@ class RemoteReward(Reward):
     """
 
     name = _NAME
-    needs = frozenset({"host_images", "prompts"})
 
     def __init__(
         self,

@@ -77,7 +77,6 @@ class WeightedReward(Reward):
         )
         self.weights: tuple[float, ...] = tuple(weights)
         self.components: tuple[Reward, ...] = tuple(rewards)
-        self.needs = frozenset().union(*(r.needs for r in rewards))
         #: Unweighted per-component rewards (float32 (B,)) of the most recent call, by component key.
         self.last_components: dict[str, np.ndarray] = {}
 
