@@ -17,29 +17,44 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, dataclass_transform
 
 EVENTS_FILE = "events.jsonl"
 
 _KINDS: dict[str, type["Event"]] = {}
 
 
-@dataclass(frozen=True)
+@dataclass_transform(frozen_default=True, field_specifiers=(field,))
 class Event:
-    """One thing that happened. Subclasses name themselves (`kind`) and say how a person reads them (`text`)."""
+    """One thing that happened. A subclass is a frozen dataclass of the event's fields, declared as
+
+        class SamplingBatch(Event, kind="sampling_batch", text="[epoch {epoch}] sampling batch {batch}/{of} done"):
+            epoch: int
+            ...
+
+    `kind` names it in events.jsonl; `text` is its console line, formatted with its fields (str.format). An event
+    whose line depends on its values overrides `text()`; one without a line (machines only) gives neither."""
 
     kind: ClassVar[str] = ""
+    template: ClassVar[str | None] = None
 
-    def __init_subclass__(cls, **kw):
+    def __init_subclass__(cls, kind: str = "", text: str | None = None, **kw):
         super().__init_subclass__(**kw)
-        _KINDS[cls.kind] = cls
+        if not kind or kind in _KINDS:
+            raise TypeError(f"{cls.__name__}: every event kind needs a name of its own, got {kind!r}")
+        cls.kind, cls.template = kind, text
+        dataclass(frozen=True)(cls)
+        _KINDS[kind] = cls
 
     def text(self) -> str | None:
         """The console line, or None for events only machines read."""
-        return None
+        if self.template is None:
+            return None
+        return self.template.format(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def record(self) -> dict[str, Any]:
         return {"event": self.kind, **dataclasses.asdict(self)}
@@ -47,9 +62,7 @@ class Event:
 
 # --- a run's life ----------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class RunStart(Event):
-    kind: ClassVar[str] = "run_start"
+class RunStart(Event, kind="run_start"):
     backend: str
     num_epochs: int
     start_epoch: int
@@ -68,39 +81,25 @@ class RunStart(Event):
         return line
 
 
-@dataclass(frozen=True)
-class Resumed(Event):
-    kind: ClassVar[str] = "resumed"
+class Resumed(Event, kind="resumed",
+              text="ddpo_tpu: resumed from {checkpoint} (epoch {epoch} done, global step {global_step})"):
     epoch: int
     global_step: int
     checkpoint: str
 
-    def text(self) -> str:
-        return f"ddpo_tpu: resumed from {self.checkpoint} (epoch {self.epoch} done, global step {self.global_step})"
 
-
-@dataclass(frozen=True)
-class CheckpointDamaged(Event):
-    kind: ClassVar[str] = "checkpoint_damaged"
+class CheckpointDamaged(Event, kind="checkpoint_damaged",
+                        text="ddpo_tpu: warning: {problem}; trying the previous checkpoint"):
     checkpoint: str
     problem: str
 
-    def text(self) -> str:
-        return f"ddpo_tpu: warning: {self.problem}; trying the previous checkpoint"
 
-
-@dataclass(frozen=True)
-class AlreadyComplete(Event):
-    kind: ClassVar[str] = "already_complete"
+class AlreadyComplete(Event, kind="already_complete",
+                      text="ddpo_tpu: run complete (all {num_epochs} epochs were done already)"):
     num_epochs: int
 
-    def text(self) -> str:
-        return f"ddpo_tpu: run complete (all {self.num_epochs} epochs were done already)"
 
-
-@dataclass(frozen=True)
-class RunComplete(Event):
-    kind: ClassVar[str] = "run_complete"
+class RunComplete(Event, kind="run_complete"):
     first_epoch: int | None = None   # the epochs this attempt trained (None: none)
     last_epoch: int | None = None
     num_epochs: int = 0
@@ -120,50 +119,34 @@ class RunComplete(Event):
                 f"ddpo_tpu: run complete")
 
 
-@dataclass(frozen=True)
-class Preempted(Event):
-    kind: ClassVar[str] = "preempted"
+class Preempted(Event, kind="preempted", text="ddpo_tpu: preempted: {message}"):
     epoch: int             # the last epoch whose checkpoint is in place (-1: none)
     global_step: int
     message: str
 
-    def text(self) -> str:
-        return f"ddpo_tpu: preempted: {self.message}"
 
-
-@dataclass(frozen=True)
-class Failed(Event):
-    kind: ClassVar[str] = "error"
+class Failed(Event, kind="error", text="error: {message}"):
     message: str
 
-    def text(self) -> str:
-        return f"error: {self.message}"
 
-
-@dataclass(frozen=True)
-class WorkerExited(Event):
+class WorkerExited(Event, kind="worker_exited"):
     """Written by the front end when the training process ends, whatever ended it (a SIGKILL leaves no other
     trace): the exit code as the front end reports it."""
 
-    kind: ClassVar[str] = "worker_exited"
     code: int
     message: str = ""  # how it ended, for people ("was killed by SIGKILL"); empty for a documented exit code
 
 
-@dataclass(frozen=True)
-class WorkerStarted(Event):
+class WorkerStarted(Event, kind="worker_started"):
     """Written by the front end when it starts the training process: it opens an attempt (ddpo-status decides a
     run's state from its last attempt), before the training process has written anything."""
 
-    kind: ClassVar[str] = "worker_started"
     worker_pid: int
 
 
 # --- an epoch --------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class PhaseStart(Event):
-    kind: ClassVar[str] = "phase_start"
+class PhaseStart(Event, kind="phase_start"):
     epoch: int
     phase: str  # sampling | training | evaluation
 
@@ -171,9 +154,7 @@ class PhaseStart(Event):
         return f"[epoch {self.epoch}] {self.phase} start" if self.phase != "evaluation" else None
 
 
-@dataclass(frozen=True)
-class PhaseEnd(Event):
-    kind: ClassVar[str] = "phase_end"
+class PhaseEnd(Event, kind="phase_end"):
     epoch: int
     phase: str
     seconds: float
@@ -182,20 +163,13 @@ class PhaseEnd(Event):
     compile_seconds: float
 
 
-@dataclass(frozen=True)
-class SamplingBatch(Event):
-    kind: ClassVar[str] = "sampling_batch"
+class SamplingBatch(Event, kind="sampling_batch", text="[epoch {epoch}] sampling batch {batch}/{of} done"):
     epoch: int
     batch: int  # 1-based: batches done
     of: int
 
-    def text(self) -> str:
-        return f"[epoch {self.epoch}] sampling batch {self.batch}/{self.of} done"
 
-
-@dataclass(frozen=True)
-class RewardsGathered(Event):
-    kind: ClassVar[str] = "rewards"
+class RewardsGathered(Event, kind="rewards"):
     epoch: int
     mean: float
     std: float
@@ -209,44 +183,73 @@ class RewardsGathered(Event):
         return line
 
 
-@dataclass(frozen=True)
-class TrainingProgress(Event):
-    kind: ClassVar[str] = "training_progress"
+class TrainingProgress(Event, kind="training_progress",
+                       text="[epoch {epoch}] training: {done}/{total} timesteps trained, {updates} optimizer step(s) "
+                            "done"):
     epoch: int
     done: int    # timesteps trained so far this epoch
     total: int
     updates: int
 
+
+# --- compiling the graphs (XLA: the first epoch of a training process) ----------------------------------------------
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def so_far(seconds: float) -> str:
+    """Elapsed time as people read it: "45 s", "4 min"."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds // 60:.0f} min"
+
+
+class CompileStart(Event, kind="compile_start"):
+    """A stage of the first epoch whose graphs XLA compiles (the runtime's COMPILE_STAGES, `index` of `of`)."""
+
+    epoch: int
+    stage: str  # sampling | training
+    index: int  # 1-based
+    of: int
+
     def text(self) -> str:
-        return (f"[epoch {self.epoch}] training: {self.done}/{self.total} timesteps trained, {self.updates} "
-                f"optimizer step(s) done")
+        return f"[epoch {self.epoch}] compiling the {self.stage} graphs, {_ordinal(self.index)} of {self.of}"
+
+    def live(self, seconds: float, compilations: int | None = None) -> str:
+        """The line after `seconds`: what the console's status line, the periodic lines and ddpo-status say."""
+        done = "" if compilations is None else f" ({compilations} graph(s) compiled)"
+        return f"{CompileStart.text(self)}, {so_far(seconds)} so far{done}"
 
 
-@dataclass(frozen=True)
-class Evaluated(Event):
-    kind: ClassVar[str] = "evaluated"
+class CompileProgress(CompileStart, kind="compile_progress"):
+    """Emitted from a thread every few seconds while a stage compiles: the compile holds the main thread."""
+
+    seconds: float = 0.0        # since its compile_start
+    compilations: int = 0       # graphs compiled so far in this stage (torch_xla's counters)
+    compile_seconds: float = 0.0
+
+    def text(self) -> str:
+        return self.live(self.seconds, self.compilations)
+
+
+class CompileEnd(CompileProgress, kind="compile_end"):
+    def text(self) -> str:
+        return (f"[epoch {self.epoch}] the {self.stage} graphs are compiled ({_ordinal(self.index)} of {self.of}): "
+                f"{self.compilations} graph(s), {self.compile_seconds:.1f} s compiling in {self.seconds:.1f} s")
+
+
+class Evaluated(Event, kind="evaluated", text="[epoch {epoch}] eval: reward {mean:.4f} +- {std:.4f}"):
     epoch: int
     mean: float
     std: float
 
-    def text(self) -> str:
-        return f"[epoch {self.epoch}] eval: reward {self.mean:.4f} +- {self.std:.4f}"
 
-
-@dataclass(frozen=True)
-class CheckpointSaved(Event):
-    kind: ClassVar[str] = "checkpoint"
+class CheckpointSaved(Event, kind="checkpoint", text="[epoch {epoch}] checkpoint {path}"):
     epoch: int
     global_step: int
     path: str
 
-    def text(self) -> str:
-        return f"[epoch {self.epoch}] checkpoint {self.path}"
 
-
-@dataclass(frozen=True)
-class EpochDone(Event):
-    kind: ClassVar[str] = "epoch_done"
+class EpochDone(Event, kind="epoch_done"):
     epoch: int
     reward_mean: float
     reward_std: float
@@ -273,8 +276,13 @@ class EventLog:
         self.path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
         self.is_main = is_main
         self._echo = echo
+        self._lock = threading.Lock()  # a compile's progress is emitted from a thread: whole lines, in order
 
     def emit(self, event: Event) -> dict[str, Any]:
+        with self._lock:
+            return self._emit(event)
+
+    def _emit(self, event: Event) -> dict[str, Any]:
         rec = {"time": round(time.time(), 3), "pid": os.getpid(), **event.record()}
         if not self.is_main:
             return rec

@@ -471,6 +471,26 @@ def locate(attempt: list[Stamped], epochs: list[dict], num_epochs: int | None) -
     return None, None, None
 
 
+def open_compile(attempt: list[Stamped], until: float) -> dict | None:
+    """The compile in progress in an attempt (a compile_start with no compile_end after it), timed up to `until`
+    (now for a running run, else its last event), or None."""
+    start: Stamped | None = None
+    done = None
+    for s in attempt:
+        if isinstance(s.event, ev.CompileEnd):
+            start = None
+        elif isinstance(s.event, ev.CompileProgress):
+            done = s.event.compilations
+        elif isinstance(s.event, ev.CompileStart):
+            start, done = s, None
+    if start is None:
+        return None
+    e = start.event
+    seconds = max(0.0, until - start.time)
+    return {"epoch": e.epoch, "stage": e.stage, "index": e.index, "of": e.of, "seconds": seconds,
+            "compilations": done, "text": e.live(seconds, done).removeprefix(f"[epoch {e.epoch}] ")}
+
+
 def epochs_of(metrics: Metrics) -> list[dict]:
     """One record per epoch, in order (the later line wins when a restarted run logged an epoch again)."""
     by_epoch = {r["epoch"]: r for r in metrics.records
@@ -657,6 +677,11 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> d
         activity_age=None if activity_t is None else now - activity_t, activity_source=activity_src,
         stale_limit=stale_limit))
 
+    compiling = open_compile(attempt, now if decision.state == "running" else max((s.time for s in attempt),
+                                                                                   default=now))
+    if compiling is not None:
+        phase_detail = compiling["text"]
+
     rate, epoch_s, rate_basis = throughput(epochs)
     eta = None
     if decision.state in ("running", "stopped") and epoch_s is not None and num_epochs is not None:
@@ -683,6 +708,7 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> d
         "current_epoch": current_epoch,
         "phase": phase,
         "phase_detail": phase_detail,
+        "compiling": compiling,
         "optimizer_steps_in_epoch": steps_now,
         "optimizer_steps_per_epoch": steps_per_epoch,
         "global_step": next((r.get("global_step") for r in reversed(run.metrics.records)

@@ -47,6 +47,11 @@ TEXTS = [
     (ev.RewardsGathered(3, 0.5, 0.25, 2), "[epoch 3] rewards gathered: mean 0.5000 std 0.2500\n"
                                           "[epoch 3] 2 non-finite reward(s): zero advantage for those samples"),
     (ev.TrainingProgress(3, 16, 32, 1), "[epoch 3] training: 16/32 timesteps trained, 1 optimizer step(s) done"),
+    (ev.CompileStart(0, "sampling", 1, 2), "[epoch 0] compiling the sampling graphs, 1st of 2"),
+    (ev.CompileProgress(0, "training", 2, 2, 250.0, 6, 40.0),
+     "[epoch 0] compiling the training graphs, 2nd of 2, 4 min so far (6 graph(s) compiled)"),
+    (ev.CompileEnd(0, "sampling", 1, 2, 45.25, 3, 12.75),
+     "[epoch 0] the sampling graphs are compiled (1st of 2): 3 graph(s), 12.8 s compiling in 45.2 s"),
     (ev.Evaluated(3, 0.5, 0.125), "[epoch 3] eval: reward 0.5000 +- 0.1250"),
     (ev.CheckpointSaved(3, 8, "ck/epoch_0003"), "[epoch 3] checkpoint ck/epoch_0003"),
     (ev.EpochDone(3, 0.5, 0.125, 1.5e-4, 0.25, 2, {"sampling": {"seconds": 1.25, "compilations": 2},
@@ -238,3 +243,71 @@ def test_the_live_line_follows_events_not_output(tmp_path, monkeypatch):
     assert not live._thread.is_alive()
     assert "a console line that is not an event" in "".join(sys.stdout.parts)
 
+
+
+def test_an_event_kind_is_declared_once_with_its_text():
+    """Events are frozen dataclasses declared by their kind and console template (no repeated boilerplate)."""
+    e = ev.SamplingBatch(1, 2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.epoch = 5
+    assert ev.parse(e.record()) == e and ev.CompileEnd.kind == "compile_end"
+    with pytest.raises(TypeError, match="name of its own"):
+        class Again(ev.Event, kind="sampling_batch"):  # noqa: F841 -- a kind that is taken
+            epoch: int
+
+
+def test_compile_progress_from_a_thread_while_the_main_thread_is_busy(tmp_path):
+    """The first pass through a stage is watched: start, progress every `every` s from a thread (with the graphs the
+    counters show so far), end with the totals; a later pass, and an unknown stage, are not."""
+    from ddpo_tpu.runtime.base import Counters
+    from ddpo_tpu.runtime.watch import CompileWatch
+
+    graphs = [0]
+    counters = lambda: Counters(compilations=graphs[0], compile_time_s=2.0 * graphs[0])  # noqa: E731
+    watch = CompileWatch(counters, every=0.05)
+    log = ev.EventLog(tmp_path, echo=lambda *a: None)
+    with watch.stage("sampling", 0, log):
+        for _ in range(3):
+            time.sleep(0.12)  # the main thread "compiles"
+            graphs[0] += 1
+    with watch.stage("sampling", 1, log), watch.stage("reward", 0, log):
+        pass
+    kinds = [r["event"] for r in ev.read_events(tmp_path)]
+    assert kinds[0] == "compile_start" and kinds[-1] == "compile_end" and kinds.count("compile_progress") >= 3
+    assert kinds.count("compile_start") == 1 and kinds.count("compile_end") == 1
+    end = ev.parse(ev.read_events(tmp_path)[-1])
+    assert (end.stage, end.index, end.of, end.compilations, end.compile_seconds) == ("sampling", 1, 2, 3, 6.0)
+    assert end.seconds >= 0.3
+
+
+def test_a_stage_that_fails_has_no_compile_end(tmp_path):
+    from ddpo_tpu.runtime.base import Counters
+    from ddpo_tpu.runtime.watch import CompileWatch
+
+    log = ev.EventLog(tmp_path, echo=lambda *a: None)
+    with pytest.raises(KeyboardInterrupt):
+        with CompileWatch(Counters, every=0.05).stage("training", 0, log):
+            raise KeyboardInterrupt
+    assert [r["event"] for r in ev.read_events(tmp_path)] == ["compile_start"]
+
+
+def test_the_live_line_counts_a_compile_up_every_poll(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _Tty())
+    live = process._LiveStatus(process.EventFollower(tmp_path / ev.EVENTS_FILE))
+    live.status, live.gone = _Status(), False
+    live.update([ev.PhaseStart(0, "sampling"), ev.CompileStart(0, "sampling", 1, 2)], now=100.0)
+    assert live.status.status == "\\[epoch 0] compiling the sampling graphs, 1st of 2, 0 s so far"
+    live.update([ev.SamplingBatch(0, 1, 2)], now=145.0)  # still compiling: the clock, not the batch
+    assert live.status.status.endswith("1st of 2, 45 s so far")
+    live.update([ev.CompileProgress(0, "sampling", 1, 2, 60.0, 2, 10.0)], now=160.0)
+    live.update([], now=400.0)
+    assert live.status.status.endswith("1st of 2, 5 min so far (2 graph(s) compiled)")
+    live.update([ev.CompileEnd(0, "sampling", 1, 2, 301.0, 3, 20.0)], now=401.0)
+    assert live.status.status.startswith("\\[epoch 0] the sampling graphs are compiled")
+
+
+class _Status:
+    status = ""
+
+    def update(self, text):
+        self.status = text

@@ -233,6 +233,19 @@ def test_training_detail_counts_optimizer_steps_and_timesteps():
     assert f["phase_detail"] == "training, optimizer step 1/2 done (4/8 timesteps)"
 
 
+def test_a_compile_in_progress_is_shown_with_its_time_so_far():
+    compiling = attempt(ev.RunStart("xla", 6, 0, 8, 2, 8, "LoRA", True), ev.CompileStart(0, "sampling", 1, 2),
+                        ev.PhaseStart(0, "sampling"), ev.CompileProgress(0, "sampling", 1, 2, 1.0, 1, 0.5))
+    f = facts_of(compiling)  # one second apart, the last 5 s ago: the compile started 7 s ago
+    assert f["state"] == "running" and f["phase"] == "sampling"
+    assert f["phase_detail"] == "compiling the sampling graphs, 1st of 2, 7 s so far (1 graph(s) compiled)"
+    assert f["compiling"]["seconds"] == pytest.approx(7.0) and f["compiling"]["stage"] == "sampling"
+    f = facts_of(compiling + [ev.CompileEnd(0, "sampling", 1, 2, 3.0, 2, 1.0), ev.SamplingBatch(0, 1, 2)])
+    assert f["compiling"] is None and f["phase_detail"] == "sampling batch 2/2 (1/2 done)"
+    dead = facts_of(compiling + [ev.WorkerExited(1, "was killed by SIGKILL")], t_last=NOW - 500)
+    assert dead["state"] == "failed" and dead["compiling"]["seconds"] == pytest.approx(3.0)  # up to its last event
+
+
 def test_throughput_and_eta_leave_out_compiling_epochs():
     f = facts_of(attempt(run_start(3, 10), *epoch_events(3, "training")), num_epochs=10,
                  metrics=metrics(3, t0=NOW - 40))

@@ -351,14 +351,14 @@ class Trainer:
         ran, t0 = [], time.monotonic()  # (epoch, reward) of the epochs this process trains, for the summary
         for epoch in range(self.start_epoch, cfg.num_epochs):
             clock = PhaseClock(rt, self.events, epoch)
-            with clock.measure("sampling"):
+            with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events):
                 sampled = self.sample_epoch(epoch)
             with clock.measure("reward"):
                 rewards = self.gather_rewards(epoch, sampled)
             with clock.measure("advantages"):
                 samples = self.epoch_samples(epoch, sampled, rewards)
             self.events.emit(ev.PhaseStart(epoch, "training"))
-            with clock.measure("training"):
+            with clock.measure("training"), rt.compiling("training", epoch, self.events):
                 steps = self.train_epoch(epoch, samples)
             del samples
             if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:

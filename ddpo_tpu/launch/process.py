@@ -5,13 +5,16 @@ accelerator is exclusive, so sweep points never share one."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
-from ddpo_tpu.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
+from ddpo_tpu.events import (EVENTS_FILE, CompileEnd, CompileProgress, CompileStart, Event, EventLog, WorkerExited,
+                             WorkerStarted, parse)
 
 WORKER_MODULE = "ddpo_tpu.worker"
 
@@ -36,16 +39,28 @@ def _terminate_with_parent() -> None:
         pass
 
 
-def run_training(env: dict[str, str], log_path: Path) -> int:
+def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None) -> int:
     """Run the training process to its end; its output goes to the console and to log_path (train.log), and its start
-    and exit code to events.jsonl beside it. Returns the documented exit code."""
+    and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
+    front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
+    while either process lives."""
+    from ddpo_tpu.launch.env import RUN_DIR_LOCK_FD_VARIABLE
+
     run_dir = Path(log_path).parent
     record = EventLog(run_dir, echo=_silent)
     follow = EventFollower(run_dir / EVENTS_FILE, start=_size(run_dir / EVENTS_FILE))
     cmd = [sys.executable, "-m", WORKER_MODULE]
+    handed = run_dir_lock.handover_fd() if run_dir_lock is not None else None
+    if handed is not None:
+        env = {**env, RUN_DIR_LOCK_FD_VARIABLE: str(handed)}
     # a new session: a terminal's Ctrl-C reaches only us, and we forward it once (no double interrupt)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, pass_fds=() if handed is None else (handed,),
+                                preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
+    finally:
+        if handed is not None:
+            os.close(handed)  # the child has its copy; ours is the lock's own descriptor
     record.emit(WorkerStarted(worker_pid=proc.pid))  # long before the worker's first event (it imports torch first)
 
     def forward(signum, _frame):
@@ -134,6 +149,8 @@ class _LiveStatus:
     def __init__(self, follow: EventFollower):
         self.follow = follow
 
+    compiling: tuple[CompileStart, float, int | None] | None = None  # (its start, when it started, graphs done)
+
     def __enter__(self):
         self.status, self.gone = None, False
         if sys.stdout.isatty():
@@ -151,9 +168,22 @@ class _LiveStatus:
         while not self._stop.wait(self.POLL_S):
             self.update(self.follow.poll())
 
-    def update(self, events: list[Event]) -> None:
-        """The status line shows the newest event that has a console text (its first line)."""
+    def update(self, events: list[Event], now: float | None = None) -> None:
+        """The status line shows the newest event that has a console text (its first line); while a compile is in
+        progress (compile_start, no compile_end yet) it shows the compile with its elapsed time instead, counted
+        here every poll ("compiling the sampling graphs, 1st of 2, 45 s so far")."""
+        now = time.monotonic() if now is None else now
         texts = [t for t in (e.text() for e in events) if t]
+        for e in events:
+            if isinstance(e, CompileEnd):
+                self.compiling = None
+            elif isinstance(e, CompileProgress):
+                self.compiling = (e, now - e.seconds, e.compilations)
+            elif isinstance(e, CompileStart):
+                self.compiling = (e, now, None)
+        if self.compiling is not None:
+            start, since, done = self.compiling
+            texts.append(start.live(now - since, done))
         if texts and self.status is not None and not self.gone:
             from rich.markup import escape
 

@@ -110,6 +110,20 @@ class Runtime(abc.ABC):
     def counters(self) -> Counters:
         return Counters(host_transfers=self._transfers)
 
+    def compiling(self, stage: str, epoch: int, events):
+        """A context around a phase: on backends that compile (XLA), the first pass through a stage whose graphs it
+        compiles is reported as compile_start, compile_progress every 30 s and compile_end events (runtime/watch.py);
+        otherwise nothing."""
+        if not self.compiles_graphs:
+            return contextlib.nullcontext()
+        if self._watch is None:
+            from ddpo_tpu.runtime.watch import CompileWatch
+
+            self._watch = CompileWatch(self.counters)
+        return self._watch.stage(stage, epoch, events)
+
+    _watch = None
+
     _transfers: int = 0
 
     def autocast(self, enabled: bool):

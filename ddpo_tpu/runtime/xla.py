@@ -64,7 +64,7 @@ class XlaRuntime(Runtime):
             raise LaunchMismatch(
                 f"tpu_topology={topo.name} expects {topo.processes} training processes (one per host) but this run "
                 f"has {self.process_count}{f' (this is worker {worker})' if worker is not None else ''}: launch the "
-                f"same command on all workers (scripts/launch_pod.py --tpu NAME --zone ZONE ...), not only worker 0")
+                f"same command on all workers (ddpo-pod --tpu NAME --zone ZONE -- OVERRIDES...), not only worker 0")
         if self.spmd:
             n = xr.global_runtime_device_count()
             if n != topo.chips:
