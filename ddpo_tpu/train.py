@@ -20,6 +20,7 @@ from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated, conf_dir, overridden_keys, validate
 from ddpo_tpu.config.errors import ConfigError
 from ddpo_tpu.launch import env as envmod
+from ddpo_tpu.launch import lora_targets, xla_flags
 from ddpo_tpu.launch import process
 
 _failures: list[str] = []
@@ -84,6 +85,10 @@ def compose_points(overrides: list[str], multirun: bool) -> list[Point]:
             if envmod.full_error_requested():
                 raise
             point.problems = [point.where + str(p) for p in e.problems]
+        else:  # what the model and XLA will be asked for, known without loading either
+            cfg = point.validated.cfg
+            point.problems = [point.where + line for line in lora_targets.problems(cfg.model)
+                              + xla_flags.problems(cfg.xla.flags, cfg.tpu_topology.execution)]
         points.append(point)
     return points
 
@@ -138,9 +143,11 @@ def preflight(argv: list[str]) -> None:
         holder = AcceleratorLock.holder(path)
         if holder is not None:
             _fail([str(AcceleratorBusy(path, holder))], process.EXIT_BUSY)
-    # and a run dir written by a live training process (the same command twice) before anything is written there
+    # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
+    # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is
+    # handed over to (launch/process.py)
     for p in points:
-        _fail_if_run_dir_busy(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
+        _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
 
 
 def _run_dir_of(cfg, job: int | None) -> Path:
@@ -149,14 +156,27 @@ def _run_dir_of(cfg, job: int | None) -> Path:
     return root / cfg.run_name if job is None else root / f"{cfg.run_name}-multirun" / str(job)
 
 
-def _fail_if_run_dir_busy(run_dir: Path) -> None:
-    """Advisory (the training process's RunDirLock is the authority): refuse before config.yaml is overwritten."""
-    from ddpo_tpu.launch.lock import AcceleratorLock, RunDirBusy, run_dir_lock_path
+_run_dir_locks: dict[Path, object] = {}  # run dir -> the RunDirLock this front end holds
 
-    path = run_dir_lock_path(run_dir)
-    holder = AcceleratorLock.holder(path)
-    if holder is not None:
-        _fail([str(RunDirBusy(path, holder))], process.EXIT_BUSY)
+
+def _lock_run_dir(run_dir: Path):
+    """The run dir's lock, taken now (or already held by this front end), or exit 3 naming its holder. Creates the
+    run dir (the lock is a file in it) and nothing else."""
+    from ddpo_tpu.launch.lock import RunDirBusy, RunDirLock
+
+    key = Path(run_dir).resolve()
+    if key not in _run_dir_locks:
+        try:
+            _run_dir_locks[key] = RunDirLock(key).acquire()
+        except RunDirBusy as e:
+            _fail([str(e)], process.EXIT_BUSY)
+    return _run_dir_locks[key]
+
+
+def _unlock_run_dir(run_dir: Path) -> None:
+    lock = _run_dir_locks.pop(Path(run_dir).resolve(), None)
+    if lock is not None:
+        lock.release()
 
 
 def _changed_sweep_point(validated, num: int) -> list[str]:
@@ -217,7 +237,7 @@ def _job(cfg) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    _fail_if_run_dir_busy(run_dir)  # hydra.run.dir may be overridden: checked again where the job really writes
+    lock = _lock_run_dir(run_dir)  # taken by preflight; hydra.run.dir may be overridden: then taken here
     validated = validate(cfg, overridden_keys(hc.overrides.task))
     run_dir.mkdir(parents=True, exist_ok=True)
     url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
@@ -237,12 +257,13 @@ def _job(cfg) -> None:
     if url is not None and writer:
         storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"])
     print_start(validated, run_dir)
-    code = process.run_training(child_env, run_dir / "train.log")
+    code = process.run_training(child_env, run_dir / "train.log", lock)
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
         try:
             storage.upload_files(run_dir, url, ["events.jsonl", "train.log"])
         except storage.StorageError as e:
             print(f"error: {e}", file=sys.stderr)
+    _unlock_run_dir(run_dir)  # this run dir is done with (a sweep goes on to the next job's)
     _last_code.append(code)
     if code == process.EXIT_PREEMPTED:  # not a failure; a sweep stops here too (the same command continues it)
         print(f"ddpo_tpu: stopped by SIGTERM (exit {code}): the same command resumes", file=sys.stderr)

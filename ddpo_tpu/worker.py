@@ -12,6 +12,7 @@ metrics.jsonl is written here directly and loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -106,14 +107,22 @@ def main() -> int:
     from ddpo_tpu.launch.process import EXIT_BUSY
 
     # taken before torch is imported (a refusal comes within seconds) and held until this process ends: first the
-    # run dir's (one writer per run dir, on every accelerator), then the accelerator's (one run per device)
+    # run dir's (one writer per run dir, on every accelerator; the front end took it before writing anything and
+    # hands it over, so it is adopted, not raced for), then the accelerator's (one run per device)
     locks = [RunDirLock(run_dir)]
     path = envmod.accelerator_lock_path(validated.cfg)
     if path is not None:
         locks.append(AcceleratorLock(path, run_dir))
+    handed = envmod.run_dir_lock_fd_from_environment()
     try:
+        if handed is not None:
+            try:
+                locks[0].adopt(handed)
+            except ValueError:  # not this run dir's lock: take it like any other process
+                with contextlib.suppress(OSError):
+                    os.close(handed)
         for lock in locks:
-            lock.acquire()
+            lock.acquire()  # a no-op for the adopted lock
     except AcceleratorBusy as e:
         print(f"error: {e}", file=sys.stderr)
         for lock in locks:

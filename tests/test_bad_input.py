@@ -78,6 +78,12 @@ CASES = [
     ("grammar", ["train.batch_size=["], "train.batch_size", "not a valid override"),
     ("grammar_multirun", ["-m", "train.batch_size=["], "train.batch_size", "not a valid override"),
     ("logger_tag_empty", ["logger=wandb", "logger.mode=offline", "logger.tags=['']"], "logger.tags.0", "1 character"),
+    ("lora_target_unknown", ["model.lora.enabled=true", "model.lora.target_modules=[nonexistent]"],
+     "model.lora.target_modules", "nonexistent is not a layer of the sd1 family's denoiser (valid: conv, conv1"),
+    ("lora_target_typo", ["model.lora.enabled=true", "model.lora.target_modules=[to_q,to_qq,attn1.to_kk]"],
+     "model.lora.target_modules", "to_qq, attn1.to_kk are not layers"),
+    ("lora_target_sd3_name_on_sd1", ["model.lora.enabled=true", "model.lora.target_modules=[attn.add_q_proj]"],
+     "model.lora.target_modules", "to_out.0, to_q, to_v;"),
 ]
 
 
@@ -117,6 +123,69 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, ke
     args = [*multirun, "+experiment=smoke", *root, *overrides]
     proc, errors, wall = front_end(tmp_path, args)
     assert_refused(tmp_path, proc, errors, key, fragment, wall)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("_XLAC") is None, reason="torch_xla is not installed here")
+def test_unknown_xla_flag_name_is_refused_before_xla_aborts_on_it(tmp_path):
+    """XLA aborts its process on an unknown XLA_FLAGS name (SIGABRT, 15-20 s in, run dir written); the front end
+    looks the names up in torch_xla's library instead and names the near ones. Known names pass."""
+    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=cpu",
+                                              'xla.flags=["--xla_dump_to=/tmp/x","--xla_dump_too=/tmp/x"]'])
+    assert_refused(tmp_path, proc, errors, "xla.flags[1]", "XLA has no flag named xla_dump_too", wall)
+    assert "did you mean --xla_dump_to" in errors[0]
+    from ddpo_tpu.launch import xla_flags
+
+    assert xla_flags.unknown(["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                              "--xla_force_host_platform_device_count=4"]) == []
+    assert xla_flags.problems(["--xla_nonexistent_flag=1"], "eager") == []  # XLA is not started: nothing to abort
+
+
+def test_lora_target_table_matches_every_builders_model():
+    """launch/lora_targets.py's table (what the front end checks target_modules against, without a model) is what
+    the denoisers really have: every builder of each family, on the meta device."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from peft.tuners.lora import LoraModel  # noqa: F401 -- the layers peft adapts: Linear and Conv
+
+    from ddpo_tpu.launch import lora_targets
+    from ddpo_tpu.models import sd3, tiny
+
+    adaptable = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+
+    def layers(model) -> set[str]:
+        out = set()
+        for name, module in model.named_modules():
+            if isinstance(module, adaptable):
+                parts, cut = name.split("."), 0
+                for i, p in enumerate(parts):
+                    if p in lora_targets.CONTAINERS:
+                        cut = i + 1 + (i + 1 < len(parts) and parts[i + 1].isdigit())
+                out.add(".".join(parts[cut:]))
+                assert lora_targets.is_known(name, "sd1" if hasattr(model, "conv_in") else "sd3"), name
+        return out
+
+    with torch.device("meta"):
+        sd1 = set().union(*(layers(tiny._build_unet(tiny.SPECS[k])) for k in ("tiny", "sd14_topology", "sd14_random")))
+        sd35_medium = SD3Transformer2DModel(  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
+            sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+            joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+            pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+        sd3_layers = layers(sd3._build_transformer()) | layers(sd35_medium)
+    assert sd1 == set(lora_targets.LAYERS["sd1"])
+    assert sd3_layers == set(lora_targets.LAYERS["sd3"])
+
+
+def test_lora_target_names_as_peft_matches_them():
+    from ddpo_tpu.launch.lora_targets import is_known
+
+    for name in ("to_q", "to_out.0", "attn1.to_q", "ff.net.0.proj", "proj", "net.2",
+                 "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", "mid_block.resnets.0.conv1"):
+        assert is_known(name, "sd1"), name
+    for name in ("0", "to_out", "attn.to_q", "ff.net.0", "down_blocks.0.attn9.to_q", "nonexistent", "TO_Q"):
+        assert not is_known(name, "sd1"), name
+    for name in ("attn.add_q_proj", "add_q_proj", "norm1.linear", "transformer_blocks.3.attn.to_q"):
+        assert is_known(name, "sd3"), name
+    assert not is_known("attn1.to_q", "sd3")
 
 
 def test_wandb_online_without_credentials_is_refused(tmp_path):

@@ -304,3 +304,73 @@ def test_module_reads_no_environment_and_imports_no_torch():
     res = subprocess.run([sys.executable, "-c", "import sys, ddpo_tpu.launch.lock; print('torch' in sys.modules)"],
                          cwd=REPO, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and res.stdout.strip() == "False"
+
+
+# --- hand-over: the front end takes the run dir's lock before writing, its training process adopts it -----------------
+
+ADOPT = """
+import sys
+from pathlib import Path
+from ddpo_tpu.launch.lock import AcceleratorLock
+lock = AcceleratorLock(Path(sys.argv[1]), Path(sys.argv[2])).adopt(int(sys.argv[3]))
+print("adopted", flush=True)
+sys.stdin.readline()
+lock.release()
+print("released", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _adopting_child(lock: AcceleratorLock, lock_path: Path, run_dir: Path) -> subprocess.Popen:
+    fd = lock.handover_fd()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", ADOPT, str(lock_path), str(run_dir), str(fd)], cwd=REPO,
+                                 pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    finally:
+        os.close(fd)
+    assert child.stdout.readline().strip() == "adopted"
+    return child
+
+
+def test_a_handed_over_lock_names_the_child_and_goes_back_to_the_parent(paths):
+    lock_path, run_dir = paths
+    parent = AcceleratorLock(lock_path, run_dir).acquire()
+    child = _adopting_child(parent, lock_path, run_dir)
+    try:
+        assert AcceleratorLock.holder(lock_path).pid == child.pid  # the training process names itself
+        with pytest.raises(AcceleratorBusy):
+            AcceleratorLock(lock_path, run_dir).acquire()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "released"
+        assert AcceleratorLock.holder(lock_path).pid == os.getpid()  # still held, by the parent again
+    finally:
+        child.kill()
+        child.wait()
+    assert AcceleratorLock.holder(lock_path).pid == os.getpid()  # the child's death changes nothing
+    parent.release()
+    assert AcceleratorLock.holder(lock_path) is None
+
+
+def test_a_handed_over_lock_outlives_the_parent_and_dies_with_the_child(paths):
+    """A SIGKILLed front end (its descriptor closed, no unlock) leaves the lock with the training process."""
+    lock_path, run_dir = paths
+    parent = AcceleratorLock(lock_path, run_dir).acquire()
+    child = _adopting_child(parent, lock_path, run_dir)
+    try:
+        parent._forget_after_fork()  # what the parent's death does: its descriptor closed, the lock not released
+        assert AcceleratorLock.holder(lock_path).pid == child.pid
+        with pytest.raises(AcceleratorBusy):
+            AcceleratorLock(lock_path, run_dir).acquire()
+    finally:
+        child.kill()
+        child.wait()
+    assert AcceleratorLock.holder(lock_path) is None
+    AcceleratorLock(lock_path, run_dir).acquire().release()
+
+
+def test_adopting_a_descriptor_of_another_file_is_refused(paths, tmp_path):
+    lock_path, run_dir = paths
+    AcceleratorLock(lock_path, run_dir).acquire().release()  # the lock file exists
+    with open(tmp_path / "other", "w") as f, pytest.raises(ValueError, match="is not the lock"):
+        AcceleratorLock(lock_path, run_dir).adopt(f.fileno())

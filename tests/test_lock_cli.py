@@ -79,3 +79,41 @@ def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_
         for child in psutil.Process().children(recursive=True):
             child.kill()
         first.wait()
+
+
+@pytest.mark.slow  # one short real run
+def test_two_identical_commands_started_together_one_is_refused_at_once(tmp_path, model_cache):
+    """The front end takes the run dir's lock before it writes anything (and hands it to its training process):
+    of two identical commands started within a second, one runs and the other exits 3 in its front end, naming the
+    holder, with no training process of its own and nothing of the run's touched."""
+    from ddpo_tpu import events as ev
+
+    args = ["+experiment=smoke", "num_epochs=1", "sample.num_steps=2", "reward.host_workers=0",
+            f"model.cache_dir={model_cache}"]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        while all(p.poll() is None for p in procs):
+            assert time.perf_counter() - t0 < 120, "neither command ended"
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - t0
+        (loser,) = [p for p in procs if p.poll() is not None]
+        (winner,) = [p for p in procs if p is not loser]
+        out, err = loser.communicate()
+        print(f"the second command was refused {elapsed:.2f} s after both started")
+        assert loser.returncode == 3, out + err
+        assert "is in use by pid" in err and "UTC" in err and "Traceback" not in err
+        assert "run dir:" not in out  # refused before the config was printed, let alone saved
+        assert winner.wait(timeout=600) == 0, winner.communicate()[1][-2000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    run = tmp_path / "outputs" / "smoke"
+    started = [r for r in ev.read_events(run) if r["event"] == "worker_started"]
+    assert len(started) == 1  # one training process ever ran in this run dir
+    from ddpo_tpu.launch.lock import AcceleratorLock, run_dir_lock_path
+
+    assert AcceleratorLock.holder(run_dir_lock_path(run)) is None  # released when the run ended

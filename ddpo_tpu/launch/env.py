@@ -39,6 +39,8 @@ OWNED_VARIABLES: dict[str, str] = {
 
 # a run's own marker: the training process finds its run dir here (set by the launcher only)
 RUN_DIR_VARIABLE = "DDPO_TPU_RUN_DIR"
+# the descriptor of the run dir's lock, handed over by the front end that took it (launch/lock.py: adopt)
+RUN_DIR_LOCK_FD_VARIABLE = "DDPO_TPU_RUN_DIR_LOCK_FD"
 
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
 
@@ -153,6 +155,11 @@ def redacted(env: Mapping[str, str]) -> dict[str, str]:
 def run_dir_from_environment() -> Path | None:
     value = os.environ.get(RUN_DIR_VARIABLE)
     return Path(value) if value else None
+
+
+def run_dir_lock_fd_from_environment() -> int | None:
+    value = os.environ.get(RUN_DIR_LOCK_FD_VARIABLE, "")
+    return int(value) if value.isdigit() else None
 
 
 def tpu_worker_id() -> int | None:

@@ -32,6 +32,11 @@ takes seconds and may already open the device), so a refusal arrives well within
 ``AcceleratorLock.holder()`` beforehand to refuse without starting a child at all; that check is advisory, the
 child's ``acquire()`` is the authority.
 
+The run dir's lock (``RunDirLock``) is taken earlier, by the front end, before it writes anything in the run dir
+(two identical commands started together: the second is refused in its front end). The front end hands it to the
+training process (``handover_fd``: a descriptor of the same open file, inherited; ``adopt`` in the child), so it is
+held while either lives, and the holder named is the training process once it has adopted it.
+
 This module reads no environment variables (paths come in as arguments) and uses the standard library only.
 """
 
@@ -157,6 +162,12 @@ def _read_holder(fd: int) -> LockHolder | None:
     return LockHolder.from_json(data.decode("utf-8", errors="replace"))
 
 
+def _write_record(fd: int, data: bytes) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -249,10 +260,7 @@ class AcceleratorLock:
                 time.sleep(_POLL_S)
             info = LockHolder(pid=os.getpid(), run_dir=str(self.run_dir.resolve()), started=time.time(),
                               command=self.command, hostname=socket.gethostname())
-            data = (info.to_json() + "\n").encode("utf-8")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
-            os.fsync(fd)
+            _write_record(fd, (info.to_json() + "\n").encode("utf-8"))
         except BaseException:
             os.close(fd)  # drops the flock too, if it was taken
             raise
@@ -261,16 +269,61 @@ class AcceleratorLock:
         return self
 
     def release(self) -> None:
-        """Give the lock back (a no-op when not held). The file is emptied while still locked, then unlocked."""
+        """Give the lock back (a no-op when not held). The file is emptied while still locked, then unlocked. An
+        adopted lock (see ``adopt``) only gives its share back: the parent's record is put back and the parent
+        still holds the lock."""
         fd, self._fd, self._info = self._fd, None, None
         _held.discard(self)
         if fd is None:
             return
         try:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            if self._parent_record is not None:
+                _write_record(fd, self._parent_record)
+            else:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+            self._parent_record = None
+
+    _parent_record: bytes | None = None
+
+    # --- hand-over to a child process --------------------------------------------------------------------------
+
+    def handover_fd(self) -> int:
+        """A new descriptor of the held lock for a child process (``subprocess.Popen(pass_fds=...)``), which then
+        calls ``adopt``. A flock belongs to the open file description, which both descriptors share: the lock stays
+        held while the parent or the child lives, so neither's death frees it under the other. The caller closes
+        its copy once the child is started. (A copy, not the lock's own descriptor: a fork handler closes that one
+        in every fork()ed child.)"""
+        if self._fd is None:
+            raise RuntimeError(f"{self!r} is not held: nothing to hand over")
+        return os.dup(self._fd)
+
+    def adopt(self, fd: int) -> AcceleratorLock:
+        """Hold the lock whose descriptor a parent handed over (``handover_fd``), naming this process as its holder.
+        Raises ValueError when ``fd`` is not this lock's file, and ``busy`` when the lock is not held through it."""
+        try:
+            here, there = os.fstat(fd), os.stat(self.lock_path)
+        except OSError as e:
+            raise ValueError(f"descriptor {fd} is not the lock {self.lock_path} ({e})") from None
+        if (here.st_dev, here.st_ino) != (there.st_dev, there.st_ino):
+            raise ValueError(f"descriptor {fd} is not the lock {self.lock_path}")
+        try:  # the same open file description: converting our own exclusive lock succeeds at once
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise self.busy(self.lock_path, _read_holder(fd)) from None
+        os.set_inheritable(fd, False)
+        size = os.fstat(fd).st_size
+        self._parent_record = os.pread(fd, min(size, 1 << 20), 0) if size > 0 else b""
+        info = LockHolder(pid=os.getpid(), run_dir=str(self.run_dir.resolve()), started=time.time(),
+                          command=self.command, hostname=socket.gethostname())
+        _write_record(fd, (info.to_json() + "\n").encode("utf-8"))
+        self._fd, self._info = fd, info
+        _held.add(self)
+        return self
 
     def _forget_after_fork(self) -> None:
         # in a fork()ed child: close our copy of the descriptor (the parent's lock stays), never LOCK_UN
