@@ -295,7 +295,21 @@ RULES = [
     ("xla_flag_malformed", ["xla.flags=[xla_dump_to]"], "xla.flags[0]", ["--name=value"]),
     ("reward_url_scheme", ["reward=remote", "reward.url=ftp://h/x"], "reward.url", ["http://", "reward.url="]),
     ("weighted_unknown_reward", ["reward=weighted", "reward.components=[{name:nope,weight:1}]"],
-     "reward.components[0].name", ["not a registered reward", "jpeg_compressibility"]),
+     "reward.components.0.name", ["no reward of this name goes here", "jpeg_compressibility, "]),
+    ("reward_unknown_name", ["reward.name=nope"], "reward.name",
+     ["no reward of this name goes here", "choose one of: jpeg_compressibility, ", ", remote, weighted)"]),
+    ("reward_name_missing", ["~reward.name"], "reward.name", ["required key is missing", "jpeg_compressibility"]),
+    ("reward_key_of_another_reward", ["reward=remote", "+reward.mlp_path=/x.pth"], "reward.mlp_path",
+     ["unknown key", "valid keys here: backoff_s, batch_size, headers, host_workers, image_format, name, retries"]),
+    ("reward_wrong_type", ["reward=remote", "reward.retries=many"], "reward.retries", ["valid integer"]),
+    ("weighted_component_wrong_type", ["reward=weighted", "reward.components=[{name:remote,url:'http://h:1/s',"
+                                       "timeout_s:-1}]"], "reward.components.0.timeout_s", ["greater than 0"]),
+    ("weighted_component_mlp_missing", ["reward=weighted", "reward.components=[{name:aesthetic,mlp_path:/nope.pth}]"],
+     "reward.components.0.mlp_path", ["not found"]),
+    ("tiny_mlp_with_real_clip", ["reward=aesthetic", "reward.clip_model=openai/clip-vit-large-patch14"],
+     "reward.mlp_path", ["pairs with a tiny clip_model", "set reward.clip_model=tiny"]),
+    ("tiny_pickscore_with_real_processor", ["reward=pickscore", "reward.processor=laion/x"], "reward.clip_model",
+     ["pairs with a tiny processor", "set reward.processor=tiny"]),
 ]
 
 

@@ -298,12 +298,12 @@ def test_weighted_duplicate_names_get_indexed_keys():
 @pytest.mark.parametrize("components, match", [
     ([], r"reward.components=\[\]"),
     ({"name": "jpeg_compressibility"}, r"reward.components="),
-    (["jpeg_compressibility"], r"reward.components\[0\]="),
-    ([{"weight": 1.0}], r"reward.components\[0\].name=None"),
-    ([{"name": "jpeg_compressibility", "weight": "x"}], r"reward.components\[0\].weight='x'"),
+    (["jpeg_compressibility"], r"reward.components.0="),
+    ([{"weight": 1.0}], r"reward.components.0.name=None"),
+    ([{"name": "jpeg_compressibility", "weight": "x"}], r"reward.components.0.weight='x'"),
     ([{"name": "jpeg_compressibility", "weight": 1}, {"name": "nope", "weight": 1}],
-     r"reward.components\[1\] \(nope\): .*unknown reward"),
-    ([{"name": "remote", "weight": 1.0}], r"reward.components\[0\] \(remote\): .*url"),
+     r"reward.components.1 \(nope\): .*unknown reward"),
+    ([{"name": "remote", "weight": 1.0}], r"reward.components.0 \(remote\): .*url"),
 ])
 def test_weighted_errors_name_the_component(components, match):
     with pytest.raises(RewardError, match=match):
@@ -319,4 +319,4 @@ def test_weighted_call_error_names_component_and_url():
     with pytest.raises(RewardError) as info:
         reward(_images(1), PROMPTS7[:1])
     message = str(info.value)
-    assert "reward.components[1] (remote)" in message and f"reward.url={url}: unreachable" in message
+    assert "reward.components.1 (remote)" in message and f"reward.url={url}: unreachable" in message

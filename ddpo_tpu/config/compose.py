@@ -8,11 +8,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from types import UnionType
+from typing import Annotated, Any, Iterable, Union, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ddpo_tpu import storage
 from ddpo_tpu.config import rules
@@ -163,17 +164,67 @@ def compose_and_validate(overrides: list[str]) -> Validated:
 
 
 def _schema_problem(err: dict[str, Any], tree: dict[str, Any]) -> Problem:
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "literal["))]
-    # pydantic appends the union member it tried (e.g. 'bool', 'literal['auto']'); keep the config path only
-    loc = [p for p in loc if p not in ("bool", "int", "str", "float", "none", "list[str]")]
+    loc, model, union = _user_loc(err["loc"])
     key = ".".join(loc) or "config"
     kind = err["type"]
     value = err.get("input")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # `name` of a reward (or a component) picks its model
+        field = err.get("ctx", {}).get("discriminator", "").strip("'\"") or "name"
+        key = f"{key}.{field}" if loc else field
+        choices = ", ".join(_tags(union))
+        if kind == "union_tag_not_found":
+            return Problem(key, None, "required key is missing", f"set {key} to one of: {choices}")
+        return Problem(key, err.get("ctx", {}).get("tag"), f"no {loc[0] if loc else 'model'} of this name goes here",
+                       f"choose one of: {choices}")
     if kind == "extra_forbidden":
-        parent = rules.lookup(tree, ".".join(loc[:-1])) if len(loc) > 1 else tree
-        valid = sorted(k for k in parent if k != loc[-1]) if isinstance(parent, dict) else []
+        if model is not None:
+            valid = sorted(model.model_fields)
+        else:
+            parent = rules.lookup(tree, ".".join(loc[:-1])) if len(loc) > 1 else tree
+            valid = sorted(k for k in parent if k != loc[-1]) if isinstance(parent, dict) else []
         return Problem(key, value, "unknown key", f"remove it; valid keys here: {', '.join(valid)}")
     if kind == "missing":
         return Problem(key, None, "required key is missing", f"set +{key}=...")
     expected = err["msg"]
     return Problem(key, value, expected[0].lower() + expected[1:], "see the comment of this key in conf/")
+
+
+def _user_loc(loc: tuple) -> tuple[list[str], type[BaseModel] | None, Any]:
+    """A pydantic error location as the user's dotted key, walked along the schema's types: the union members pydantic
+    inserts are dropped (a reward's tag as in reward.remote.url, or `int` of `Literal["auto"] | int`). Also returns the
+    model holding the last key (its fields are the valid keys there) and the union the location ends at, if any."""
+    t: Any = RunConfig
+    out: list[str] = []
+    model = None
+    for part in loc:
+        t = _unannotated(t)
+        if get_origin(t) in (Union, UnionType):  # pydantic names the member it tried: not part of the user's key
+            t = next((m for m in get_args(t) if part in _tags(m)), None)
+            continue
+        if isinstance(part, str) and part.startswith(("function-", "literal[")) or part in _MEMBER_LABELS:
+            continue  # a member label of a union the walk could not follow
+        out.append(str(part))
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            model, field = t, t.model_fields.get(str(part))
+            t = field.annotation if field is not None else None
+        elif get_origin(t) in (list, dict):
+            model, t = None, get_args(t)[-1]
+        else:
+            model, t = None, None
+    return out, model, _unannotated(t)
+
+
+_MEMBER_LABELS = ("bool", "int", "str", "float", "none", "list[str]")
+
+
+def _unannotated(t: Any) -> Any:
+    return get_args(t)[0] if get_origin(t) is Annotated else t
+
+
+def _tags(t: Any) -> list[str]:
+    """The `name` values a tagged union accepts (or the one a model of it has)."""
+    t = _unannotated(t)
+    if get_origin(t) in (Union, UnionType):
+        return [tag for m in get_args(t) for tag in _tags(m)]
+    field = t.model_fields.get("name") if isinstance(t, type) and issubclass(t, BaseModel) else None
+    return [str(a) for a in get_args(field.annotation)] if field is not None else []

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpo_tpu.config.errors import Problem
-from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.config.schema import TINY, RunConfig
 
 
 def num_train_timesteps(cfg: RunConfig) -> int:
@@ -268,13 +268,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
         problems.append(Problem("prompts.file", p.file, "prompts=from_file needs a file", "set prompts.file=PATH"))
     else:
         problems.extend(_prompt_problems(cfg))
-    r = cfg.reward
-    if r.name == "aesthetic":
-        if not r.mlp_path:
-            problems.append(Problem("reward.mlp_path", r.mlp_path, "the aesthetic reward needs the LAION aesthetic MLP "
-                                    "weights", "download sac+logos+ava1-l14-linearMSE.pth and set reward.mlp_path=PATH"))
-        elif r.mlp_path != "tiny" and not os.path.isfile(os.path.expanduser(r.mlp_path)):
-            problems.append(Problem("reward.mlp_path", r.mlp_path, "file not found", "give the path of the MLP weights"))
+    problems.extend(_reward_problems(cfg.reward))
     problems.extend(_family_problems(cfg))
     problems.extend(_algorithm_problems(cfg, tot, overridden))
     problems.extend(_input_problems(cfg, tot))
@@ -511,11 +505,6 @@ def _input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
         problems.append(Problem("evaluation.every_n_epochs", every,
                                 f"the run has {cfg.num_epochs} epochs, so no evaluation would run",
                                 f"set evaluation.every_n_epochs<={cfg.num_epochs}, or 0 for none"))
-    r = cfg.reward
-    if r.name == "remote":
-        problems.extend(_url_problems("reward.url", r.url))
-    if r.name == "weighted":
-        problems.extend(_component_problems(r.components))
     return problems
 
 
@@ -592,37 +581,30 @@ def _url_problems(key: str, url: Any) -> list[Problem]:
     return []
 
 
-def _component_problems(components: Any, key: str = "reward.components") -> list[Problem]:
-    """reward=weighted: each component names a registered reward, has a finite weight and only that reward's keys."""
-    import inspect
+# a tiny stand-in comes in pairs: the tiny MLP takes the tiny CLIP's embeddings, the tiny processor the tiny model's
+# vocabulary (rewards/from_config.py builds them)
+_TINY_PAIRS = {"aesthetic": ("clip_model", "mlp_path"), "pickscore": ("clip_model", "processor")}
 
-    from ddpo_tpu.rewards import REWARDS  # numpy and PIL only; torch is imported when a reward is built
 
-    shape = "[{name: jpeg_compressibility, weight: 1.0}, ...]"
-    if not isinstance(components, list) or not components:
-        return [Problem(key, components, "reward=weighted needs a non-empty list of components",
-                        f"set {key}={shape}")]
+def _reward_problems(r: Any, key: str = "reward") -> list[Problem]:
+    """What the schema cannot say about a reward's keys (types, names and unknown keys it has checked): the run's
+    reward, or each component of reward=weighted under reward.components.N."""
+    if r.name == "weighted":
+        return [p for i, c in enumerate(r.components) for p in _reward_problems(c, f"{key}.components.{i}")]
+    if r.name == "remote":
+        return _url_problems(f"{key}.url", r.url)
     problems = []
-    for i, spec in enumerate(components):
-        where = f"{key}[{i}]"
-        name = spec.get("name") if isinstance(spec, dict) else None
-        if not isinstance(spec, dict):
-            problems.append(Problem(where, spec, "a component is a mapping", f"e.g. {shape}"))
-            continue
-        if name not in REWARDS:
-            problems.append(Problem(f"{where}.name", name, "not a registered reward",
-                                    f"choose one of: {', '.join(sorted(REWARDS))}"))
-            continue
-        weight = spec.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            problems.append(Problem(f"{where}.weight", weight, "must be a finite number", f"e.g. {where}.weight=1.0"))
-        params = inspect.signature(REWARDS[name]).parameters
-        if not any(q.kind is q.VAR_KEYWORD for q in params.values()):
-            for extra in sorted(set(spec) - {"name", "weight"} - set(params)):
-                problems.append(Problem(f"{where}.{extra}", spec[extra], f"not a key of the {name} reward",
-                                        f"remove it; its keys: {', '.join(params) or 'none'}"))
-        if name == "remote":
-            problems.extend(_url_problems(f"{where}.url", spec.get("url")))
-        if name == "weighted":
-            problems.extend(_component_problems(spec.get("components"), f"{where}.components"))
+    if r.name == "aesthetic":
+        if not r.mlp_path:
+            problems.append(Problem(f"{key}.mlp_path", r.mlp_path, "the aesthetic reward needs the LAION aesthetic "
+                                    "MLP weights",
+                                    f"download sac+logos+ava1-l14-linearMSE.pth and set {key}.mlp_path=PATH"))
+        elif r.mlp_path != TINY and not os.path.isfile(os.path.expanduser(r.mlp_path)):
+            problems.append(Problem(f"{key}.mlp_path", r.mlp_path, "file not found",
+                                    "give the path of the MLP weights"))
+    pair = _TINY_PAIRS.get(r.name)
+    if pair and not problems and (getattr(r, pair[0]) == TINY) != (getattr(r, pair[1]) == TINY):
+        a, b = pair if getattr(r, pair[1]) == TINY else pair[::-1]  # b is tiny, a is not
+        problems.append(Problem(f"{key}.{b}", TINY, f"the tiny stand-in only pairs with a tiny {a} "
+                                f"({key}.{a}={getattr(r, a)})", f"set {key}.{a}={TINY}, or {key}.{b} to a real one"))
     return problems

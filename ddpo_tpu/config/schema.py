@@ -37,24 +37,99 @@ class ModelConfig(_Strict):
     lora: LoraConfig
 
 
-class RewardConfig(_Strict):
-    name: str
-    host_workers: int = Field(ge=0, le=64)
-    # aesthetic
-    clip_model: str | None = None
-    mlp_path: str | None = None
-    # pickscore
-    processor: str | None = None
-    # remote
-    url: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0)
-    retries: int | None = Field(default=None, ge=0, le=20)
-    backoff_s: float | None = Field(default=None, ge=0)
+# --- rewards ----------------------------------------------------------------------------------------------------------
+# One model per reward with that reward's own keys; `name` picks the model (a discriminated union), so a key of another
+# reward, a wrong type or an unknown name is refused at compose time with its dotted key. Each reward's keys are also
+# those of a component of reward=weighted, which adds `weight` (and has no `host_workers`: the run's reward has them).
+# The keys are the reward constructor's keyword arguments (ddpo_tpu/rewards; a test keeps them equal).
+
+TINY = "tiny"  # clip_model / mlp_path / processor: the tiny local stand-in (rewards/from_config.py builds it)
+
+
+class _JpegKeys(_Strict):
+    quality: int = Field(default=95, ge=1, le=100)  # JPEG quality the size is measured at (the reference's 95)
+
+
+class JpegCompressibilityKeys(_JpegKeys):
+    name: Literal["jpeg_compressibility"]
+
+
+class JpegIncompressibilityKeys(_JpegKeys):
+    name: Literal["jpeg_incompressibility"]
+
+
+class AestheticKeys(_Strict):
+    name: Literal["aesthetic"]
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
+    mlp_path: str | None = None                        # LAION MLP weights (.pth/.safetensors) or `tiny`; required
+    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass (null: the whole batch)
+
+
+class ClipScoreKeys(_Strict):
+    name: Literal["clip_score"]
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
+
+
+class PickScoreKeys(_Strict):
+    name: Literal["pickscore"]
+    clip_model: str = Field(default="yuvalkirstain/PickScore_v1", min_length=1)  # CLIPModel: hub id, dir or `tiny`
+    processor: str = Field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", min_length=1)  # CLIPProcessor or `tiny`
     batch_size: int | None = Field(default=None, ge=1)
-    image_format: Literal["png", "raw"] | None = None
+
+
+class RemoteKeys(_Strict):
+    name: Literal["remote"]
+    url: str                                           # http(s)://HOST:PORT/PATH (rules.py checks the form)
+    timeout_s: float = Field(default=30.0, gt=0)
+    retries: int = Field(default=3, ge=0, le=20)
+    backoff_s: float = Field(default=0.5, ge=0)
+    batch_size: int = Field(default=16, ge=1)
+    image_format: Literal["png", "raw"] = "png"
     headers: dict[str, str] | None = None
-    # weighted: [{name: ..., weight: ..., <that reward's keys>}, ...]
-    components: list[dict[str, Any]] | None = None
+
+
+class _RunReward(_Strict):
+    host_workers: int = Field(ge=0, le=64)  # threads scoring a batch while the next one samples (0: inline)
+
+
+class _Component(_Strict):
+    weight: float = 1.0
+
+
+class JpegCompressibilityConfig(_RunReward, JpegCompressibilityKeys): ...
+class JpegIncompressibilityConfig(_RunReward, JpegIncompressibilityKeys): ...
+class AestheticConfig(_RunReward, AestheticKeys): ...
+class ClipScoreConfig(_RunReward, ClipScoreKeys): ...
+class PickScoreConfig(_RunReward, PickScoreKeys): ...
+class RemoteConfig(_RunReward, RemoteKeys): ...
+
+
+class JpegCompressibilityComponent(_Component, JpegCompressibilityKeys): ...
+class JpegIncompressibilityComponent(_Component, JpegIncompressibilityKeys): ...
+class AestheticComponent(_Component, AestheticKeys): ...
+class ClipScoreComponent(_Component, ClipScoreKeys): ...
+class PickScoreComponent(_Component, PickScoreKeys): ...
+class RemoteComponent(_Component, RemoteKeys): ...
+
+
+# a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
+RewardComponent = Annotated[
+    JpegCompressibilityComponent | JpegIncompressibilityComponent | AestheticComponent | ClipScoreComponent
+    | PickScoreComponent | RemoteComponent,
+    Field(discriminator="name"),
+]
+
+
+class WeightedConfig(_RunReward):
+    name: Literal["weighted"]
+    components: list[RewardComponent] = Field(min_length=1)
+
+
+RewardConfig = Annotated[
+    JpegCompressibilityConfig | JpegIncompressibilityConfig | AestheticConfig | ClipScoreConfig | PickScoreConfig
+    | RemoteConfig | WeightedConfig,
+    Field(discriminator="name"),
+]
 
 
 class SampleConfig(_Strict):

@@ -1,38 +1,61 @@
-"""The reward of a run's `reward` config group, built for the device the run trains on."""
+"""The reward of a run: built from its typed config (the `reward` group, ddpo_tpu/config/schema.py) for the device
+the run trains on."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+from ddpo_tpu.config.schema import TINY
 from ddpo_tpu.rewards.base import Reward, make_reward
 
 _TORCH_REWARDS = ("aesthetic", "clip_score", "pickscore")  # rewards that run a torch model and take a `device`
+_NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "components"}
 
 
 def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callable[[], bool] | None = None
                        ) -> Reward:
-    """The reward's own keys of the group (clip_model, mlp_path, url, ...) go to its constructor.
-    clip_model=tiny (conf/reward_local, paired with model=tiny) is the local stand-in, built once in the model
-    cache. Torch rewards stay on a CUDA device; on XLA and the CPU they run on the host CPU (an XLA device would
-    compile their graphs beside the training ones). Remote rewards get `should_stop`, so a SIGTERM ends a hanging
-    request within a second."""
-    extra = cfg.model_dump(exclude={"name", "host_workers"}, exclude_none=True)
-    if extra.get("clip_model") == "tiny" and cfg.name == "pickscore":  # its own tiny CLIP model + processor
-        from ddpo_tpu.rewards.tiny_pickscore import ensure_tiny_pickscore
+    """The reward a typed reward config describes (the run's reward, or with reward=weighted, its components).
 
-        processor, model = ensure_tiny_pickscore(Path(model_cache_dir).expanduser())
-        extra.update(clip_model=str(model), processor=str(processor))
-    elif extra.get("clip_model") == "tiny":
-        from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
-
-        clip, mlp = ensure_tiny_aesthetic(Path(model_cache_dir).expanduser())
-        extra.update(clip_model=str(clip), **({"mlp_path": str(mlp)} if "mlp_path" in extra else {}))
-    if cfg.name in _TORCH_REWARDS and getattr(device, "type", None) == "cuda":
-        extra["device"] = str(device)
-    reward = make_reward(cfg.name, **extra)
+    Torch rewards stay on a CUDA device; on XLA and the CPU they run on the host CPU (an XLA device would compile
+    their graphs beside the training ones). Remote rewards get `should_stop`, so a SIGTERM ends a hanging request
+    within a second."""
+    reward = make_reward(cfg.name, **reward_kwargs(cfg, Path(model_cache_dir).expanduser(), device))
     if should_stop is not None:
         for r in (reward, *getattr(reward, "components", ())):
             if hasattr(r, "should_stop"):
                 r.should_stop = should_stop
     return reward
+
+
+def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
+    """The constructor arguments of a reward config: its own keys (the schema's fields are the constructor's
+    parameters), `tiny` values replaced by the local stand-ins, a CUDA device passed on."""
+    kwargs = cfg.model_dump(exclude=_NOT_CONSTRUCTOR_KEYS)
+    if cfg.name == "weighted":
+        kwargs["components"] = [{"name": c.name, "weight": c.weight, **reward_kwargs(c, cache_dir, device)}
+                                for c in cfg.components]
+    kwargs.update(_stand_ins(cfg, cache_dir))
+    if cfg.name in _TORCH_REWARDS and getattr(device, "type", None) == "cuda":
+        kwargs["device"] = str(device)
+    return kwargs
+
+
+def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
+    """`tiny` as clip_model, mlp_path or processor (conf/reward_local, paired with model=tiny / tiny_sd3): tiny
+    random-weight models built once in the model cache and loaded through the same from_pretrained code as the
+    real ones. The only place that value is read (rules.py checks that the tiny keys of a reward come in pairs)."""
+    tiny = [k for k in ("clip_model", "mlp_path", "processor") if getattr(cfg, k, None) == TINY]
+    if not tiny:
+        return {}
+    if cfg.name == "pickscore":  # its own tiny CLIP model + processor
+        from ddpo_tpu.rewards.tiny_pickscore import ensure_tiny_pickscore
+
+        processor, model = ensure_tiny_pickscore(cache_dir)
+        paths = {"clip_model": model, "processor": processor}
+    else:  # aesthetic, clip_score: the tiny CLIP (+ the LAION-shaped MLP on its embeddings)
+        from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
+
+        clip, mlp = ensure_tiny_aesthetic(cache_dir)
+        paths = {"clip_model": clip, "mlp_path": mlp}
+    return {k: str(paths[k]) for k in tiny}

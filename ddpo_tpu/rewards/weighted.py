@@ -10,9 +10,11 @@
     reward.last_components                 # {"jpeg_compressibility": (B,), "remote": (B,)} of that call
 
 Each component is ``{"name": <registered reward>, "weight": <number, default 1.0>, **kwargs}``; the kwargs go to
-that reward's constructor (``make_reward(name, **kwargs)``).  Components are called one after the other on the
-same images and prompts; the sum is accumulated in float64 and returned as float32.  Non-finite component values
-propagate into the sum (the trainer's ``on_nonfinite_reward`` handles them).
+that reward's constructor (``make_reward(name, **kwargs)``). A run's components were checked at compose time (the
+typed ``RewardComponent`` of ddpo_tpu/config/schema.py); the constructor checks its plain mappings itself, since
+``make_reward`` is called without the schema too (any registered reward may be a component there).  Components are
+called one after the other on the same images and prompts; the sum is accumulated in float64 and returned as
+float32.  Non-finite component values propagate into the sum (the trainer's ``on_nonfinite_reward`` handles them).
 
 ``last_components`` maps each component's key -- its name, or ``name#i`` (i = its index) when several
 components share a name -- to its unweighted rewards from the most recent call.  When the reward is called from
@@ -50,7 +52,7 @@ class WeightedReward(Reward):
         weights: list[float] = []
         rewards: list[Reward] = []
         for i, spec in enumerate(components):
-            where = f"reward.components[{i}]"
+            where = f"reward.components.{i}"
             if not isinstance(spec, Mapping):
                 raise self._error(
                     f"{where}={spec!r}: must be a mapping "
@@ -88,7 +90,7 @@ class WeightedReward(Reward):
         parts: dict[str, np.ndarray] = {}
         total: np.ndarray | None = None
         for i, (key, weight, reward) in enumerate(zip(self.component_keys, self.weights, self.components)):
-            where = f"reward.components[{i}] ({reward.name})"
+            where = f"reward.components.{i} ({reward.name})"
             try:
                 values = reward(images, prompts)
             except RewardError as exc:
