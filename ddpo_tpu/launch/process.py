@@ -74,10 +74,15 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None) -> int:
             for line in iter(proc.stdout.readline, b""):
                 log.write(line)
                 live.show(line)
-            code, how = reported_exit(proc.wait())
+            returncode = proc.wait()
+            code, how = reported_exit(returncode)
             if how:  # one line saying how it ended, in train.log and on the console
-                line = (f"error: the training process {how} (see {log_path}; the same command resumes from the last "
-                        f"checkpoint)\n").encode()
+                hint = ""
+                if returncode == -signal.SIGABRT and env.get("XLA_FLAGS"):  # the front end checks names, not values
+                    hint = (f"; XLA aborts on an XLA_FLAGS entry it cannot parse: check xla.flags "
+                            f"({env['XLA_FLAGS']})")
+                line = (f"error: the training process {how} (see {log_path}{hint}; the same command resumes from the "
+                        f"last checkpoint)\n").encode()
                 log.write(line)
                 live.show(line)
             record.emit(WorkerExited(code=code, message=how))
