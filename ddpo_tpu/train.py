@@ -146,8 +146,9 @@ def preflight(argv: list[str]) -> None:
     # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
     # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is
     # handed over to (launch/process.py)
-    for p in points:
-        _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
+    for p in points:  # (a point that moves its dir with hydra.run.dir / hydra.sweep.* takes its lock in _job)
+        if not any(o.lstrip("+~").startswith("hydra.") for o in p.overrides):
+            _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
 
 
 def _run_dir_of(cfg, job: int | None) -> Path:
