@@ -85,10 +85,8 @@ def compose_points(overrides: list[str], multirun: bool) -> list[Point]:
             if envmod.full_error_requested():
                 raise
             point.problems = [point.where + str(p) for p in e.problems]
-        else:  # what the model and XLA will be asked for, known without loading either
-            cfg = point.validated.cfg
-            point.problems = [point.where + line for line in lora_targets.problems(cfg.model)
-                              + xla_flags.problems(cfg.xla.flags, cfg.tpu_topology.execution)]
+        else:  # what the model will be asked for, known from its family without loading it
+            point.problems = [point.where + line for line in lora_targets.problems(point.validated.cfg.model)]
         points.append(point)
     return points
 
@@ -114,6 +112,9 @@ def preflight(argv: list[str]) -> None:
     errors: list[str] = []
     for p in points:
         errors.extend(p.problems)
+        if p.validated is not None:  # against this machine's XLA (not in compose_points: ddpo-pod's XLA is remote)
+            cfg = p.validated.cfg
+            errors.extend(p.where + line for line in xla_flags.problems(cfg.xla.flags, cfg.tpu_topology.execution))
         if (p.validated is not None and args.multirun
                 and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in p.overrides)):
             errors.extend(p.where + line for line in _changed_sweep_point(p.validated, p.index))
