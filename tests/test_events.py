@@ -311,3 +311,40 @@ class _Status:
 
     def update(self, text):
         self.status = text
+
+
+@pytest.mark.slow  # one XLA run of one epoch
+def test_an_xla_run_says_what_it_compiles_while_it_compiles(tmp_path, model_cache):
+    """Epoch 0 on XLA: each stage's compile is announced and ended in events.jsonl and on the console, and while one
+    is open ddpo-status shows it as the phase with its time so far."""
+    import subprocess
+
+    from ddpo_tpu import status
+    from tests.helpers import FAST_XLA_CPU, clean_env
+
+    args = ["+experiment=smoke", "tpu_topology=cpu", FAST_XLA_CPU, "num_epochs=1", "sample.num_steps=2",
+            "reward.host_workers=0", f"model.cache_dir={model_cache}", "run_name=c"]
+    run = tmp_path / "outputs" / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        while proc.poll() is None:
+            if (run / ev.EVENTS_FILE).is_file():
+                facts = status.collect(run, lock_paths=[])
+                if facts["compiling"] is not None:
+                    seen.append(facts["phase_detail"])
+            time.sleep(0.5)
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    recs = [r for r in ev.read_events(run) if r["event"].startswith("compile_")]
+    assert [(r["event"], r["stage"], r["index"], r["of"]) for r in recs if r["event"] != "compile_progress"] == [
+        ("compile_start", "sampling", 1, 2), ("compile_end", "sampling", 1, 2),
+        ("compile_start", "training", 2, 2), ("compile_end", "training", 2, 2)]
+    ends = [r for r in recs if r["event"] == "compile_end"]
+    assert all(r["compilations"] > 0 and 0 < r["compile_seconds"] <= r["seconds"] for r in ends), ends
+    assert "[epoch 0] compiling the sampling graphs, 1st of 2" in out and "the training graphs are compiled" in out
+    assert seen and all(d.startswith("compiling the ") and " so far" in d for d in seen), seen
