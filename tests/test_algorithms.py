@@ -149,6 +149,36 @@ def test_flow_grpo_sd35_experiments_pin_the_reference_on_a_v6e_8(tmp_path, exper
     assert rules.totals(cfg).samples_per_epoch == 1152 and rules.totals(cfg).total_train_batch == 576
     assert rules.num_train_timesteps(cfg) == 9
     assert not [r for r in v.report if not r["ok"]]
-    # the same run on a v6e-16 is refused with per-replica values that keep the totals
-    found = problems([f"+experiment={experiment}", f"prompts.file={prompts}", "tpu_topology=v6e-16"])
+    # per chip: flow_grpo's 9 samples a sampling batch, but 1 per training micro-step (x 72 accumulation = 576 on 8
+    # chips): one sample with CFG needs ~13 GiB of activations on XLA by the estimate, beside ~17 GiB of models
+    assert cfg.sample.batch_size == 9 and cfg.train.batch_size == 1 and cfg.train.gradient_accumulation_steps == 72
+    assert rules.fused_timesteps(cfg) == 1
+    assert 15 < rules.resident_gib(cfg) < 19
+    assert rules.training_activation_gib(cfg, 1) <= rules._activation_budget(cfg) < 2 * rules.training_activation_gib(
+        cfg, 1)
+    # the reference's 9 per device is refused with per-replica values that fit and keep the 576
+    run = [f"+experiment={experiment}", f"prompts.file={prompts}"]
+    found = problems([*run, "train.batch_size=9", "train.gradient_accumulation_steps=8"])
+    assert list(found) == ["train.batch_size"]
+    assert "GiB of activations per chip (estimate)" in found["train.batch_size"]
+    assert "1 sample fits; try train.batch_size=1 train.gradient_accumulation_steps=72" in found["train.batch_size"]
+    found = problems([*run, "train.batch_size=3", "train.gradient_accumulation_steps=24"])
+    assert found["train.batch_size"].endswith("try train.batch_size=1 train.gradient_accumulation_steps=72")
+    # the same run on a v6e-16 is refused with per-replica values that keep the totals (and fit)
+    found = problems([*run, "tpu_topology=v6e-16"])
     assert any("sample." in k for k in found)
+    assert found["train.gradient_accumulation_steps"].endswith("try train.gradient_accumulation_steps=36")
+
+
+@pytest.mark.parametrize("overrides,reason,fix", [
+    # a v5e chip (16 GiB) cannot hold SD 3.5 Medium with T5-XXL in bf16 at all
+    (["tpu_topology=v5e-8"], "alone need about 17", "use chips with more HBM"),
+    # float32 weights on a v6e chip: 32 GiB before any activation; bf16 weights fit
+    (["model.dtype=float32", "train.mixed_precision=no"], "alone need about 32",
+     "try model.dtype=bfloat16 train.mixed_precision=bf16 with train.batch_size=1"),
+])
+def test_sd35_that_cannot_fit_one_sample_is_refused_with_what_would(tmp_path, overrides, reason, fix):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\n")
+    found = problems(["+experiment=flow_grpo_pickscore_sd35", f"prompts.file={prompts}", *overrides])
+    assert reason in found["tpu_topology.name"] and fix in found["tpu_topology.name"]

@@ -39,6 +39,21 @@ def test_auto_fuses_what_fits_the_chip():
     assert fused_timesteps(compose_and_validate(["+experiment=smoke", "train.timesteps_per_micro_step=4"]).cfg) == 4
 
 
+def test_auto_fuses_what_fits_the_chip_for_sd3(tmp_path):
+    """SD 3.5 Medium has its own figure (~6 GiB per transformer evaluation in bf16 on XLA, most of it attention
+    softmaxes): on a v6e chip (~15 of 32 GiB left beside the bf16 models and T5-XXL) one sample with CFG fits one
+    timestep; without CFG at train time 2 evaluations fit, but auto takes a K that divides the 9 trained timesteps
+    (1, 3, 9), so still 1. The tiny SD3 build is not held to SD 3.5's memory."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a cat\n")
+    sd35 = ["+experiment=flow_grpo_pickscore_sd35", f"prompts.file={prompts}"]
+    assert fused_timesteps(compose_and_validate(sd35).cfg) == 1
+    assert fused_timesteps(compose_and_validate([*sd35, "parity=none", "train.cfg=false"]).cfg) == 1
+    found = problems([*sd35, "train.timesteps_per_micro_step=3"])
+    assert "try train.timesteps_per_micro_step=1 (or auto)" in found["train.timesteps_per_micro_step"]
+    assert fused_timesteps(compose_and_validate([*sd35, "parity=none", "model=tiny_sd3"]).cfg) == 9
+
+
 def test_fused_timesteps_must_divide_the_trained_timesteps():
     found = problems([*PARITY, "parity=none", "model=sd14_topology", "train.timesteps_per_micro_step=3"])
     assert "train.timesteps_per_micro_step" in found

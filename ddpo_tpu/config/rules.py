@@ -76,8 +76,9 @@ def _pick(keys: tuple[str, ...], overridden: frozenset[str]) -> str:
 
 
 def _product_fix(target: int, replicas: int, first: tuple[str, int], second: tuple[str, int],
-                 ok_first=lambda v: True) -> str:
-    """Per-replica settings a x b with a x b x replicas == target: one-key changes first, then pairs."""
+                 ok_first=lambda v: True, keep_first: bool = True) -> str:
+    """Per-replica settings a x b with a x b x replicas == target: one-key changes first, then pairs.
+    keep_first=False: the first key's value itself is not ok, so no option keeps it."""
     (ka, a), (kb, b) = first, second
     if target % replicas:
         return f"{target} is not divisible by {replicas} replicas: use parity=none or another tpu_topology"
@@ -85,7 +86,7 @@ def _product_fix(target: int, replicas: int, first: tuple[str, int], second: tup
     options = []
     if per % b == 0 and ok_first(per // b):
         options.append(f"{ka}={per // b}")
-    if per % a == 0:
+    if per % a == 0 and keep_first:
         options.append(f"{kb}={per // a}")
     if not options:
         for cand in sorted((d for d in range(1, per + 1) if per % d == 0), key=lambda d: abs(d - a)):
@@ -174,7 +175,8 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
         k = _pick(("train.gradient_accumulation_steps", "train.batch_size"), overridden)
         fix = _product_fix(par.total_train_batch, R, ("train.batch_size", train.batch_size),
                            ("train.gradient_accumulation_steps", train.gradient_accumulation_steps),
-                           ok_first=lambda v: v <= sample.batch_size and sample.batch_size % v == 0)
+                           ok_first=lambda v: v <= sample.batch_size and sample.batch_size % v == 0
+                           and _train_batch_fits(cfg, v), keep_first=_train_batch_fits(cfg, train.batch_size))
         problems.append(Problem(k, lookup(tree, k),
                                 f"{train.batch_size} x {train.gradient_accumulation_steps} accumulation x {R} replicas "
                                 f"= {tot.total_train_batch} per optimizer step, parity {par.name} needs "
@@ -215,19 +217,25 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 f"use train.timestep_fraction>={_min_fraction(sample.num_steps)}"))
 
     K, budget = train.timesteps_per_micro_step, _activation_budget(cfg)
+    # not even one timestep of the train batch fits: its samples (x 2 with CFG) in one forward/backward, or the frozen
+    # models alone (with LoRA: the resident figures count LoRA's state; a full fine-tune has its own rule below)
+    batch_too_big = (budget is not None and cfg.model.lora.enabled and tot.train_timesteps >= 1
+                     and training_activation_gib(cfg, 1) > budget)
+    if batch_too_big:
+        problems.append(_hbm_problem(cfg, tot))
     if K != "auto" and tot.train_timesteps >= 1 and tot.train_timesteps % K:
         fits = [d for d in range(1, tot.train_timesteps + 1) if tot.train_timesteps % d == 0]
         problems.append(Problem("train.timesteps_per_micro_step", K,
                                 f"{tot.train_timesteps} timesteps are trained per sample and a micro-step fuses {K}: "
                                 f"it must divide them",
                                 f"try train.timesteps_per_micro_step={max(d for d in fits if d <= K)} (or auto)"))
-    elif K != "auto" and budget is not None and training_activation_gib(cfg, K) > budget:
+    elif K != "auto" and not batch_too_big and budget is not None and training_activation_gib(cfg, K) > budget:
         fits = [d for d in range(1, K) if tot.train_timesteps % d == 0 and training_activation_gib(cfg, d) <= budget]
         problems.append(Problem("train.timesteps_per_micro_step", K,
                                 f"{K} timesteps x {train.batch_size} samples{' x 2 (CFG)' if train.cfg else ''} "
                                 f"in one forward/backward need about {training_activation_gib(cfg, K):.1f} GiB of "
                                 f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "
-                                f"about {RESIDENT_GIB} GiB hold the models",
+                                f"about {resident_gib(cfg):.1f} GiB hold the models",
                                 f"try train.timesteps_per_micro_step={max(fits)} (or auto)" if fits else
                                 "lower train.batch_size (raise train.gradient_accumulation_steps to keep parity)"))
 
@@ -349,25 +357,113 @@ def _algorithm_problems(cfg: RunConfig, tot: Totals, overridden: frozenset[str])
 # either precision (RESULTS.md). An estimate for the HBM rule, not a TPU figure.
 ATTENTION_SCORES_GIB_512 = 2.7
 ACTIVATION_GIB_PER_UNET_EVAL_512 = {"no": 2.3 + ATTENTION_SCORES_GIB_512, "bf16": 1.2 + ATTENTION_SCORES_GIB_512}
-SMALL_BUILDERS = ("tiny", "sd14_topology")  # local builds with 32-64 px images: their activations are negligible
+# The same for one SD 3.5 Medium transformer evaluation at 512 px (1024 image tokens + 77 CLIP + 128 T5 text tokens,
+# flow_grpo's max_sequence_length), LoRA rank 32 as model=sd35_medium. (1) SD3_EAGER_GIB: 2.9 GiB in float32 measured
+# on eager CPU with SD 3.5 Medium's transformer at full width (1536, 24 heads of 64, RMS qk-norm) and random weights,
+# 2 and 3 layers deep, with and without dual attention, batch 1 and 2 (`python scripts/bench.py --sd3-activations`;
+# peak RSS over a forward + backward, 2.87, and the bytes autograd saves, 2.80): per sample 0.24 for the first and
+# last layers with the embeddings, 0.10 per middle joint layer, 0.14 per middle dual-attention layer, extrapolated to
+# 24 layers (layer 0 is dual but its second attention keeps nothing: its input needs no gradient; then 10 joint and
+# 12 dual middle layers and the last). bf16 (frozen weights bfloat16 under bf16 autocast, model.dtype=bfloat16):
+# 2.1 = float32's x 0.74, the bf16 / float32 ratio of a 1-layer build at batch 1 and 2 (saved bytes; peak RSS 0.65);
+# bf16 matmuls are too slow on this CPU to repeat the 3-layer probes. (2) XLA's softmaxes, derived as for SD 1.x:
+# 24 heads x S^2 x 4 bytes over the 24 joint attentions (S = 1229) and the image-only attentions of dual layers 1-12
+# (S = 1024) = 4.4 GiB. Per evaluation 7.2 GiB (float32) or 6.5 (bf16); an estimate, not a TPU figure.
+SD3_ATTENTION_SCORES_GIB_512 = (24 * 24 * 1229 ** 2 + 12 * 24 * 1024 ** 2) * 4 / 2 ** 30  # 4.37
+SD3_EAGER_GIB = {"no": 2.9, "bf16": 2.1}
+ACTIVATION_GIB_PER_EVAL_512 = {
+    "sd1": ACTIVATION_GIB_PER_UNET_EVAL_512,
+    "sd3": {k: v + SD3_ATTENTION_SCORES_GIB_512 for k, v in SD3_EAGER_GIB.items()},
+}
+# local builds with 32-64 px images: their activations are negligible
+SMALL_BUILDERS = ("tiny", "sd14_topology", "tiny_sd3")
 RESIDENT_GIB = 6.0  # frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (SD 1.x, float32 weights)
+# SD 3.5 Medium's parts in billions of values (the diffusers / transformers classes built with the checkpoint's configs
+# on the meta device): the transformer's weights (split over mesh.fsdp with the training state, families/sd3.py +
+# ddpo/state.py) and its positional table (a buffer, whole on every chip); CLIP-L and CLIP-G; T5-XXL's encoder, loaded
+# by models/sd3.py when model.text_encoder_3 and kept on the device all run beside the rest (like the CLIPs, in
+# model.dtype); the VAE, always float32.
+SD35_MEDIUM_BILLIONS = {"transformer": 2.243, "pos_embed": 0.227, "clips": 0.124 + 0.695, "t5": 4.762, "vae": 0.084}
+# plus LoRA's 18.8M values x (weight, gradient, 2 AdamW moments, EMA) in float32 (0.35 GiB), an epoch's trajectories
+# and prompt embeddings (0.6 GiB at flow_grpo's 144 samples a chip) and ~1 GiB for the runtime and fragmentation
+SD3_STATE_GIB = 2.0
+
+
+def resident_gib(cfg: RunConfig, fsdp: int | None = None, dtype: str | None = None) -> float:
+    """GiB of a chip held through training besides the micro-step's activations: frozen models, trained state,
+    sampling buffers. `fsdp` and `dtype` ask "what if" (default: the config's)."""
+    if cfg.model.family != "sd3":
+        return RESIDENT_GIB
+    topo, m = cfg.tpu_topology, cfg.model
+    fsdp = fsdp or (topo.mesh.fsdp if topo.execution == "xla_spmd" else 1)
+    size = 2 if (dtype or m.dtype) == "bfloat16" else 4
+    b = SD35_MEDIUM_BILLIONS
+    frozen = b["transformer"] / fsdp + b["pos_embed"] + b["clips"] + (b["t5"] if m.text_encoder_3 else 0.0)
+    return (frozen * size + b["vae"] * 4) * 1e9 / 2 ** 30 + SD3_STATE_GIB
 
 
 AUTO_MAX_FUSED = 10  # auto fuses at most this many timesteps (compile time and graph size grow with K)
 
 
-def training_activation_gib(cfg: RunConfig, k: int) -> float:
-    """Estimated activations of one fused training micro-step: k timesteps x train batch (x2 with CFG) evaluations."""
-    evals = k * cfg.train.batch_size * (2 if cfg.train.cfg else 1)
-    return evals * ACTIVATION_GIB_PER_UNET_EVAL_512[cfg.train.mixed_precision]
+def training_activation_gib(cfg: RunConfig, k: int, batch: int | None = None, precision: str | None = None) -> float:
+    """Estimated activations of one fused training micro-step: k timesteps x train batch (x2 with CFG) evaluations.
+    `batch` and `precision` ask "what if" (default: the config's)."""
+    evals = k * (batch or cfg.train.batch_size) * (2 if cfg.train.cfg else 1)
+    return evals * ACTIVATION_GIB_PER_EVAL_512[cfg.model.family][precision or cfg.train.mixed_precision]
 
 
-def _activation_budget(cfg: RunConfig) -> float | None:
-    """GiB a chip has for training activations, for SD-sized models on TPU topologies; None where not estimated."""
+def _activation_budget(cfg: RunConfig, resident: float | None = None) -> float | None:
+    """GiB a chip has for training activations, for SD-sized models on TPU topologies; None where not estimated.
+    Negative when the models alone do not fit."""
     topo = cfg.tpu_topology
     if not (topo.accelerator.startswith("tpu") and topo.hbm_gib_per_chip) or cfg.model.builder in SMALL_BUILDERS:
         return None
-    return topo.hbm_gib_per_chip - RESIDENT_GIB
+    return topo.hbm_gib_per_chip - (resident_gib(cfg) if resident is None else resident)
+
+
+def _train_batch_fits(cfg: RunConfig, batch: int) -> bool:
+    """One timestep of `batch` samples per micro-step fits the chip by the estimate (or nothing is estimated)."""
+    budget = _activation_budget(cfg)
+    return budget is None or training_activation_gib(cfg, 1, batch=batch) <= budget
+
+
+def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
+    """A train batch whose one-timestep micro-step does not fit the chip: per-replica values that fit and keep the
+    totals (parity's, else the config's); if not even one sample fits, the settings that would make room."""
+    topo, train, sample = cfg.tpu_topology, cfg.train, cfg.sample
+    hbm, resident, B = topo.hbm_gib_per_chip, resident_gib(cfg), train.batch_size
+    per = training_activation_gib(cfg, 1, batch=1)
+    what = (f"the {topo.name} chip has {hbm:g} GiB of which about {resident:.1f} hold the models, trained state and "
+            f"sampling buffers")
+    cfg_x = " x 2 (CFG)" if train.cfg else ""
+    if per <= hbm - resident:
+        most = int((hbm - resident) // per)
+        target = cfg.parity.total_train_batch or tot.total_train_batch
+        fix = _product_fix(target, tot.replicas, ("train.batch_size", B),
+                           ("train.gradient_accumulation_steps", train.gradient_accumulation_steps),
+                           ok_first=lambda v: v <= most and sample.batch_size % v == 0, keep_first=False)
+        return Problem("train.batch_size", B,
+                       f"{B} samples{cfg_x} in one forward/backward need about {B * per:.1f} GiB of activations per "
+                       f"chip (estimate), {what}: {most} sample{'s fit' if most > 1 else ' fits'}", fix)
+    options = []
+    if topo.execution == "xla_spmd" and cfg.model.family == "sd3":
+        for k in range(topo.mesh.fsdp + 1, topo.chips_per_host + 1):
+            if topo.chips % k == 0 and topo.chips_per_host % k == 0 and per <= hbm - resident_gib(cfg, fsdp=k):
+                options.append(f"tpu_topology.mesh.fsdp={k} tpu_topology.mesh.dp={topo.chips // k} (splits the "
+                               f"transformer's weights) with train.batch_size=1")
+                break
+    if cfg.model.dtype == "float32" and (training_activation_gib(cfg, 1, batch=1, precision="bf16")
+                                        <= hbm - resident_gib(cfg, dtype="bfloat16")):
+        options.append("model.dtype=bfloat16 train.mixed_precision=bf16 with train.batch_size=1")
+    if resident >= hbm:
+        reason = (f"the models, trained state and sampling buffers alone need about {resident:.1f} GiB per chip "
+                  f"(estimate), the {topo.name} chip has {hbm:g} GiB")
+    else:
+        reason = f"one sample{cfg_x} needs about {per:.1f} GiB of activations per chip (estimate), {what}"
+    fix = ("try " + ", or ".join(options) if options else
+           "no setting of this topology fits one sample: use chips with more HBM (v6e, v4: 32 GiB)" if hbm < 32 else
+           "no setting fits one sample on these chips (activation checkpointing is not built yet)")
+    return Problem("tpu_topology.name", topo.name, reason, fix)
 
 
 def fused_timesteps(cfg: RunConfig) -> int:
@@ -377,8 +473,7 @@ def fused_timesteps(cfg: RunConfig) -> int:
     K, T = cfg.train.timesteps_per_micro_step, num_train_timesteps(cfg)
     if K != "auto":
         return K
-    # no activation figure for SD 3 yet: one timestep per micro-step until one is measured
-    if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1 or cfg.model.family != "sd1":
+    if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1:
         return 1
     budget = _activation_budget(cfg)
     return max(d for d in range(1, min(T, AUTO_MAX_FUSED) + 1) if T % d == 0
