@@ -13,12 +13,16 @@ Host overhead at SD 1.4's topology (--host-overhead, docs/performance.md): train
 XLA CPU, lazy tracing vs compiled steps and fused timesteps, main-thread CPU and wall seconds per steady-state epoch;
 then host ms per step at the parity batch sizes against SD 1.4's FLOPs on a v6e chip, and the v6e-8 images/s implied.
 Full width (--full-width): one epoch of model=sd14_random (SD 1.4 at 860M UNet parameters) on eager and XLA CPU.
+SD 3.5 activations (--sd3-activations): SD 3.5 Medium's transformer at full width and 512 px, 2 and 3 layers deep,
+one forward + backward each on eager CPU: what the backward keeps per sample and layer, extrapolated to 24 layers,
+plus the attention softmaxes XLA keeps (the HBM rule's SD 3 figure, ddpo_tpu/config/rules.py).
 
     python scripts/bench.py                  # parts 1 and 2 (about 35 minutes on 2 CPU cores)
     python scripts/bench.py --steps 10 --backends eager_cpu cpu --no-pipeline
     python scripts/bench.py --host-overhead  # about 50 minutes
     python scripts/bench.py --host-overhead --variants   # only the per-step estimate (about 12 minutes)
     python scripts/bench.py --full-width     # about 20 minutes, ~10 GiB of memory
+    python scripts/bench.py --sd3-activations --precisions float32   # about 15 minutes, ~3 GiB (bf16: slow here)
 """
 
 from __future__ import annotations
@@ -347,6 +351,16 @@ def host_vs_device(ks: list[int]) -> list[dict]:
     return rows, tf
 
 
+def heading() -> str:
+    """A RESULTS.md section's start: the date, this machine and the command."""
+    import torch
+
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+               f"torch {torch.__version__}")
+    return f"\n## {stamp} — {machine}\n\n`python scripts/bench.py {' '.join(sys.argv[1:])}`\n\n"
+
+
 def table(rows: list[dict]) -> str:
     if not rows:
         return ""
@@ -370,7 +384,19 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(HOST_VARIANTS), choices=list(HOST_VARIANTS),
                     help="training runs of the host-overhead benchmark (none: only the per-step estimate)")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 5], help="fused timesteps for the parity estimate")
+    ap.add_argument("--sd3-activations", action="store_true",
+                    help="only the SD 3.5 Medium training-activation probes (full width, 2-3 layers, eager CPU)")
+    ap.add_argument("--precisions", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"],
+                    help="--sd3-activations: the precisions probed")
+    ap.add_argument("--sd3-probe", nargs=4, metavar=("LAYERS", "DUAL", "BATCH", "PRECISION"),
+                    help=argparse.SUPPRESS)  # one probe, in the process sd3_activations starts
     args = ap.parse_args()
+    if args.sd3_probe:
+        layers, dual, batch, precision = args.sd3_probe
+        dual_layers = tuple(int(i) for i in dual.split(",") if i != "-")
+        return print(json.dumps(sd3_probe(int(layers), dual_layers, int(batch), precision)))
+    if args.sd3_activations:
+        return sd3_activations(args)
     if args.host_overhead:
         return host_overhead(args)
     if args.full_width:
@@ -386,12 +412,8 @@ def main() -> None:
             for steps in args.steps:
                 pipes.append(pipeline_point(topo, steps))
                 print(json.dumps(pipes[-1]), flush=True)
-    import torch
 
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-               f"torch {torch.__version__}")
-    text = (f"\n## {stamp} — {machine}\n\n`python scripts/bench.py {' '.join(sys.argv[1:])}`\n\n"
+    text = (heading() +
             f"Training runs (smoke experiment, 8 samples and 2 x 4-sample train batches per epoch, 3 epochs):\n\n"
             f"{table(runs)}\n")
     if pipes:
@@ -446,8 +468,6 @@ def full_width(args) -> None:
 
 
 def host_overhead(args) -> None:
-    import torch
-
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants:
@@ -456,10 +476,7 @@ def host_overhead(args) -> None:
     est, tf = host_vs_device(args.ks)
     for r in est:
         print(json.dumps(r), flush=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-               f"torch {torch.__version__}")
-    text = (f"\n## {stamp} — {machine}\n\n`python scripts/bench.py {' '.join(sys.argv[1:])}`\n\n"
+    text = (heading() +
             f"Host overhead at SD 1.4's topology (model=sd14_topology, XLA CPU, LoRA; 8 denoising steps, 4 x 2 "
             f"samples, train batch 2 x 2 accumulation: 16 sampling steps and 32 trained timesteps per epoch). "
             f"Medians of the steady-state epochs 1 and 2; host = CPU time of the training process's main thread "
@@ -469,6 +486,181 @@ def host_overhead(args) -> None:
             f"estimate, no TPU measured). The v6e-8 images/s of +experiment=compressibility_parity are 256 / "
             f"max(host-bound s, FLOP-bound s) per epoch (400 sampling steps, 800 trained timesteps, 32 VAE decodes "
             f"per chip); the 8xA100 reference runs 1.8 images/s:\n\n{table(est)}\n")
+    print(text)
+    with open(args.out, "a") as f:
+        f.write(text)
+
+
+
+# --- SD 3.5 Medium training activations (--sd3-activations) ----------------------------------------------------------
+
+# SD 3.5 Medium's transformer (stabilityai/stable-diffusion-3.5-medium transformer/config.json, diffusers
+# SD3Transformer2DModel): 24 layers of 24 heads x 64, dual attention (MMDiT-X) in layers 0-12, RMS qk-norm
+SD35_MEDIUM_TRANSFORMER = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                               num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                               pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                               dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+SD3_TEXT_TOKENS = 77 + 128  # CLIP's 77 + T5's 128 (flow_grpo's max_sequence_length; families/sd3.T5_TOKENS)
+SD3_LATENT = 64  # 512 px / 8
+# (layers, dual-attention layers). The first layer keeps less than the others (its input needs no gradient: a frozen
+# part, e.g. layer 0's dual attention, keeps nothing) and the last is context_pre_only (its text stream ends in the
+# attention), so the ordinary layer measured is a middle one: 3 layers - 2 layers, joint or dual
+SD3_PROBES = [(2, ()), (3, ()), (3, (1,))]
+# bf16 matmuls are ~20x slower than float32 on this CPU (no bf16 units): bf16 at batch 1 only, without a warm-up
+# call (float32 shows the cost linear in the batch: its batch-0 intercept is under 2% of a sample)
+SD3_BATCHES = {"float32": (1, 2), "bf16": (1,)}
+
+
+def _vm(field: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS now, VmHWM the peak since the last reset)."""
+    import re
+
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def sd3_probe(layers: int, dual: tuple[int, ...], batch: int, precision: str) -> dict:
+    """One forward + backward of SD 3.5 Medium's transformer at full width, `layers` deep (`dual` with dual
+    attention), 512 px, LoRA as model=sd35_medium, eager CPU, as a training micro-step runs it (frozen weights in
+    bfloat16 under bf16 autocast, float32 otherwise; LoRA weights float32). Two accountings of what the backward
+    keeps: the bytes of the distinct storages autograd saves (saved_tensors_hooks, weights and buffers excluded) and
+    the process's peak resident memory over the step (VmHWM reset just before) minus the resident memory before it."""
+    import contextlib
+    import gc
+
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    cfg = dict(SD35_MEDIUM_TRANSFORMER, num_layers=layers, dual_attention_layers=tuple(dual))
+    with torch.device("meta"):  # random weights without the initialisers' cost (the values do not matter here)
+        model = SD3Transformer2DModel(**cfg)
+    model = model.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.normal_(0.0, 0.02)
+    target = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+              "attn.to_out.0", "attn.to_q", "attn.to_v"]
+    model.add_adapter(LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian", target_modules=target))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    x = torch.randn(batch, 16, SD3_LATENT, SD3_LATENT, dtype=dtype)
+    t = torch.rand(batch).to(dtype) * 1000
+    text = torch.randn(batch, SD3_TEXT_TOKENS, 4096, dtype=dtype)
+    pooled = torch.randn(batch, 2048, dtype=dtype)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    tokens = (SD3_LATENT // 2) ** 2 + SD3_TEXT_TOKENS
+    saved: dict[int, int] = {}
+    squares = []
+
+    def pack(tensor):
+        st = tensor.untyped_storage()
+        if st.data_ptr() not in weights:
+            saved[st.data_ptr()] = st.nbytes()
+            if tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] and tensor.shape[-1] >= 1024:
+                squares.append(tuple(tensor.shape))
+        return tensor
+
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
+
+    def step(hooks: bool):
+        with autocast, (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if hooks
+                        else contextlib.nullcontext()):
+            out = model(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled,
+                        return_dict=False)[0]
+        loss = out.float().square().mean()
+        return loss
+
+    warmup = precision == "float32"  # SD3_BATCHES
+    if warmup:
+        step(False).backward()  # LoRA gradients, kernels' scratch
+    gc.collect()
+    before = _vm("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    t0 = time.perf_counter()
+    loss = step(True)
+    after_forward = _vm("VmRSS")
+    loss.backward()
+    peak = _vm("VmHWM")
+    G = 2 ** 30
+    return {"precision": precision, "layers": layers, "dual_layers": "+".join(map(str, dual)) or "-",
+            "batch": batch, "warm_up": warmup, "tokens": tokens,
+            "saved_gib": round(sum(saved.values()) / G, 4),
+            "rss_after_forward_gib": round((after_forward - before) / G, 4),
+            "peak_rss_delta_gib": round((peak - before) / G, 4), "score_matrices_saved": len(squares),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def sd3_attention_scores_gib() -> float:
+    """What XLA keeps that eager CPU does not, per sample and evaluation: XLA lowers attention to matmul + softmax and
+    keeps each softmax for the backward, heads x S^2 x 4 bytes (float32 under autocast too): the joint attention of
+    all 24 layers over image + text tokens, and the second (image-only) attention of dual-attention layers 1-12
+    (layer 0's has no LoRA and a frozen input: nothing of it needs a gradient, so nothing is kept)."""
+    c = SD35_MEDIUM_TRANSFORMER
+    image = (SD3_LATENT // c["patch_size"]) ** 2
+    joint = c["num_layers"] * c["num_attention_heads"] * (image + SD3_TEXT_TOKENS) ** 2 * 4
+    dual = (len(c["dual_attention_layers"]) - 1) * c["num_attention_heads"] * image ** 2 * 4
+    return (joint + dual) / 2 ** 30
+
+
+def sd3_estimate(rows: list[dict], field: str) -> list[dict]:
+    """Per precision: per-sample costs of the first and last layers with the embeddings (2 layers), of a middle joint
+    layer and of a middle dual-attention layer (3 layers - 2 layers); per sample = batch 2 - batch 1 where both were
+    run, else batch 1. 24 layers: the first (layer 0, dual, whose second attention keeps nothing, as measured: a
+    first-layer dual attention adds 0), the last, 10 joint and 12 dual middle layers; plus the scores XLA keeps."""
+    out = []
+    scores = sd3_attention_scores_gib()
+    n_dual = len(SD35_MEDIUM_TRANSFORMER["dual_attention_layers"]) - 1
+    n_joint = SD35_MEDIUM_TRANSFORMER["num_layers"] - 2 - n_dual
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        v = {(r["layers"], r["dual_layers"], r["batch"]): r[field] for r in rows if r["precision"] == precision}
+
+        def per_sample(layers, dual):
+            return v[layers, dual, 2] - v[layers, dual, 1] if (layers, dual, 2) in v else v[layers, dual, 1]
+
+        ends = per_sample(2, "-")
+        joint = per_sample(3, "-") - ends
+        dual = per_sample(3, "1") - ends
+        eager = ends + n_joint * joint + n_dual * dual
+        out.append({"precision": precision, "accounting": field, "first_last_and_embeddings": round(ends, 3),
+                    "joint_layer": round(joint, 3), "dual_attention_layer": round(dual, 3),
+                    f"24_layers_eager (2 + {n_joint} x joint + {n_dual} x dual)": round(eager, 2),
+                    "+ XLA attention scores": round(scores, 2), "per_sample_eval_on_xla": round(eager + scores, 2)})
+    return out
+
+
+def sd3_activations(args) -> None:
+    """Run the SD 3.5 Medium probes one process at a time (each its own peak), print and append the tables."""
+    rows = []
+    env = dict(clean_env(), MALLOC_MMAP_THRESHOLD_="65536")  # big blocks from mmap: freed memory leaves the RSS
+    for precision in args.precisions:
+        for layers, dual in SD3_PROBES:
+            for batch in SD3_BATCHES[precision]:
+                proc = subprocess.run([sys.executable, __file__, "--sd3-probe", str(layers),
+                                       ",".join(map(str, dual)) or "-", str(batch), precision],
+                                      env=env, cwd=REPO, capture_output=True, text=True)
+                if proc.returncode:
+                    raise SystemExit(f"probe {layers} {dual} {batch} {precision} failed:\n{proc.stderr[-2000:]}")
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), flush=True)
+    est = sd3_estimate(rows, "peak_rss_delta_gib") + sd3_estimate(rows, "saved_gib")
+    text = (heading() +
+            f"SD 3.5 Medium's transformer at full width (1536, 24 heads of 64, RMS qk-norm), 512 px (1024 image "
+            f"tokens + {SD3_TEXT_TOKENS} text tokens), LoRA rank 32 on the attention as model=sd35_medium, random "
+            f"weights, 2 or 3 layers deep (dual_layers: which have dual attention), one forward + backward on eager "
+            f"CPU (frozen weights bfloat16 under bf16 autocast, float32 otherwise; bf16 at batch 1 without a warm-up "
+            f"call: its matmuls are ~20x slower here), one process per row. saved = bytes of the distinct storages "
+            f"autograd keeps for the backward (saved_tensors_hooks; weights excluded); peak_rss_delta = the "
+            f"process's peak resident memory over the step (VmHWM, reset before it) minus the resident memory "
+            f"before it (MALLOC_MMAP_THRESHOLD_=65536, so freed tensors leave the RSS); score_matrices_saved = saved "
+            f"tensors of S x S shape (0: eager CPU's fused attention keeps none):\n\n{table(rows)}\n\n"
+            f"Per sample and transformer evaluation, GiB (batch 2 - batch 1 where run, else batch 1; a middle layer "
+            f"= 3 layers - 2 layers), extrapolated to SD 3.5 Medium's 24 layers, plus the attention scores XLA keeps "
+            f"(24 heads x S^2 x 4 bytes: 24 joint attentions at S = {1024 + SD3_TEXT_TOKENS}, the image-only "
+            f"attentions of dual layers 1-12 at S = 1024; derived, not measured):\n\n{table(est)}\n")
     print(text)
     with open(args.out, "a") as f:
         f.write(text)
