@@ -44,21 +44,21 @@ class EMA:
         self.rt.sync()
 
     @contextlib.contextmanager
-    @torch.no_grad()
     def swapped_in(self):
-        """The model holds the average inside the block and its trained weights again after it."""
-        stash = [p.detach().clone() for p in self.params]
-        for p, e in zip(self.params, self.shadow):
-            p.copy_(e)
-        self.rt.place_state(self.params)  # copy_ into an XLA tensor drops its sharding
-        self.rt.sync()
+        """The model holds the average inside the block and its trained weights again after it. The tensors are
+        exchanged, not copied: no device work, and no copy that would change the next update's graph on XLA
+        (measured: in-place copies made the EMA update compile again in the epoch after an evaluation). Under SPMD
+        the update after the first exchange still compiles once more (one small graph, measured on 4 CPU devices;
+        cause not found), then never again."""
+        self._exchange()
         try:
             yield
         finally:
-            for p, s in zip(self.params, stash):
-                p.copy_(s)
-            self.rt.place_state(self.params)
-            self.rt.sync()
+            self._exchange()
+
+    def _exchange(self) -> None:
+        for p, e in zip(self.params, self.shadow):
+            p.data, e.data = e.data, p.data
 
     def reset(self) -> None:
         """Start the average at the current weights (a resume from a checkpoint that has none)."""

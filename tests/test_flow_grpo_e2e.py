@@ -1,0 +1,93 @@
+"""Flow-GRPO end to end on the tiny SD3 model through the real launcher: XLA CPU and SPMD compile nothing after epoch
+0 (sampling, the KL reference's forward, the GRPO micro-step, the EMA update and evaluation's ODE included), the KL
+stays bounded, the EMA weights are written beside the trained ones, and a SIGKILL resumes to the same weights (EMA
+included) as a run that was never interrupted."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers import FAST_XLA_CPU, read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+
+FLOW = ["+experiment=flow_grpo_smoke", "reward.host_workers=0", "save_freq=1",
+        # evaluation every epoch, so its graphs compile in epoch 0 too; EMA updated after every batch
+        "evaluation.every_n_epochs=1", "evaluation.num_steps=8", "evaluation.deterministic=true",
+        "train.ema=true", "train.ema_every=1"]
+
+
+def _check_run(run, epochs_expected: int, late: int = 0) -> list[dict]:
+    """`late`: graphs allowed to compile in epoch 1's training (none in any other phase or later epoch)."""
+    epochs = read_metrics(run, "epoch")
+    assert [e["epoch"] for e in epochs] == list(range(epochs_expected))
+    assert epochs[0]["new_compilations"] > 0
+    for e in epochs[1:]:
+        allowed = late if e["epoch"] == 1 else 0
+        assert e["new_compilations"] == e["phases"]["training"]["compilations"] <= allowed, e["phases"]
+    assert all(math.isfinite(e["kl"]) and 0 <= e["kl"] < 1.0 for e in epochs)
+    evals = read_metrics(run, "eval")
+    assert [e["epoch"] for e in evals] == list(range(epochs_expected))
+    final, ema = load_file(run / "weights" / "final.safetensors"), load_file(run / "weights" / "final_ema.safetensors")
+    assert final.keys() == ema.keys()
+    assert any(not (final[k] == ema[k]).all() for k in final)  # an average of the steps, not the last weights
+    return epochs
+
+
+@pytest.mark.xla
+def test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0(tmp_path, model_cache):
+    proc = run_train([*FLOW, "tpu_topology=cpu", "num_epochs=3", f"model.cache_dir={model_cache}", FAST_XLA_CPU],
+                     tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    _check_run(tmp_path / "outputs" / "flow_grpo_smoke", 3)
+
+
+@pytest.mark.xla
+def test_flow_grpo_under_spmd_over_4_devices(tmp_path, model_cache):
+    # 2 samples per replica and batch over 4 replicas: the smoke's 16 samples an epoch (4 prompts x 4), spread out
+    proc = run_train([*FLOW, "tpu_topology=cpu_spmd4", "num_epochs=3", "sample.batch_size=2", "train.batch_size=1",
+                      f"model.cache_dir={model_cache}", FAST_XLA_CPU], tmp_path, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # the EMA update after the first evaluation's weight exchange compiles once more under SPMD (EMA.swapped_in)
+    epochs = _check_run(tmp_path / "outputs" / "flow_grpo_smoke", 3, late=1)
+    assert epochs[0]["num_samples"] == 16
+
+
+def test_flow_grpo_resumes_after_sigkill_to_the_same_weights_and_ema(tmp_path, model_cache):
+    """SIGKILLed (training process first, then the front end) once its epoch-1 checkpoint is in place, the same
+    command finishes with the weights and the EMA of a run that was never interrupted, byte for byte (eager CPU)."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.helpers import clean_env
+
+    args = [*FLOW, "num_epochs=3", "evaluation.every_n_epochs=0", f"model.cache_dir={model_cache}"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir()
+    cut.mkdir()
+    proc = run_train(args, whole, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+    run = cut / "outputs" / "flow_grpo_smoke"
+    p = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cut, env=clean_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 900
+    while not (run / "checkpoints" / "epoch_0001").exists():
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before its epoch-1 checkpoint"
+        time.sleep(0.1)
+    for child in psutil.Process(p.pid).children(recursive=True):
+        child.kill()
+    p.kill()
+    p.wait()
+    again = run_train(args, cut, timeout=1200)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-2000:]
+    assert "resumed from" in (run / "train.log").read_text()
+    for name in ("final", "final_ema"):
+        a = (whole / "outputs" / "flow_grpo_smoke" / "weights" / f"{name}.safetensors").read_bytes()
+        assert (run / "weights" / f"{name}.safetensors").read_bytes() == a, name
