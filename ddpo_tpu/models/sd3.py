@@ -120,19 +120,15 @@ def _build_transformer():
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel(
-        sample_size=TINY_SD3_LATENT_SIZE,
-        patch_size=2,
-        in_channels=SD3_LATENT_CHANNELS,
-        num_layers=2,
-        attention_head_dim=_TINY_HEAD_DIM,
-        num_attention_heads=_TINY_HEADS,
-        joint_attention_dim=_TINY_JOINT_ATTENTION_DIM,
-        caption_projection_dim=_TINY_HEADS * _TINY_HEAD_DIM,  # must equal the inner width
+        # geometry: 8x8 latents of 16 channels in 2x2 patches, positions up to 16
+        sample_size=TINY_SD3_LATENT_SIZE, patch_size=2, pos_embed_max_size=16,
+        in_channels=SD3_LATENT_CHANNELS, out_channels=SD3_LATENT_CHANNELS,
+        # blocks: SD 3.5 Medium's kinds (dual attention in 0, ..., 12 there; in the first of two here), rms qk-norm
+        num_layers=2, dual_attention_layers=(0,), qk_norm="rms_norm",
+        num_attention_heads=_TINY_HEADS, attention_head_dim=_TINY_HEAD_DIM,
+        # conditioning: padded CLIP tokens, pooled CLIP features; the caption projection equals the inner width
+        joint_attention_dim=_TINY_JOINT_ATTENTION_DIM, caption_projection_dim=_TINY_HEADS * _TINY_HEAD_DIM,
         pooled_projection_dim=sum(_TINY_CLIP_WIDTHS),
-        out_channels=SD3_LATENT_CHANNELS,
-        pos_embed_max_size=16,
-        dual_attention_layers=(0,),  # SD 3.5 Medium: (0, ..., 12)
-        qk_norm="rms_norm",
     )
 
 
@@ -140,19 +136,13 @@ def _build_vae():
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(32, 64, 64),  # 3 levels -> 4x down-sampling
-        layers_per_block=1,
-        latent_channels=SD3_LATENT_CHANNELS,
-        norm_num_groups=32,
-        sample_size=TINY_SD3_IMAGE_SIZE,
-        scaling_factor=SD35_VAE_SCALING_FACTOR,
-        shift_factor=SD35_VAE_SHIFT_FACTOR,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
+        # 3 levels (4x down-sampling) of one layer each: 32x32 RGB <-> 16x8x8 latents
+        in_channels=3, out_channels=3, latent_channels=SD3_LATENT_CHANNELS, sample_size=TINY_SD3_IMAGE_SIZE,
+        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(32, 64, 64), layers_per_block=1, norm_num_groups=32,
+        # SD 3.5's latent normalisation, and no quant convs (as SD 3)
+        scaling_factor=SD35_VAE_SCALING_FACTOR, shift_factor=SD35_VAE_SHIFT_FACTOR,
+        use_quant_conv=False, use_post_quant_conv=False,
     )
 
 
