@@ -16,6 +16,9 @@ Full width (--full-width): one epoch of model=sd14_random (SD 1.4 at 860M UNet p
 SD 3.5 activations (--sd3-activations): SD 3.5 Medium's transformer at full width and 512 px, 2 and 3 layers deep,
 one forward + backward each on eager CPU: what the backward keeps per sample and layer, extrapolated to 24 layers,
 plus the attention softmaxes XLA keeps (the HBM rule's SD 3 figure, ddpo_tpu/config/rules.py).
+Activation checkpointing (--checkpointing): the same eager probes (SD 1.4's UNet at full width, SD 3.5 Medium's
+transformer 2-3 layers deep) with and without diffusers' gradient checkpointing, and SD 1.4's UNet topology at 4096
+attention tokens compiled on XLA CPU (peak RSS): the HBM rule's checkpointed figures.
 
     python scripts/bench.py                  # parts 1 and 2 (about 35 minutes on 2 CPU cores)
     python scripts/bench.py --steps 10 --backends eager_cpu cpu --no-pipeline
@@ -23,6 +26,7 @@ plus the attention softmaxes XLA keeps (the HBM rule's SD 3 figure, ddpo_tpu/con
     python scripts/bench.py --host-overhead --variants   # only the per-step estimate (about 12 minutes)
     python scripts/bench.py --full-width     # about 20 minutes, ~10 GiB of memory
     python scripts/bench.py --sd3-activations --precisions float32   # about 15 minutes, ~3 GiB (bf16: slow here)
+    python scripts/bench.py --checkpointing  # about 30 minutes, ~14 GiB
 """
 
 from __future__ import annotations
@@ -213,6 +217,7 @@ from ddpo_tpu.diffusion.sampling import make_denoise_step, guided_noise_pred
 from ddpo_tpu.ddpo.ppo import ppo_loss
 compiler = sys.argv[1]
 ks = [int(k) for k in sys.argv[2].split(",")]
+checkpointed = sys.argv[3:] == ["checkpointed"]  # train.activation_checkpointing
 cfg = compose_and_validate(["model=sd14_topology", "tpu_topology=cpu", f"xla.step_compiler={compiler}"]).cfg
 rt = make_runtime(cfg)
 c = load_from_config(cfg.model)
@@ -247,6 +252,8 @@ def sample_call(i):
 unet.eval()
 res["sampling_step_b4"] = timed(sample_call)
 unet.train()
+if checkpointed:
+    unet.enable_gradient_checkpointing()
 for K in ks:
     B = 2
     emb, unc = torch.randn(B, L, D).to(rt.device), torch.randn(B * K, L, D).to(rt.device)
@@ -270,8 +277,9 @@ print(json.dumps(res))
 V6E_PEAK_FLOPS = 918e12  # bf16, per chip
 
 
-def sd14_flops(ks: list[int]) -> dict:
-    """FLOPs at SD 1.4's full widths and 512 px (FlopCounterMode on the meta device: no memory, no compute)."""
+def sd14_flops(ks: list[int], checkpointed: bool = False) -> dict:
+    """FLOPs at SD 1.4's full widths and 512 px (FlopCounterMode on the meta device: no memory, no compute);
+    `checkpointed`: with diffusers' gradient checkpointing (the backward's recomputation counted)."""
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from peft import LoraConfig
@@ -285,6 +293,8 @@ def sd14_flops(ks: list[int]) -> dict:
         vae = tiny._build_vae(spec)
     unet.requires_grad_(False)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    if checkpointed:
+        unet.enable_gradient_checkpointing()
 
     def count(fn) -> float:
         with FlopCounterMode(display=False) as fc:
@@ -307,20 +317,22 @@ def sd14_flops(ks: list[int]) -> dict:
     return res
 
 
-def host_vs_device(ks: list[int]) -> list[dict]:
+def host_vs_device(ks: list[int], checkpointed: bool = False) -> list[dict]:
     """Per step at parity batch sizes: host ms (sd14_topology, XLA CPU, lazy and dynamo) against device ms (SD 1.4
     FLOPs at v6e peak and at 40%); and the v6e-8 images/s of +experiment=compressibility_parity that follow."""
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.launch.env import runtime_variables
 
-    flops = sd14_flops(ks)
+    flops = sd14_flops(ks, checkpointed)
     host = {}
-    for compiler in ("lazy", "dynamo"):
+    compilers = ("dynamo",) if checkpointed else ("lazy", "dynamo")  # lazy: the "before", unchecked
+    for compiler in compilers:
         env = clean_env()
         env.update(runtime_variables(compose_and_validate(["tpu_topology=cpu"]).cfg))
         # lazy tracing, the "before", only unfused: each lazy training graph compiles for minutes here
         probe_ks = [1] if compiler == "lazy" else ks
-        proc = subprocess.run([sys.executable, "-c", STEP_PROBE, compiler, ",".join(map(str, probe_ks))], env=env,
+        proc = subprocess.run([sys.executable, "-c", STEP_PROBE, compiler, ",".join(map(str, probe_ks)),
+                               *(["checkpointed"] if checkpointed else [])], env=env,
                               cwd=REPO, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-2000:])
@@ -328,7 +340,7 @@ def host_vs_device(ks: list[int]) -> list[dict]:
     rows = []
     # per chip and epoch at parity on a v6e-8: 4 x 8 batches x 50 steps = 400 sampling steps; 32 samples / 2 per
     # train batch x 50 timesteps = 800 trained timesteps; 32 VAE decodes; 256 images per epoch over 8 chips
-    for compiler in ("lazy", "dynamo"):
+    for compiler in compilers:
         for k in ([1] if compiler == "lazy" else ks):
             tkey = f"train_micro_step_b2_k{k}"
             dev_s = lambda u: (400 * flops["sampling_step_b4"] + 800 / k * flops[tkey]
@@ -336,7 +348,7 @@ def host_vs_device(ks: list[int]) -> list[dict]:
             host_s = 400 * host[compiler]["sampling_step_b4"] / 1000 + 800 / k * host[compiler][tkey] / 1000
             dev_ms = lambda key, u: flops[key] / (V6E_PEAK_FLOPS * u) * 1000
             rows.append({
-                "compiler": compiler, "timesteps_per_micro_step": k,
+                "compiler": compiler, "timesteps_per_micro_step": k, "activation_checkpointing": checkpointed,
                 "sampling_host_ms": host[compiler]["sampling_step_b4"],
                 "sampling_device_ms_peak_40%": f"{dev_ms('sampling_step_b4', 1):.1f} / {dev_ms('sampling_step_b4', .4):.1f}",
                 "sampling_host/device_40%": round(host[compiler]["sampling_step_b4"] / dev_ms("sampling_step_b4", .4), 2),
@@ -384,19 +396,24 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(HOST_VARIANTS), choices=list(HOST_VARIANTS),
                     help="training runs of the host-overhead benchmark (none: only the per-step estimate)")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 5], help="fused timesteps for the parity estimate")
+    ap.add_argument("--checkpointed", action="store_true",
+                    help="--host-overhead: the per-step estimate with activation checkpointing (dynamo only)")
     ap.add_argument("--sd3-activations", action="store_true",
                     help="only the SD 3.5 Medium training-activation probes (full width, 2-3 layers, eager CPU)")
     ap.add_argument("--precisions", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"],
                     help="--sd3-activations: the precisions probed")
-    ap.add_argument("--sd3-probe", nargs=4, metavar=("LAYERS", "DUAL", "BATCH", "PRECISION"),
-                    help=argparse.SUPPRESS)  # one probe, in the process sd3_activations starts
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="only the activation checkpointing probes (SD 1.4 and SD 3.5 Medium eager, SD 1.4's "
+                         "topology on XLA CPU, with and without)")
+    ap.add_argument("--probe", help=argparse.SUPPRESS)  # one probe (PROBES; a JSON call), in a process of its own
     args = ap.parse_args()
-    if args.sd3_probe:
-        layers, dual, batch, precision = args.sd3_probe
-        dual_layers = tuple(int(i) for i in dual.split(",") if i != "-")
-        return print(json.dumps(sd3_probe(int(layers), dual_layers, int(batch), precision)))
+    if args.probe:
+        call = json.loads(args.probe)
+        return print(json.dumps(PROBES[call.pop("probe")](**call)))
     if args.sd3_activations:
         return sd3_activations(args)
+    if args.checkpointing:
+        return checkpointing(args)
     if args.host_overhead:
         return host_overhead(args)
     if args.full_width:
@@ -473,7 +490,7 @@ def host_overhead(args) -> None:
         for name in args.variants:
             runs.append(host_run(name, Path(tmp)))
             print(json.dumps(runs[-1]), flush=True)
-    est, tf = host_vs_device(args.ks)
+    est, tf = host_vs_device(args.ks, args.checkpointed)
     for r in est:
         print(json.dumps(r), flush=True)
     text = (heading() +
@@ -518,41 +535,18 @@ def _vm(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
-def sd3_probe(layers: int, dual: tuple[int, ...], batch: int, precision: str) -> dict:
-    """One forward + backward of SD 3.5 Medium's transformer at full width, `layers` deep (`dual` with dual
-    attention), 512 px, LoRA as model=sd35_medium, eager CPU, as a training micro-step runs it (frozen weights in
-    bfloat16 under bf16 autocast, float32 otherwise; LoRA weights float32). Two accountings of what the backward
-    keeps: the bytes of the distinct storages autograd saves (saved_tensors_hooks, weights and buffers excluded) and
-    the process's peak resident memory over the step (VmHWM reset just before) minus the resident memory before it."""
+def measure_backward(model, forward, precision: str, warmup: bool) -> dict:
+    """What one forward + backward of `forward()` (-> output tensor) keeps for the backward, eager CPU. Two
+    accountings: the bytes of the distinct storages autograd saves (saved_tensors_hooks, weights and buffers excluded;
+    blind inside checkpointed blocks, whose own hooks take over) and the process's peak resident memory over the step
+    (VmHWM, reset just before) minus the resident memory before it."""
     import contextlib
     import gc
 
     import torch
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
 
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    cfg = dict(SD35_MEDIUM_TRANSFORMER, num_layers=layers, dual_attention_layers=tuple(dual))
-    with torch.device("meta"):  # random weights without the initialisers' cost (the values do not matter here)
-        model = SD3Transformer2DModel(**cfg)
-    model = model.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            tensor.normal_(0.0, 0.02)
-    target = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-              "attn.to_out.0", "attn.to_q", "attn.to_v"]
-    model.add_adapter(LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian", target_modules=target))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    x = torch.randn(batch, 16, SD3_LATENT, SD3_LATENT, dtype=dtype)
-    t = torch.rand(batch).to(dtype) * 1000
-    text = torch.randn(batch, SD3_TEXT_TOKENS, 4096, dtype=dtype)
-    pooled = torch.randn(batch, 2048, dtype=dtype)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weights |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    tokens = (SD3_LATENT // 2) ** 2 + SD3_TEXT_TOKENS
     saved: dict[int, int] = {}
     squares = []
 
@@ -569,12 +563,9 @@ def sd3_probe(layers: int, dual: tuple[int, ...], batch: int, precision: str) ->
     def step(hooks: bool):
         with autocast, (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if hooks
                         else contextlib.nullcontext()):
-            out = model(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled,
-                        return_dict=False)[0]
-        loss = out.float().square().mean()
-        return loss
+            out = forward()
+        return out.float().square().mean()
 
-    warmup = precision == "float32"  # SD3_BATCHES
     if warmup:
         step(False).backward()  # LoRA gradients, kernels' scratch
     gc.collect()
@@ -586,12 +577,125 @@ def sd3_probe(layers: int, dual: tuple[int, ...], batch: int, precision: str) ->
     loss.backward()
     peak = _vm("VmHWM")
     G = 2 ** 30
-    return {"precision": precision, "layers": layers, "dual_layers": "+".join(map(str, dual)) or "-",
-            "batch": batch, "warm_up": warmup, "tokens": tokens,
-            "saved_gib": round(sum(saved.values()) / G, 4),
+    return {"saved_gib": round(sum(saved.values()) / G, 4),
             "rss_after_forward_gib": round((after_forward - before) / G, 4),
             "peak_rss_delta_gib": round((peak - before) / G, 4), "score_matrices_saved": len(squares),
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _random_weights(model, dtype):
+    """A model built on the meta device, materialised on the CPU with N(0, 0.02) values (the initialisers' cost
+    saved: the values do not matter for memory), frozen, eval mode."""
+    import torch
+
+    model = model.to_empty(device="cpu").to(dtype).eval().requires_grad_(False)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.normal_(0.0, 0.02)
+    return model
+
+
+def sd3_probe(layers: int, dual: tuple[int, ...], batch: int, precision: str, checkpointed: bool = False) -> dict:
+    """One forward + backward of SD 3.5 Medium's transformer at full width, `layers` deep (`dual` with dual
+    attention), 512 px, LoRA as model=sd35_medium, eager CPU, as a training micro-step runs it (frozen weights in
+    bfloat16 under bf16 autocast, float32 otherwise; LoRA weights float32); `checkpointed`: diffusers' gradient
+    checkpointing on (train.activation_checkpointing)."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    cfg = dict(SD35_MEDIUM_TRANSFORMER, num_layers=layers, dual_attention_layers=tuple(dual))
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**cfg)
+    model = _random_weights(model, dtype)
+    target = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+              "attn.to_out.0", "attn.to_q", "attn.to_v"]
+    model.add_adapter(LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian", target_modules=target))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    if checkpointed:
+        model.enable_gradient_checkpointing()
+    x = torch.randn(batch, 16, SD3_LATENT, SD3_LATENT, dtype=dtype)
+    t = torch.rand(batch).to(dtype) * 1000
+    text = torch.randn(batch, SD3_TEXT_TOKENS, 4096, dtype=dtype)
+    pooled = torch.randn(batch, 2048, dtype=dtype)
+    tokens = (SD3_LATENT // 2) ** 2 + SD3_TEXT_TOKENS
+    forward = lambda: model(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled,
+                            return_dict=False)[0]
+    row = {"precision": precision, "layers": layers, "dual_layers": "+".join(map(str, dual)) or "-",
+           "batch": batch, "checkpointed": checkpointed, "warm_up": precision == "float32", "tokens": tokens}
+    return row | measure_backward(model, forward, precision, warmup=row["warm_up"])  # SD3_BATCHES
+
+
+def sd14_probe(batch: int, checkpointed: bool) -> dict:
+    """One forward + backward of SD 1.4's UNet at full width (model=sd14_random's build: 860M parameters, random
+    weights), 512 px (64x64 latents), LoRA as model=sd14 (rank 4 on the attention projections), float32, eager CPU;
+    `checkpointed`: diffusers' gradient checkpointing on (train.activation_checkpointing)."""
+    import torch
+    from peft import LoraConfig
+
+    from ddpo_tpu.models.tiny import SPECS, _build_unet
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        unet = _build_unet(SPECS["sd14_random"])
+    unet = _random_weights(unet, torch.float32)
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    if checkpointed:
+        unet.enable_gradient_checkpointing()
+    x = torch.randn(batch, 4, 64, 64)
+    t = torch.full((batch,), 500)
+    text = torch.randn(batch, 77, 768)
+    row = {"model": "sd14_random UNet", "batch": batch, "checkpointed": checkpointed}
+    return row | measure_backward(unet, lambda: unet(x, t, text).sample, "float32", warmup=True)
+
+
+XLA_PROBE_ARGS = ["+experiment=smoke", "model=sd14_topology", "tpu_topology=cpu",
+                  'xla.flags=["--xla_backend_optimization_level=0","--xla_llvm_disable_expensive_passes=true"]']
+
+
+def xla_probe(latent: int, checkpointed: bool) -> dict:
+    """One compiled forward + backward (xla.step_compiler=dynamo, as the training micro-step runs) of SD 1.4's UNet
+    topology at narrow widths (model=sd14_topology's build: 32-64 channels, but SD 1.4's 8 heads, so its attention
+    scores are full size at `latent`^2 tokens), batch 1, float32, on XLA CPU through ddpo_tpu's runtime; LoRA-like
+    trainable to_q projections. The process's peak resident memory holds XLA's buffers: what the compiled backward
+    keeps, which the eager probes cannot see. Run in a process of its own with the training process's environment."""
+    import resource
+
+    import torch
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.models.tiny import SPECS, _build_unet
+    from ddpo_tpu.runtime import make_runtime
+
+    rt = make_runtime(compose_and_validate(XLA_PROBE_ARGS).cfg)
+    torch.manual_seed(0)
+    unet = _build_unet(SPECS["sd14_topology"]).requires_grad_(False)
+    for name, param in unet.named_parameters():
+        param.requires_grad_("to_q" in name)
+    if checkpointed:
+        unet.enable_gradient_checkpointing()
+    unet.to(rt.device)
+    x, t, text = (v.to(rt.device) for v in (torch.randn(1, 4, latent, latent), torch.tensor([500]),
+                                             torch.randn(1, 77, 64)))
+    loss_fn = rt.compile_step(lambda x, t, text: unet(x, t, text).sample.square().mean())
+    seconds = []
+    for _ in range(2):  # the second call replays the compiled graphs
+        t0 = time.perf_counter()
+        loss = loss_fn(x, t, text)
+        loss.backward()
+        rt.sync()
+        grad = sum(float(p.grad.abs().sum()) for p in unet.parameters() if p.grad is not None)
+        seconds.append(round(time.perf_counter() - t0, 1))
+        unet.zero_grad(set_to_none=True)
+    return {"model": "sd14_topology UNet (XLA CPU)", "tokens": latent ** 2, "checkpointed": checkpointed,
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),
+            "graphs": rt.counters().compilations, "seconds": seconds, "loss": round(float(loss), 6),
+            "grad_abs_sum": f"{grad:.6e}"}
 
 
 def sd3_attention_scores_gib() -> float:
@@ -639,13 +743,8 @@ def sd3_activations(args) -> None:
     for precision in args.precisions:
         for layers, dual in SD3_PROBES:
             for batch in SD3_BATCHES[precision]:
-                proc = subprocess.run([sys.executable, __file__, "--sd3-probe", str(layers),
-                                       ",".join(map(str, dual)) or "-", str(batch), precision],
-                                      env=env, cwd=REPO, capture_output=True, text=True)
-                if proc.returncode:
-                    raise SystemExit(f"probe {layers} {dual} {batch} {precision} failed:\n{proc.stderr[-2000:]}")
-                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(json.dumps(rows[-1]), flush=True)
+                rows.append(run_probe(env, probe="sd3", layers=layers, dual=list(dual), batch=batch,
+                                      precision=precision))
     est = sd3_estimate(rows, "peak_rss_delta_gib") + sd3_estimate(rows, "saved_gib")
     text = (heading() +
             f"SD 3.5 Medium's transformer at full width (1536, 24 heads of 64, RMS qk-norm), 512 px (1024 image "
@@ -664,6 +763,58 @@ def sd3_activations(args) -> None:
     print(text)
     with open(args.out, "a") as f:
         f.write(text)
+
+
+def run_probe(env: dict[str, str], **call) -> dict:
+    """One probe (PROBES) in a process of its own, so its peak resident memory is its own."""
+    proc = subprocess.run([sys.executable, __file__, "--probe", json.dumps(call)], env=env, cwd=REPO,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"probe {call} failed:\n{proc.stderr[-2000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def checkpointing(args) -> None:
+    """train.activation_checkpointing: what the backward keeps with and without diffusers' gradient checkpointing.
+    Eager CPU at full width (SD 1.4's UNet; SD 3.5 Medium's transformer 2-3 layers deep), per sample; and XLA CPU on
+    SD 1.4's topology at 512 px tokens, where the attention scores XLA keeps show."""
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.launch.env import child_environment
+
+    eager_env = dict(clean_env(), MALLOC_MMAP_THRESHOLD_="65536")  # freed tensors leave the RSS
+    sd1 = [run_probe(eager_env, probe="sd14", batch=b, checkpointed=c) for c in (False, True) for b in (1, 2)]
+    sd3 = [run_probe(eager_env, probe="sd3", layers=layers, dual=list(dual), batch=b, precision="float32",
+                     checkpointed=c)
+           for c in (True,) for layers, dual in SD3_PROBES for b in SD3_BATCHES["float32"]]  # without: --sd3-activations
+    with tempfile.TemporaryDirectory() as tmp:
+        xla_env = dict(child_environment(compose_and_validate(XLA_PROBE_ARGS).cfg, Path(tmp)), PYTHONPATH=str(REPO))
+        xla = [run_probe(xla_env, probe="xla", latent=64, checkpointed=c) for c in (False, True)]
+    per_sample = []
+    for c in (False, True):
+        v = {r["batch"]: r for r in sd1 if r["checkpointed"] == c}
+        per_sample.append({"model": "SD 1.4 UNet", "checkpointed": c, **{
+            f: round(v[2][f] - v[1][f], 3) for f in ("saved_gib", "peak_rss_delta_gib")}})
+    for c in (True,):
+        for est in sd3_estimate([r for r in sd3 if r["checkpointed"] == c], "peak_rss_delta_gib"):
+            per_sample.append({"model": "SD 3.5 Medium transformer (24 layers, extrapolated)", "checkpointed": c,
+                               "peak_rss_delta_gib": next(v for k, v in est.items() if k.startswith("24_layers"))})
+    text = (heading() +
+            f"Activation checkpointing (train.activation_checkpointing; diffusers' gradient checkpointing of every "
+            f"resnet and transformer block). Eager CPU, float32, LoRA, one forward + backward per process, full "
+            f"width at 512 px (measure_backward: saved bytes, blind inside checkpointed blocks; peak RSS over the "
+            f"step minus the RSS before it):\n\n{table(sd1 + sd3)}\n\nPer sample and evaluation (batch 2 - batch 1; "
+            f"SD 3.5 Medium extrapolated to 24 layers as --sd3-activations does), GiB:\n\n{table(per_sample)}\n\n"
+            f"XLA CPU (xla_probe: the compiled forward + backward of SD 1.4's UNet topology at narrow widths, 8 heads "
+            f"at 4096 tokens, batch 1, two calls; the process's peak RSS holds XLA's buffers):\n\n{table(xla)}\n")
+    print(text)
+    with open(args.out, "a") as f:
+        f.write(text)
+
+
+PROBES = {"sd14": sd14_probe, "xla": xla_probe,
+          "sd3": lambda dual, **kw: sd3_probe(dual=tuple(dual), **kw)}
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ def test_second_launch_is_refused_naming_the_holder(tmp_path):
                          XDG_CACHE_HOME=str(cache))
         elapsed = time.perf_counter() - t0
         assert proc.returncode == 3, proc.stderr
-        assert elapsed < 2.0, elapsed
+        # refused by the front end before a training process exists (~0.5 s on a quiet machine; a loose bound,
+        # since a shared 2-core machine has taken 2.2 s): a lock taken later would cost a worker start and a model load
+        assert elapsed < 10.0, elapsed
         assert f"pid {holder.pid}" in proc.stderr and "/runs/holder" in proc.stderr and "UTC" in proc.stderr
         assert not (tmp_path / "outputs").exists()
     finally:

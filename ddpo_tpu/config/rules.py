@@ -236,6 +236,9 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 f"in one forward/backward need about {training_activation_gib(cfg, K):.1f} GiB of "
                                 f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "
                                 f"about {resident_gib(cfg):.1f} GiB hold the models",
+                                "try train.activation_checkpointing=true (or auto)"
+                                if not activation_checkpointing(cfg) and
+                                training_activation_gib(cfg, K, checkpointed=True) <= budget else
                                 f"try train.timesteps_per_micro_step={max(fits)} (or auto)" if fits else
                                 "lower train.batch_size (raise train.gradient_accumulation_steps to keep parity)"))
 
@@ -356,7 +359,8 @@ def _algorithm_problems(cfg: RunConfig, tot: Totals, overridden: frozenset[str])
 # 1024 and 256 tokens, 1 at 64) = 2.7 GiB. On XLA CPU one training evaluation at full width did not fit in 24 GiB in
 # either precision (RESULTS.md). An estimate for the HBM rule, not a TPU figure.
 ATTENTION_SCORES_GIB_512 = 2.7
-ACTIVATION_GIB_PER_UNET_EVAL_512 = {"no": 2.3 + ATTENTION_SCORES_GIB_512, "bf16": 1.2 + ATTENTION_SCORES_GIB_512}
+SD1_EAGER_GIB = {"no": 2.3, "bf16": 1.2}
+ACTIVATION_GIB_PER_UNET_EVAL_512 = {k: v + ATTENTION_SCORES_GIB_512 for k, v in SD1_EAGER_GIB.items()}
 # The same for one SD 3.5 Medium transformer evaluation at 512 px (1024 image tokens + 77 CLIP + 128 T5 text tokens,
 # flow_grpo's max_sequence_length), LoRA rank 32 as model=sd35_medium. (1) SD3_EAGER_GIB: 2.9 GiB in float32 measured
 # on eager CPU with SD 3.5 Medium's transformer at full width (1536, 24 heads of 64, RMS qk-norm) and random weights,
@@ -374,6 +378,22 @@ SD3_EAGER_GIB = {"no": 2.9, "bf16": 2.1}
 ACTIVATION_GIB_PER_EVAL_512 = {
     "sd1": ACTIVATION_GIB_PER_UNET_EVAL_512,
     "sd3": {k: v + SD3_ATTENTION_SCORES_GIB_512 for k, v in SD3_EAGER_GIB.items()},
+}
+# The same with train.activation_checkpointing (diffusers' gradient checkpointing: every resnet and transformer
+# block keeps only its input and the backward runs it again; `python scripts/bench.py --checkpointing`). (1) The
+# eager part shrinks by what eager CPU measured at full width, per sample (batch 2 - batch 1 peak RSS): SD 1.4's UNet
+# 1.53 -> 0.43 GiB (x 0.28), SD 3.5 Medium's transformer 2.9 -> 0.75 (x 0.26; 24 layers extrapolated from 2-3
+# layers as above, counting each layer's recomputation as if kept: an upper bound). (2) The XLA scores: with checkpointing
+# the forward graph hands no score matrix to the backward graph (AOTAutograd's partition on XLA tensors; without it
+# 9 of 8 x S^2 at S = 1024 for SD 1.4's topology at 256 px); what the backward then holds at once is XLA's schedule: on
+# XLA CPU the peak RSS of one compiled forward + backward of SD 1.4's topology at 4096 tokens fell from 11.0 to 5.6
+# GiB above its baseline (x 0.51), so the checkpointed figure keeps 0.51 of the scores. An estimate, not a TPU figure.
+SD1_CKPT_EAGER_RATIO, SD3_CKPT_EAGER_RATIO, CKPT_XLA_SCORES_RATIO = 0.28, 0.26, 0.51
+CHECKPOINTED_GIB_PER_EVAL_512 = {
+    "sd1": {k: round(v * SD1_CKPT_EAGER_RATIO + CKPT_XLA_SCORES_RATIO * ATTENTION_SCORES_GIB_512, 2)
+            for k, v in SD1_EAGER_GIB.items()},
+    "sd3": {k: round(v * SD3_CKPT_EAGER_RATIO + CKPT_XLA_SCORES_RATIO * SD3_ATTENTION_SCORES_GIB_512, 2)
+            for k, v in SD3_EAGER_GIB.items()},
 }
 # local builds with 32-64 px images: their activations are negligible
 SMALL_BUILDERS = ("tiny", "sd14_topology", "tiny_sd3")
@@ -405,11 +425,15 @@ def resident_gib(cfg: RunConfig, fsdp: int | None = None, dtype: str | None = No
 AUTO_MAX_FUSED = 10  # auto fuses at most this many timesteps (compile time and graph size grow with K)
 
 
-def training_activation_gib(cfg: RunConfig, k: int, batch: int | None = None, precision: str | None = None) -> float:
+def training_activation_gib(cfg: RunConfig, k: int, batch: int | None = None, precision: str | None = None,
+                            checkpointed: bool | None = None) -> float:
     """Estimated activations of one fused training micro-step: k timesteps x train batch (x2 with CFG) evaluations.
-    `batch` and `precision` ask "what if" (default: the config's)."""
+    `batch`, `precision` and `checkpointed` ask "what if" (default: the config's)."""
     evals = k * (batch or cfg.train.batch_size) * (2 if cfg.train.cfg else 1)
-    return evals * ACTIVATION_GIB_PER_EVAL_512[cfg.model.family][precision or cfg.train.mixed_precision]
+    if checkpointed is None:
+        checkpointed = activation_checkpointing(cfg)
+    table = CHECKPOINTED_GIB_PER_EVAL_512 if checkpointed else ACTIVATION_GIB_PER_EVAL_512
+    return evals * table[cfg.model.family][precision or cfg.train.mixed_precision]
 
 
 def _activation_budget(cfg: RunConfig, resident: float | None = None) -> float | None:
@@ -452,6 +476,8 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
                 options.append(f"tpu_topology.mesh.fsdp={k} tpu_topology.mesh.dp={topo.chips // k} (splits the "
                                f"transformer's weights) with train.batch_size=1")
                 break
+    if not activation_checkpointing(cfg) and training_activation_gib(cfg, 1, batch=1, checkpointed=True) <= hbm - resident:
+        options.append("train.activation_checkpointing=true with train.batch_size=1")
     if cfg.model.dtype == "float32" and (training_activation_gib(cfg, 1, batch=1, precision="bf16")
                                         <= hbm - resident_gib(cfg, dtype="bfloat16")):
         options.append("model.dtype=bfloat16 train.mixed_precision=bf16 with train.batch_size=1")
@@ -462,14 +488,14 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
         reason = f"one sample{cfg_x} needs about {per:.1f} GiB of activations per chip (estimate), {what}"
     fix = ("try " + ", or ".join(options) if options else
            "no setting of this topology fits one sample: use chips with more HBM (v6e, v4: 32 GiB)" if hbm < 32 else
-           "no setting fits one sample on these chips (activation checkpointing is not built yet)")
+           "no setting fits one sample on these chips")
     return Problem("tpu_topology.name", topo.name, reason, fix)
 
 
-def fused_timesteps(cfg: RunConfig) -> int:
+def fused_timesteps(cfg: RunConfig, checkpointed: bool | None = None) -> int:
     """train.timesteps_per_micro_step as the trainer uses it. auto: on TPU topologies the largest K (at most
     AUTO_MAX_FUSED) that divides the trained timesteps and whose activations fit the chip (by the estimate above);
-    elsewhere 1 (no memory figure to go by)."""
+    elsewhere 1 (no memory figure to go by). `checkpointed` asks "what if" (default: the config's)."""
     K, T = cfg.train.timesteps_per_micro_step, num_train_timesteps(cfg)
     if K != "auto":
         return K
@@ -477,7 +503,30 @@ def fused_timesteps(cfg: RunConfig) -> int:
         return 1
     budget = _activation_budget(cfg)
     return max(d for d in range(1, min(T, AUTO_MAX_FUSED) + 1) if T % d == 0
-               and (d == 1 or budget is None or training_activation_gib(cfg, d) <= budget))
+               and (d == 1 or budget is None or training_activation_gib(cfg, d, checkpointed=checkpointed) <= budget))
+
+
+# Fewer fused timesteps than this leave an SD-sized training micro-step bound by the host at parity batch sizes
+# (measured host ms per micro-step on XLA CPU against the chip's FLOP time at 40% of a v6e: ratio 1.9 at K = 1, 1.29
+# at K = 2, 0.75 at K = 5; benchmarks/RESULTS.md), so auto checkpoints when it would fuse fewer, for 1/3 more FLOPs.
+AUTO_CHECKPOINT_BELOW = 2
+
+
+def activation_checkpointing(cfg: RunConfig) -> bool:
+    """train.activation_checkpointing as the trainer uses it. auto: on where the HBM estimate applies (SD-sized
+    models on TPU topologies) and, without it, the train batch (or an explicit timesteps_per_micro_step) does not
+    fit, or auto would fuse fewer than AUTO_CHECKPOINT_BELOW timesteps where with it it fuses more; elsewhere off."""
+    on = cfg.train.activation_checkpointing
+    if on != "auto":
+        return on
+    budget, T = _activation_budget(cfg), num_train_timesteps(cfg)
+    if budget is None or T < 1:
+        return False
+    K = cfg.train.timesteps_per_micro_step
+    if training_activation_gib(cfg, 1 if K == "auto" else K, checkpointed=False) > budget:
+        return True
+    return (K == "auto" and fused_timesteps(cfg, False) < AUTO_CHECKPOINT_BELOW
+            and fused_timesteps(cfg, True) > fused_timesteps(cfg, False))
 
 
 def _min_fraction(num_steps: int) -> float:
@@ -507,6 +556,7 @@ def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
         {"constraint": "train timesteps per sample", "target": None, "effective": tot.train_timesteps},
         {"constraint": "timesteps per micro-step", "target": None,
          "effective": fused_timesteps(cfg) if tot.train_timesteps >= 1 else None},
+        {"constraint": "activation checkpointing", "target": None, "effective": activation_checkpointing(cfg)},
     ]
     for key, target in flatten(par.pinned).items():
         rows.append({"constraint": key, "target": target, "effective": lookup(tree, key)})

@@ -158,6 +158,9 @@ class TrainConfig(_Strict):
     clip_range: float = Field(gt=0, lt=1)
     timestep_fraction: float = Field(gt=0, le=1)
     timesteps_per_micro_step: Literal["auto"] | Annotated[int, Field(ge=1, le=1000)]
+    # keep only each block's input through the forward and run the block again in the backward (diffusers' gradient
+    # checkpointing): a fraction of the activations for one more forward; auto: where it lets more timesteps fuse
+    activation_checkpointing: Literal["auto"] | bool = "auto"
     mixed_precision: Literal["no", "bf16"]
     ema: bool = False                                # keep an EMA of the trained weights (evaluation, final_ema)
     ema_decay: float = Field(default=0.9, gt=0, lt=1)  # its decay, reached after the warm-up min((1+s)/(10+s), d)

@@ -30,7 +30,7 @@ import torch
 from ddpo_tpu import checkpoint as ckpt
 from ddpo_tpu import events as ev
 from ddpo_tpu.config.compose import Validated
-from ddpo_tpu.config.rules import fused_timesteps, num_train_timesteps
+from ddpo_tpu.config.rules import activation_checkpointing, fused_timesteps, num_train_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.ddpo.algorithm import make_algorithm
 from ddpo_tpu.ddpo.state import TrainState
@@ -191,6 +191,8 @@ class Trainer:
         self.mixed = cfg.train.mixed_precision == "bf16"
         torch.manual_seed(cfg.seed)  # adapter init: drawn on the host, identical on every backend
         self.family = load_family(cfg, rt)
+        if activation_checkpointing(cfg):  # the backward runs each block again from its kept input
+            self.family.model.enable_gradient_checkpointing()
         self.state = TrainState(self.family.model, cfg.train, rt)
         self.algorithm = make_algorithm(cfg)
         p = cfg.prompts
@@ -590,6 +592,7 @@ class Trainer:
                      **{k: mean(k) for k in self.algorithm.stat_names},
                      "host_seconds": round(clock.total("host_seconds"), 4),
                      "host_peak_rss_gib": round(peak_rss_gib(), 3),
+                     "device_peak_gib": rt.device_peak_gib(),
                      "new_compilations": int(clock.total("compilations")),
                      "new_replicate_compilations": int(clock.total("replicate_compilations")),
                      "phases": clock.phases})

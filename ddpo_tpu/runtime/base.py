@@ -110,6 +110,13 @@ class Runtime(abc.ABC):
     def counters(self) -> Counters:
         return Counters(host_transfers=self._transfers)
 
+    def device_peak_gib(self) -> float | None:
+        """The most memory this process's device has held so far (the HBM estimate's check on a real chip), where
+        the backend can say: CUDA and TPU; None on the host CPU (see host_peak_rss_gib there)."""
+        if self.device.type == "cuda":
+            return round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3)
+        return None
+
     def compiling(self, stage: str, epoch: int, events):
         """A context around a phase: on backends that compile (XLA), the first pass through a stage whose graphs it
         compiles is reported as compile_start, compile_progress every 30 s and compile_end events (runtime/watch.py);

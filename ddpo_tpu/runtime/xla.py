@@ -187,6 +187,17 @@ class XlaRuntime(Runtime):
             cpu_fallbacks={k: v for k, v in fallbacks.items() if v},
         )
 
+    def device_peak_gib(self) -> float | None:
+        """The allocator's peak on this process's first device (TPU: HBM in use at its highest, XLA's buffers and
+        the runtime's); None where PJRT keeps no allocator statistics (CPU)."""
+        import torch_xla.core.xla_model as xm
+
+        try:
+            peak = xm.get_memory_info(self.device).get("peak_bytes_used")
+        except RuntimeError:  # PJRT CPU: GetAllocatorStats is not supported
+            return None
+        return None if peak is None else round(peak / 2**30, 3)
+
     def profile(self, run_dir, step: int):
         import torch_xla.debug.profiler as xp
 
