@@ -18,18 +18,10 @@ SHAPE = (5, 4, 6, 6)
 
 
 def make_scheduler(prediction_type="epsilon", num_steps=NUM_STEPS, **overrides):
-    kwargs = dict(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        clip_sample=False,
-        set_alpha_to_one=False,
-        prediction_type=prediction_type,
-    )
-    kwargs.update(overrides)
-    sched = DDIMScheduler(**kwargs)
+    """SD 1.x's DDIM settings (the scheduler the local models ship, models/tiny.py) with `overrides`."""
+    from ddpo_tpu.models.tiny import _build_scheduler
+
+    sched = DDIMScheduler.from_config(_build_scheduler().config, prediction_type=prediction_type, **overrides)
     sched.set_timesteps(num_steps)
     return sched
 

@@ -99,15 +99,21 @@ def _family(name: str, tmp_path, overrides=()):
     return load_family(cfg, rt), rt
 
 
+def _noise_free_setup(kind: str, tmp_path, num_steps: int, seed: int):
+    """A family's noise-free evaluation step on a `num_steps` schedule, a fresh copy of its diffusers scheduler set to
+    the same steps, seeded latents and the conditioning of two prompts (and of the empty prompt)."""
+    family, _ = _family(kind, tmp_path)
+    step = family.make_denoise_step(None, family.schedule(num_steps), deterministic=True)
+    scheduler = family.c.scheduler if kind == "sd3" else family.scheduler
+    sched = type(scheduler).from_config(scheduler.config)
+    sched.set_timesteps(num_steps)
+    x = torch.randn((2, *family.latent_shape), generator=torch.Generator().manual_seed(seed))
+    return family, step, sched, x, family.encode(["a cat", "a dog"]), family.encode(["", ""])
+
+
 def test_the_flow_ode_step_is_the_schedulers_euler_step(tmp_path):
     """SD 3's noise-free evaluation step over 12 steps equals diffusers' FlowMatchEulerDiscreteScheduler.step."""
-    family, _ = _family("sd3", tmp_path)
-    step = family.make_denoise_step(None, family.schedule(12), deterministic=True)
-    sched = type(family.c.scheduler).from_config(family.c.scheduler.config)
-    sched.set_timesteps(12)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn((2, *family.latent_shape), generator=g)
-    cond, uncond = family.encode(["a cat", "a dog"]), family.encode(["", ""])
+    family, step, sched, x, cond, uncond = _noise_free_setup("sd3", tmp_path, 12, seed=3)
     for i in (0, 5, 11):
         idx = torch.full((2,), i)
         prev, log_prob = step(x, idx, torch.randn_like(x), cond, uncond)
@@ -119,18 +125,11 @@ def test_the_flow_ode_step_is_the_schedulers_euler_step(tmp_path):
 
 
 def test_the_ddim_eval_step_with_eta_0_is_diffusers_deterministic_ddim(tmp_path):
-    from diffusers import DDIMScheduler
-
     from ddpo_tpu.diffusion.sampling import guided_noise_pred
 
-    family, _ = _family("sd1", tmp_path)
+    family, step, sched, x, cond, uncond = _noise_free_setup("sd1", tmp_path, 7, seed=4)
+    assert type(sched).__name__ == "DDIMScheduler"
     tables = family.schedule(7)
-    step = family.make_denoise_step(None, tables, deterministic=True)
-    sched = DDIMScheduler.from_config(family.scheduler.config)
-    sched.set_timesteps(7)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn((2, *family.latent_shape), generator=g)
-    cond, uncond = family.encode(["a cat", "a dog"]), family.encode(["", ""])
     for i in (0, 3, 6):
         idx = torch.full((2,), i)
         prev, _ = step(x, idx, torch.randn_like(x), cond, uncond)
