@@ -476,7 +476,8 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
                 options.append(f"tpu_topology.mesh.fsdp={k} tpu_topology.mesh.dp={topo.chips // k} (splits the "
                                f"transformer's weights) with train.batch_size=1")
                 break
-    if not activation_checkpointing(cfg) and training_activation_gib(cfg, 1, batch=1, checkpointed=True) <= hbm - resident:
+    if (not activation_checkpointing(cfg)
+            and training_activation_gib(cfg, 1, batch=1, checkpointed=True) <= hbm - resident):
         options.append("train.activation_checkpointing=true with train.batch_size=1")
     if cfg.model.dtype == "float32" and (training_activation_gib(cfg, 1, batch=1, precision="bf16")
                                         <= hbm - resident_gib(cfg, dtype="bfloat16")):
@@ -502,6 +503,8 @@ def fused_timesteps(cfg: RunConfig, checkpointed: bool | None = None) -> int:
     if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1:
         return 1
     budget = _activation_budget(cfg)
+    if budget is not None and checkpointed is None:  # resolved once, not per candidate K
+        checkpointed = activation_checkpointing(cfg)
     return max(d for d in range(1, min(T, AUTO_MAX_FUSED) + 1) if T % d == 0
                and (d == 1 or budget is None or training_activation_gib(cfg, d, checkpointed=checkpointed) <= budget))
 
@@ -525,8 +528,10 @@ def activation_checkpointing(cfg: RunConfig) -> bool:
     K = cfg.train.timesteps_per_micro_step
     if training_activation_gib(cfg, 1 if K == "auto" else K, checkpointed=False) > budget:
         return True
-    return (K == "auto" and fused_timesteps(cfg, False) < AUTO_CHECKPOINT_BELOW
-            and fused_timesteps(cfg, True) > fused_timesteps(cfg, False))
+    if K != "auto":
+        return False
+    plain = fused_timesteps(cfg, checkpointed=False)
+    return plain < AUTO_CHECKPOINT_BELOW and fused_timesteps(cfg, checkpointed=True) > plain
 
 
 def _min_fraction(num_steps: int) -> float:

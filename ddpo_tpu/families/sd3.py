@@ -64,11 +64,9 @@ class SD3Family(ModelFamily):
         from ddpo_tpu.models.sd3 import sd3_velocity
 
         tables = tables or self.tables
-        scale = self.cfg.sample.guidance_scale
-        # guidance 1 is the conditional velocity: no unconditional half (half the transformer's work, same result)
-        neg = uncond if uncond is not None and scale != 1.0 else (None, None)
+        neg = uncond if uncond is not None else (None, None)
         return sd3_velocity(self.model, x.to(self.dtype), tables.timestep_at(idx).to(self.dtype), cond[0],
-                            cond[1], neg[0], neg[1], scale if neg[0] is not None else 1.0)
+                            cond[1], neg[0], neg[1], self.cfg.sample.guidance_scale if uncond is not None else 1.0)
 
     def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):
         s = self.cfg.sample

@@ -464,9 +464,9 @@ def sd3_velocity(
 
     As the pipeline (and flow_grpo's ``compute_log_prob``): one forward on ``cat([uncond, cond])``, then
     ``uncond + guidance_scale * (cond - uncond)``. ``timestep`` (B,) is the float ``sigma * 1000``
-    (``FlowTables.timestep_at``).
+    (``FlowTables.timestep_at``). Guidance 1 is the conditional velocity: no unconditional half is run.
     """
-    if neg_prompt_embeds is None:
+    if neg_prompt_embeds is None or guidance_scale == 1.0:
         return transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
                            pooled_projections=pooled, return_dict=False)[0]
     if neg_pooled is None:
