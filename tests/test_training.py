@@ -20,10 +20,11 @@ RUNS = {  # name -> overrides of the same seeded one-epoch run (one optimizer st
     "eager_cpu": ["tpu_topology=eager_cpu"],
     # XLA, the denoising step and training micro-step compiled (dynamo), each block run again in the backward graph
     "cpu": ["tpu_topology=cpu", "train.activation_checkpointing=true", FAST_XLA_CPU],
-    # all 8 timesteps of a train batch in one forward/backward, eager; and 4 at a time on XLA, traced lazily
+    # all 8 timesteps of a train batch in one forward/backward, eager; and 4 at a time on XLA, traced lazily, each
+    # block run again behind an optimization barrier (torch_xla's checkpoint)
     "eager_cpu_fused8": ["tpu_topology=eager_cpu", "train.timesteps_per_micro_step=8"],
     "cpu_lazy_fused4": ["tpu_topology=cpu", "xla.step_compiler=lazy", "train.timesteps_per_micro_step=4",
-                        FAST_XLA_CPU],
+                        "train.activation_checkpointing=true", FAST_XLA_CPU],
 }
 
 

@@ -370,3 +370,62 @@ def test_sd14_topology_trains_on_xla_with_a_fixed_graph_set(tmp_path, model_cach
     for e in epochs:
         assert all(0 <= p["host_seconds"] <= p["seconds"] + 0.05 for p in e["phases"].values()), e["phases"]
     assert (run / "weights" / "final.safetensors").is_file()
+
+
+CHECKPOINT_PROBE = """
+import json, sys, torch, torch_xla
+from ddpo_tpu.config.compose import compose_and_validate
+from ddpo_tpu.runtime import make_runtime
+from ddpo_tpu.models.from_config import load_from_config
+from ddpo_tpu.models.lora import make_trainable
+cfg = compose_and_validate(["+experiment=smoke", "model.lora.enabled=true", "tpu_topology=cpu",
+                            "xla.step_compiler=lazy", f"model.cache_dir={sys.argv[1]}"]).cfg
+rt = make_runtime(cfg)
+unet = load_from_config(cfg.model).unet
+make_trainable(unet, cfg.model)
+unet.to(rt.device)
+g = torch.Generator().manual_seed(0)
+x, text = torch.randn(2, 4, 8, 8, generator=g).to(rt.device), torch.randn(2, 77, 32, generator=g).to(rt.device)
+t = torch.tensor([500, 20], device=rt.device)
+calls = []
+def counted(module, *args):
+    # a block with nothing to train and no input that needs a gradient has nothing to recompute in the backward
+    trains = any(p.requires_grad for p in module.parameters())
+    calls.append((type(module).__name__, trains or any(torch.is_tensor(a) and a.requires_grad for a in args)))
+    return rt.checkpoint_function()(module, *args)
+out = {}
+for name in ("plain", "checkpointed"):
+    if name == "checkpointed":
+        unet.enable_gradient_checkpointing(counted)
+    unet.zero_grad(set_to_none=True)
+    unet(x, t, text).sample.square().mean().backward()
+    grads = [p.grad for p in unet.parameters() if p.requires_grad]
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([g for g in grads if g is not None])
+    rt.sync()  # one graph for all gradients, then plain copies
+    out[name] = dict(hlo=hlo, grads=[None if g is None else g.cpu() for g in grads])
+flat = lambda gs: torch.cat([g.ravel() for g in gs])
+a, b = (flat(out[n]["grads"]) for n in ("plain", "checkpointed"))
+print(json.dumps({"calls": len(calls), "needed": sum(n for _, n in calls), "kinds": sorted({k for k, _ in calls}),
+                  "barriers": {n: out[n]["hlo"].count("opt-barrier(") for n in out},
+                  "missing_grads": sum(g is None for g in out["checkpointed"]["grads"]),
+                  "rel": float((a - b).norm() / a.norm())}))
+"""
+
+
+def test_lazy_checkpointing_puts_a_barrier_before_each_recomputation(model_cache):
+    """train.activation_checkpointing on the lazy path (xla.step_compiler=lazy): the forward and backward are one
+    graph, so each block's recomputation must sit behind an optimization barrier, or XLA merges it with the forward
+    and keeps every activation. One barrier per checkpointed block call in the gradients' graph, none without; every
+    LoRA weight still gets its gradient (the first blocks' inputs are frozen), equal to the unchecked one. (A block
+    with no trainable weight before it, the first resnet, has nothing to recompute: XLA drops its barrier as dead.)"""
+    import json
+
+    fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # FAST_XLA_CPU's flags
+    proc = subprocess.run([sys.executable, "-c", CHECKPOINT_PROBE, str(model_cache)], cwd=REPO,
+                          env=clean_env(PJRT_DEVICE="CPU", XLA_FLAGS=fast), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["calls"] > 0 and {"ResnetBlock2D", "BasicTransformerBlock"} <= set(res["kinds"]), res
+    assert res["barriers"] == {"plain": 0, "checkpointed": res["needed"]} and res["needed"] >= res["calls"] - 1, res
+    assert res["missing_grads"] == 0 and res["rel"] < 1e-5, res

@@ -192,7 +192,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # adapter init: drawn on the host, identical on every backend
         self.family = load_family(cfg, rt)
         if activation_checkpointing(cfg):  # the backward runs each block again from its kept input
-            self.family.model.enable_gradient_checkpointing()
+            self.family.model.enable_gradient_checkpointing(rt.checkpoint_function())
         self.state = TrainState(self.family.model, cfg.train, rt)
         self.algorithm = make_algorithm(cfg)
         p = cfg.prompts

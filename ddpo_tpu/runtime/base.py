@@ -107,6 +107,11 @@ class Runtime(abc.ABC):
         best: as they are here (eager), compiled once and replayed on XLA (see XlaRuntime)."""
         return fn
 
+    def checkpoint_function(self):
+        """What diffusers' gradient checkpointing (train.activation_checkpointing) calls per block: None for its
+        default, torch.utils.checkpoint without re-entry, which eager devices and dynamo's capture handle."""
+        return None
+
     def counters(self) -> Counters:
         return Counters(host_transfers=self._transfers)
 

@@ -171,6 +171,26 @@ class XlaRuntime(Runtime):
             return torch.compile(fn, backend="openxla", dynamic=False)
         return fn
 
+    def checkpoint_function(self):
+        """Activation checkpointing per block. dynamo: torch's own (None), captured as a region AOTAutograd's
+        partitioner recomputes in the backward graph. lazy: the forward and backward are one XLA graph, where torch's
+        checkpoint has no device module (it fails) and XLA would merge a plain recomputation with the forward (CSE),
+        keeping every activation; torch_xla's checkpoint puts an optimization barrier before the recomputation."""
+        if self.step_compiler == "dynamo":
+            return None
+        from torch_xla.utils.checkpoint import checkpoint
+
+        def lazy_checkpoint(module, *args):
+            # re-entrant: a block joins the autograd graph only through an input that needs a gradient; one whose
+            # inputs are all frozen (the first blocks) would silently lose its LoRA gradients, so give it one
+            if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
+                first = next(i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point())
+                args = (*args[:first], args[first].detach().requires_grad_(), *args[first + 1:])
+            # no RNG state to keep for the recomputation: the denoisers train without dropout
+            return checkpoint(module.__call__, *args, preserve_rng_state=False)
+
+        return lazy_checkpoint
+
     # --- telemetry ----------------------------------------------------------------------------------------------
     def counters(self) -> Counters:
         compile_data = met.metric_data("CompileTime")
