@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from ddpo_tpu import storage
-from tests.helpers import clean_env, run_train
+from tests.helpers import clean_env, run_train, wait_for_event
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.slow
@@ -32,14 +32,9 @@ def test_sigkill_and_a_lost_disk_then_the_same_command_continues_from_the_bucket
     env = {"XDG_CACHE_HOME": str(vm / "cache")}
     args = [*BASE, f"model.cache_dir={model_cache}", f"output_root=gs://{fake_gcs}/runs"]
     proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=vm, env=clean_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "[epoch 2] sampling batch 1/1 done" in line:  # mid-epoch 2: checkpoints 0 and 1 committed
-            break
-    else:
-        raise AssertionError("".join(seen[-30:]))
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging = vm / "cache" / "ddpo_tpu" / "runs" / fake_gcs / "runs" / "smoke"  # storage.local_root on the VM
+    wait_for_event(staging, "sampling_batch", proc, epoch=2)  # mid-epoch 2: checkpoints 0 and 1 committed
     for child in psutil.Process(proc.pid).children(recursive=True):
         child.kill()  # the training process first: no chance to checkpoint or drain its uploads
     proc.kill()

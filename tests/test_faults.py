@@ -118,14 +118,12 @@ def test_a_killed_training_process_exits_1_with_one_line(tmp_path, model_cache):
 
     import psutil
 
-    from tests.helpers import clean_env
+    from tests.helpers import clean_env, wait_for_event
 
     args = [*BASE, f"model.cache_dir={model_cache}"]
     proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "sampling start" in line:
-            break
+    wait_for_event(tmp_path / "outputs" / "smoke", "phase_start", proc, phase="sampling")
     (worker,) = psutil.Process(proc.pid).children()
     worker.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)

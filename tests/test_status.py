@@ -587,22 +587,11 @@ def test_host_time_per_phase_is_shown(tmp_path, capsys):
 
 # --- end to end: the events a real run writes -----------------------------------------------------------------------
 
-def _wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: float = 600) -> dict:
-    end = time.monotonic() + timeout
-    while True:
-        found = [r for r in ev.read_events(run_dir) if r["event"] == kind]
-        if found:
-            return found[-1]
-        assert proc.poll() is None, f"the run ended ({proc.returncode}) before a {kind} event"
-        assert time.monotonic() < end, f"no {kind} event within {timeout} s"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_a_killed_then_resumed_run_read_from_its_events(tmp_path, model_cache):
     """A real smoke run: its training process SIGKILLed mid-epoch reads as failed (the front end recorded how it
     ended), the same command again as finished, with the kill reported as an earlier attempt's."""
-    from tests.helpers import clean_env, run_train
+    from tests.helpers import clean_env, run_train, wait_for_event
 
     args = ["+experiment=smoke", "num_epochs=2", "save_freq=1", "reward.host_workers=0",
             "sample.num_batches_per_epoch=2", f"model.cache_dir={model_cache}", "run_name=e2e"]
@@ -610,8 +599,8 @@ def test_a_killed_then_resumed_run_read_from_its_events(tmp_path, model_cache):
     proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        worker = _wait_for_event(run, "worker_started", proc)["worker_pid"]
-        _wait_for_event(run, "sampling_batch", proc)
+        worker = wait_for_event(run, "worker_started", proc)["worker_pid"]
+        wait_for_event(run, "sampling_batch", proc)
         running = status.collect(run)
         assert (running["state"], running["rule"]) == ("running", "lock_holder")
         assert running["live_process"]["pid"] == worker and running["phase"] in ("sampling", "reward")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,4 +42,20 @@ def read_metrics(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
 
 
-__all__ = ["FAST_XLA_CPU", "REPO", "clean_env", "read_metrics", "run_train"]
+def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: float = 600, **fields) -> dict:
+    """The last event of `kind` (with these field values) in a running run's events.jsonl, waiting for it: tests act
+    on a run's events, never on its console lines. Fails if the run ends first or none comes within `timeout` s."""
+    from ddpo_tpu import events as ev
+
+    end = time.monotonic() + timeout
+    while True:
+        found = [r for r in ev.read_events(run_dir)
+                 if r["event"] == kind and all(r.get(k) == v for k, v in fields.items())]
+        if found:
+            return found[-1]
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before a {kind} event {fields or ''}"
+        assert time.monotonic() < end, f"no {kind} event {fields or ''} within {timeout} s"
+        time.sleep(0.2)
+
+
+__all__ = ["FAST_XLA_CPU", "REPO", "clean_env", "read_metrics", "run_train", "wait_for_event"]
