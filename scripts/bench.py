@@ -19,6 +19,10 @@ plus the attention softmaxes XLA keeps (the HBM rule's SD 3 figure, ddpo_tpu/con
 Activation checkpointing (--checkpointing): the same eager probes (SD 1.4's UNet at full width, SD 3.5 Medium's
 transformer 2-3 layers deep) with and without diffusers' gradient checkpointing, and SD 1.4's UNet topology at 4096
 attention tokens compiled on XLA CPU (peak RSS): the HBM rule's checkpointed figures.
+Lazy checkpointing (--lazy-checkpointing): on the lazy path (xla.step_compiler=lazy), what XLA CPU's compiler does
+with the runtime's checkpoint (torch_xla's, an optimization barrier before each recomputation): barriers and
+exponentials (one per softmax) in the gradient graph before and after optimisation, and the peak of XLA's buffer
+assignment, for 4 attention blocks and for SD 1.4's topology at 1024 tokens, with and without.
 
     python scripts/bench.py                  # parts 1 and 2 (about 35 minutes on 2 CPU cores)
     python scripts/bench.py --steps 10 --backends eager_cpu cpu --no-pipeline
@@ -27,6 +31,7 @@ attention tokens compiled on XLA CPU (peak RSS): the HBM rule's checkpointed fig
     python scripts/bench.py --full-width     # about 20 minutes, ~10 GiB of memory
     python scripts/bench.py --sd3-activations --precisions float32   # about 15 minutes, ~3 GiB (bf16: slow here)
     python scripts/bench.py --checkpointing  # about 30 minutes, ~14 GiB
+    python scripts/bench.py --lazy-checkpointing  # about 5 minutes
 """
 
 from __future__ import annotations
@@ -405,6 +410,8 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true",
                     help="only the activation checkpointing probes (SD 1.4 and SD 3.5 Medium eager, SD 1.4's "
                          "topology on XLA CPU, with and without)")
+    ap.add_argument("--lazy-checkpointing", action="store_true",
+                    help="only the lazy path's checkpointing probes (HLO dumps of XLA CPU, with and without)")
     ap.add_argument("--probe", help=argparse.SUPPRESS)  # one probe (PROBES; a JSON call), in a process of its own
     args = ap.parse_args()
     if args.probe:
@@ -414,6 +421,8 @@ def main() -> None:
         return sd3_activations(args)
     if args.checkpointing:
         return checkpointing(args)
+    if args.lazy_checkpointing:
+        return lazy_checkpointing(args)
     if args.host_overhead:
         return host_overhead(args)
     if args.full_width:
@@ -654,8 +663,9 @@ def sd14_probe(batch: int, checkpointed: bool) -> dict:
     return row | measure_backward(unet, lambda: unet(x, t, text).sample, "float32", warmup=True)
 
 
+FAST_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 XLA_PROBE_ARGS = ["+experiment=smoke", "model=sd14_topology", "tpu_topology=cpu",
-                  'xla.flags=["--xla_backend_optimization_level=0","--xla_llvm_disable_expensive_passes=true"]']
+                  "xla.flags=[" + ",".join(f'"{f}"' for f in FAST_FLAGS) + "]"]
 
 
 def xla_probe(latent: int, checkpointed: bool) -> dict:
@@ -813,7 +823,86 @@ def checkpointing(args) -> None:
         f.write(text)
 
 
-PROBES = {"sd14": sd14_probe, "xla": xla_probe,
+def lazy_probe(model: str, checkpointed: bool, dump: str) -> dict:
+    """One forward + backward on the lazy path (one XLA graph) through ddpo_tpu's runtime, its checkpoint function
+    when `checkpointed`; XLA dumps the graph (xla.flags: --xla_dump_to=`dump`) before and after optimisation with its
+    buffer assignment. model: "blocks" (4 residual self-attention blocks, 512 tokens, 16 wide) or "sd14_topology"
+    (SD 1.4's UNet topology at narrow widths, 8 heads at 1024 tokens, trainable to_q)."""
+    import re
+
+    import torch
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.runtime import make_runtime
+
+    rt = make_runtime(compose_and_validate([*XLA_PROBE_ARGS, "xla.step_compiler=lazy"]).cfg)
+    torch.manual_seed(0)
+    if model == "blocks":
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q = torch.nn.Linear(16, 16)
+
+            def forward(self, x):
+                return x + (self.q(x) @ x.transpose(-1, -2)).softmax(-1) @ x
+
+        blocks = torch.nn.ModuleList(Block() for _ in range(4)).to(rt.device)
+        x = torch.randn(512, 16).to(rt.device)
+        run = rt.checkpoint_function() if checkpointed else (lambda block, h: block(h))
+        for block in blocks:
+            x = run(block, x)
+        x.square().mean().backward()
+    else:
+        from ddpo_tpu.models.tiny import SPECS, _build_unet
+
+        unet = _build_unet(SPECS["sd14_topology"]).requires_grad_(False)
+        for name, param in unet.named_parameters():
+            param.requires_grad_("to_q" in name)
+        if checkpointed:
+            unet.enable_gradient_checkpointing(rt.checkpoint_function())
+        unet.to(rt.device)
+        x, t, text = (v.to(rt.device) for v in (torch.randn(1, 4, 32, 32), torch.tensor([500]),
+                                                 torch.randn(1, 77, 64)))
+        unet(x, t, text).sample.square().mean().backward()
+    rt.sync()
+    files = sorted(Path(dump).iterdir())
+    largest = lambda suffix: max((f for f in files if f.name.endswith(suffix)), key=lambda f: f.stat().st_size)
+    before, after = largest(".before_optimizations.txt").read_text(), largest("after_optimizations.txt").read_text()
+    count = lambda text, op: len(re.findall(rf"\b{op}\(", text))
+    peak = re.search(r"peak usage: ([\d ]+) bytes", largest("after_optimizations-buffer-assignment.txt").read_text())
+    return {"model": model, "checkpointed": checkpointed,
+            "barriers_before_opt": count(before, "opt-barrier"), "exponentials_before_opt": count(before, "exponential"),
+            "barriers_after_opt": count(after, "opt-barrier"), "exponentials_after_opt": count(after, "exponential"),
+            "buffer_peak_mib": round(int(peak.group(1).replace(" ", "")) / 2**20, 1)}
+
+
+def lazy_checkpointing(args) -> None:
+    """Each lazy probe in a process of its own, XLA dumping its graphs into a fresh directory."""
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.launch.env import child_environment
+
+    rows = []
+    for model in ("blocks", "sd14_topology"):
+        for checkpointed in (False, True):
+            with tempfile.TemporaryDirectory() as tmp:
+                dump = Path(tmp) / "dump"
+                flags = ",".join(f'"{f}"' for f in (*FAST_FLAGS, f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text"))
+                cfg = compose_and_validate([*XLA_PROBE_ARGS[:-1], f"xla.flags=[{flags}]"]).cfg
+                env = dict(child_environment(cfg, Path(tmp)), PYTHONPATH=str(REPO))
+                rows.append(run_probe(env, probe="lazy", model=model, checkpointed=checkpointed, dump=str(dump)))
+    text = (heading() +
+            "Activation checkpointing on the lazy path (xla.step_compiler=lazy: forward and backward in one XLA "
+            "graph) with the runtime's checkpoint function (torch_xla's: an optimization barrier before each "
+            "block's recomputation), XLA CPU with the tests' fast flags; counts in the largest graph (the gradients') "
+            "before and after XLA's optimisation passes, and the peak of its buffer assignment (XLA's own liveness "
+            "figure for the compiled program). Exponentials count softmaxes, but also SiLU/GELU's and the copies XLA makes "
+            "when it fuses: a clean count for the blocks only:\n\n" + table(rows) + "\n")
+    print(text)
+    with open(args.out, "a") as f:
+        f.write(text)
+
+
+PROBES = {"sd14": sd14_probe, "xla": xla_probe, "lazy": lazy_probe,
           "sd3": lambda dual, **kw: sd3_probe(dual=tuple(dual), **kw)}
 
 
