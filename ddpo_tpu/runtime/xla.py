@@ -181,11 +181,13 @@ class XlaRuntime(Runtime):
         from torch_xla.utils.checkpoint import checkpoint
 
         def lazy_checkpoint(module, *args):
-            # re-entrant: a block joins the autograd graph only through an input that needs a gradient; one whose
-            # inputs are all frozen (the first blocks) would silently lose its LoRA gradients, so give it one
+            # re-entrant: a block joins the autograd graph only through an input that needs a gradient. The first
+            # blocks' inputs are all frozen, and every later block takes its input from them: without a leaf that
+            # needs one, the loss had no gradient at all
             if torch.is_grad_enabled() and not any(torch.is_tensor(a) and a.requires_grad for a in args):
-                first = next(i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point())
-                args = (*args[:first], args[first].detach().requires_grad_(), *args[first + 1:])
+                first = next((i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()), None)
+                if first is not None:
+                    args = (*args[:first], args[first].detach().requires_grad_(), *args[first + 1:])
             # no RNG state to keep for the recomputation: the denoisers train without dropout
             return checkpoint(module.__call__, *args, preserve_rng_state=False)
 
