@@ -77,7 +77,8 @@ def test_a_resume_compares_only_what_is_trained_and_only_keys_both_have():
     assert "train.learning_rate" in relevant and "sample.num_steps" in relevant and "seed" in relevant
     assert "xla.shuffle_timesteps" in relevant and "algorithm.name" in relevant
     for key in ("num_epochs", "evaluation.every_n_epochs", "xla.sync_every_n_denoising_steps", "logger.name",
-                "train.timesteps_per_micro_step", "model.cache_dir", "on_nonfinite_reward"):
+                "train.timesteps_per_micro_step", "train.activation_checkpointing", "model.cache_dir",
+                "on_nonfinite_reward"):
         assert key not in relevant, key
     then = dict(relevant)
     now = {**relevant, "algorithm.kl_beta": 0.5}  # a key an upgrade added

@@ -192,3 +192,43 @@ def test_a_full_or_read_only_disk_is_one_line_naming_the_path(tmp_path, model_ca
     line = err_lines[0]
     assert str(tmp_path / "run" / "samples" / "epoch_0000.png") in line
     assert ("no space left" in line) == (err == "ENOSPC") and "output_root=" in line
+
+
+XLA_OOM = ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+           "space hbm. Used 35.21G of 31.25G hbm. Exceeded hbm capacity by 3.96G.\n\nTotal hbm usage >= 35.96G:\n"
+           "    reserved        530.00M\n    program          34.69G")
+
+
+@pytest.mark.slow  # two trainers built on the tiny model (~7 s)
+def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_path, model_cache, monkeypatch,
+                                                                           capsys):
+    """The HBM estimate picks the fused timesteps and activation checkpointing but a real chip can still refuse the
+    graph: XLA's RESOURCE_EXHAUSTED (a RuntimeError from torch_xla) ends the run with exit 1 and one line naming what
+    was asked and the keys that ask less; any other RuntimeError is still a traceback."""
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.launch.process import EXIT_FAILED
+
+    def fit(self):
+        raise RuntimeError(XLA_OOM)
+
+    monkeypatch.setattr(loop.Trainer, "fit", fit)
+    v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", "train.timesteps_per_micro_step=4"])
+    (tmp_path / "run").mkdir()
+    assert loop.run(v, tmp_path / "run") == EXIT_FAILED
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err_lines) == 1, err_lines
+    line = err_lines[0]
+    assert "ran out of memory (Bad StatusOr access: RESOURCE_EXHAUSTED" in line and "Used 35.21G of 31.25G" in line
+    assert "train.timesteps_per_micro_step=4," in line  # what was asked
+    # the smoke trains 8 timesteps a batch: the next K below 4 that divides 8 is 2
+    assert "Fix: train.timesteps_per_micro_step=2, or train.activation_checkpointing=true, or half" in line
+    assert line.endswith("no checkpoint was written yet (the same command starts over)")
+
+    def fit_other(self):
+        raise RuntimeError("a bug, not the device's memory")
+
+    monkeypatch.setattr(loop.Trainer, "fit", fit_other)
+    (tmp_path / "run2").mkdir()
+    with pytest.raises(RuntimeError, match="a bug"):
+        loop.run(v, tmp_path / "run2")

@@ -585,8 +585,8 @@ FAMILY_SUBFOLDERS = {"sd1": PIPELINE_SUBFOLDERS, "sd3": SD3_PIPELINE_SUBFOLDERS}
 # so a key added by an upgrade (whose default keeps the old behaviour) never blocks a resume.
 PARITY_KEYS = ("seed", "sample.", "train.", "algorithm.", "stat_tracking.", "model.", "reward.", "prompts.",
                "tpu_topology.", "parity.", "xla.shuffle_timesteps")
-RUN_CONTROL_KEYS = ("train.timesteps_per_micro_step", "reward.host_workers", "model.cache_dir",
-                    "model.local_files_only", "model.pretrained")
+RUN_CONTROL_KEYS = ("train.timesteps_per_micro_step", "train.activation_checkpointing", "reward.host_workers",
+                    "model.cache_dir", "model.local_files_only", "model.pretrained")
 
 # what XLA_FLAGS and LIBTPU_INIT_ARGS accept: space-separated --name or --name=value (anything else aborts the runtime)
 _FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")

@@ -622,6 +622,21 @@ def storage_error_line(e: OSError, run_dir: Path) -> str:
     return f"{path}: {what}: {fix}; the same command then resumes from the last complete checkpoint"
 
 
+def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
+    """One line for a device that ran out of memory: what was asked of it (the memory estimate's inputs, which
+    chose them unless they were set) and the keys that ask less, with the same parity."""
+    detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    K, on, T = fused_timesteps(cfg), activation_checkpointing(cfg), num_train_timesteps(cfg)
+    fixes = [f"train.timesteps_per_micro_step={k}" for k in range(K - 1, 0, -1) if T % k == 0][:1]
+    if not on:
+        fixes.append("train.activation_checkpointing=true")
+    fixes.append("half the per-replica train.batch_size or sample.batch_size with twice the "
+                 "train.gradient_accumulation_steps or sample.num_batches_per_epoch (the same parity)")
+    return (f"the device ran out of memory ({detail[:240]}) at train.timesteps_per_micro_step={K}, "
+            f"train.activation_checkpointing={str(on).lower()}, train.batch_size={cfg.train.batch_size}, "
+            f"sample.batch_size={cfg.sample.batch_size}. Fix: {', or '.join(fixes)}; {saved}")
+
+
 def run(validated: Validated, run_dir: Path) -> int:
     from ddpo_tpu import storage
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
@@ -654,6 +669,7 @@ def _run(validated: Validated, rt, out: RunDir, stop: StopRequest, events: ev.Ev
     from ddpo_tpu.rewards import RewardError
 
     run_dir = out.path
+    trainer = None
     try:
         trainer = Trainer(validated.cfg, rt, out, tree=validated.tree, stop=stop, events=events)
         trainer.resume()
@@ -671,5 +687,11 @@ def _run(validated: Validated, rt, out: RunDir, stop: StopRequest, events: ev.Ev
         if e.errno not in _STORAGE_ERRORS:
             raise
         events.emit(ev.Failed(storage_error_line(e, run_dir)))
+        return EXIT_FAILED
+    except RuntimeError as e:
+        if not rt.out_of_memory(e):
+            raise
+        saved = trainer._saved_state() if trainer is not None else "nothing was trained yet"
+        events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
         return EXIT_FAILED
     return 0

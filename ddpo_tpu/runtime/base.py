@@ -112,6 +112,12 @@ class Runtime(abc.ABC):
         default, torch.utils.checkpoint without re-entry, which eager devices and dynamo's capture handle."""
         return None
 
+    def out_of_memory(self, error: BaseException) -> bool:
+        """Whether `error` is the device running out of memory: torch's OutOfMemoryError (CUDA, the host's
+        allocator), or XLA's RESOURCE_EXHAUSTED status, which torch_xla raises as a RuntimeError (TPU HBM, when a
+        graph is compiled or run)."""
+        return isinstance(error, torch.OutOfMemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+
     def counters(self) -> Counters:
         return Counters(host_transfers=self._transfers)
 
