@@ -199,7 +199,7 @@ XLA_OOM = ("Bad StatusOr access: RESOURCE_EXHAUSTED: XLA:TPU compile permanent e
            "    reserved        530.00M\n    program          34.69G")
 
 
-@pytest.mark.slow  # two trainers built on the tiny model (~7 s)
+@pytest.mark.slow  # two trainers built on the tiny model (13 s on a busy machine)
 def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_path, model_cache, monkeypatch,
                                                                            capsys):
     """The HBM estimate picks the fused timesteps and activation checkpointing but a real chip can still refuse the
