@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST_XLA_CPU, REPO, clean_env, read_metrics, run_train
+from tests.helpers import FAST_XLA_CPU, FAST_XLA_FLAGS, REPO, clean_env, read_metrics, run_train
 from ddpo_tpu.runtime.base import KNOWN_CPU_FALLBACKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]
@@ -387,12 +387,12 @@ unet.to(rt.device)
 g = torch.Generator().manual_seed(0)
 x, text = torch.randn(2, 4, 8, 8, generator=g).to(rt.device), torch.randn(2, 77, 32, generator=g).to(rt.device)
 t = torch.tensor([500, 20], device=rt.device)
-calls = []
+calls, lazy_checkpoint = [], rt.checkpoint_function()
 def counted(module, *args):
     # a block with nothing to train and no input that needs a gradient has nothing to recompute in the backward
     trains = any(p.requires_grad for p in module.parameters())
     calls.append((type(module).__name__, trains or any(torch.is_tensor(a) and a.requires_grad for a in args)))
-    return rt.checkpoint_function()(module, *args)
+    return lazy_checkpoint(module, *args)
 out = {}
 for name in ("plain", "checkpointed"):
     if name == "checkpointed":
@@ -420,9 +420,9 @@ def test_lazy_checkpointing_puts_a_barrier_before_each_recomputation(model_cache
     with no trainable weight before it, the first resnet, has nothing to recompute: XLA drops its barrier as dead.)"""
     import json
 
-    fast = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # FAST_XLA_CPU's flags
     proc = subprocess.run([sys.executable, "-c", CHECKPOINT_PROBE, str(model_cache)], cwd=REPO,
-                          env=clean_env(PJRT_DEVICE="CPU", XLA_FLAGS=fast), capture_output=True, text=True,
+                          env=clean_env(PJRT_DEVICE="CPU", XLA_FLAGS=" ".join(FAST_XLA_FLAGS)), capture_output=True,
+                          text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

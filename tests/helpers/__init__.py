@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 # for the host CPU. What the tests assert (graph and transfer counts, results against eager PyTorch or one device)
 # does not depend on that, and TPUs compile with another backend. Measured on 2 cores: a 3-epoch tiny-model XLA run
 # 260 s -> 112 s, the sd14_topology run 410 s -> 214 s.
-FAST_XLA_CPU = 'xla.flags=["--xla_backend_optimization_level=0","--xla_llvm_disable_expensive_passes=true"]'
+FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+FAST_XLA_CPU = "xla.flags=[" + ",".join(f'"{f}"' for f in FAST_XLA_FLAGS) + "]"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -58,4 +59,4 @@ def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: fl
         time.sleep(0.2)
 
 
-__all__ = ["FAST_XLA_CPU", "REPO", "clean_env", "read_metrics", "run_train", "wait_for_event"]
+__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "REPO", "clean_env", "read_metrics", "run_train", "wait_for_event"]
