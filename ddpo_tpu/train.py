@@ -215,10 +215,15 @@ def _fail_without_runtime_or_credentials(valid) -> None:
     and the pod launcher (ddpo-pod) compose TPU configs on machines without a TPU)."""
     import importlib.util
 
+    from ddpo_tpu.launch import machine
+
     errors = []
     for v in valid:
         topo, logger = v.cfg.tpu_topology, v.cfg.logger
-        if topo.accelerator.startswith("tpu") and importlib.util.find_spec("libtpu") is None:
+        errors.extend(machine.distributed_problems(v.cfg))
+        if topo.torchtpu:
+            pass  # TorchTPU's own check above (libtpu comes with it)
+        elif topo.accelerator.startswith("tpu") and importlib.util.find_spec("libtpu") is None:
             errors.append(f"tpu_topology={topo.name}: accelerator {topo.accelerator} needs the TPU runtime (libtpu), "
                           f"which is not installed here (on a TPU VM: pip install \"torch_xla[tpu]==2.9.0\"; "
                           f"elsewhere choose tpu_topology=cpu or tpu_topology=eager_cpu)")
@@ -259,7 +264,7 @@ def _job(cfg) -> None:
     if url is not None and writer:
         storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"])
     print_start(validated, run_dir)
-    code = process.run_training(child_env, run_dir / "train.log", lock)
+    code = process.run_training(child_env, run_dir / "train.log", lock, process.training_command(validated.cfg))
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
         try:
             storage.upload_files(run_dir, url, ["events.jsonl", "train.log"])

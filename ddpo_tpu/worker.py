@@ -91,26 +91,15 @@ def guard_console(log_path: Path) -> None:
         sys.stderr = _Console(sys.stderr, 2)
 
 
-def main() -> int:
-    from omegaconf import OmegaConf
-
-    from ddpo_tpu.config.compose import validate
+def hold_locks(cfg, run_dir: Path):
+    """Take the run dir's lock (adopting the one the front end handed over) and the accelerator's, held until this
+    process ends; the list of locks, or None after printing why they are busy. Taken before torch is imported, so a
+    refusal comes within seconds: one writer per run dir on every accelerator, one run per device."""
     from ddpo_tpu.launch import env as envmod
-
-    run_dir = envmod.run_dir_from_environment()
-    if run_dir is None:
-        print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
-        return 2
-    guard_console(run_dir / "train.log")
-    validated = validate(OmegaConf.load(run_dir / "config.yaml"))
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock
-    from ddpo_tpu.launch.process import EXIT_BUSY
 
-    # taken before torch is imported (a refusal comes within seconds) and held until this process ends: first the
-    # run dir's (one writer per run dir, on every accelerator; the front end took it before writing anything and
-    # hands it over, so it is adopted, not raced for), then the accelerator's (one run per device)
     locks = [RunDirLock(run_dir)]
-    path = envmod.accelerator_lock_path(validated.cfg)
+    path = envmod.accelerator_lock_path(cfg)
     if path is not None:
         locks.append(AcceleratorLock(path, run_dir))
     handed = envmod.run_dir_lock_fd_from_environment()
@@ -127,15 +116,68 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         for lock in locks:
             lock.release()
-        return EXIT_BUSY
+        return None
+    return locks
+
+
+def _rank_console(run_dir: Path, rank: int) -> None:
+    """A rank other than 0 of the distributed execution writes its output to ranks/rank<N>.log (rank 0's goes to the
+    console and train.log, through torchrun's pipe): one console, and every rank's traceback kept."""
+    logs = run_dir / "ranks"
+    logs.mkdir(exist_ok=True)
+    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _end_with_parent() -> None:
+    """A distributed rank gets SIGTERM when torchrun dies (SIGKILL, OOM killer), as the front end does for its child:
+    it checkpoints or stops instead of holding its device as an orphan."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # torchrun died before the line above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main() -> int:
+    from omegaconf import OmegaConf
+
+    from ddpo_tpu.config.compose import validate
+    from ddpo_tpu.launch import env as envmod
+
+    run_dir = envmod.run_dir_from_environment()
+    if run_dir is None:
+        print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
+        return 2
+    validated = validate(OmegaConf.load(run_dir / "config.yaml"))
+    ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.execution == "distributed" else None
+    if ranks is not None:  # a rank under torchrun: the launcher (launch/torchrun.py) holds the locks
+        _end_with_parent()
+        if ranks[0] != 0:
+            _rank_console(run_dir, ranks[0])
+        else:
+            guard_console(run_dir / "train.log")
+        locks = []
+    else:
+        guard_console(run_dir / "train.log")
+        locks = hold_locks(validated.cfg, run_dir)
+        if locks is None:
+            from ddpo_tpu.launch.process import EXIT_BUSY
+
+            return EXIT_BUSY
     from ddpo_tpu.ddpo.loop import run
     from ddpo_tpu.rundir import Heartbeat
 
-    heartbeat = Heartbeat(run_dir).start()
+    heartbeat = Heartbeat(run_dir).start() if ranks is None or ranks[0] == 0 else None
     try:
         return run(validated, run_dir)
     finally:
-        heartbeat.stop()
+        if heartbeat is not None:
+            heartbeat.stop()
         for lock in reversed(locks):
             lock.release()
 

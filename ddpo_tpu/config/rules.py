@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpo_tpu.config.errors import Problem
-from ddpo_tpu.config.schema import TINY, RunConfig
+from ddpo_tpu.config.distributed import distributed_problems
+from ddpo_tpu.config.schema import MULTI_DEVICE, TINY, RunConfig
+
+
+def estimates_memory(topo) -> bool:
+    """Whether the per-chip memory estimate applies: TPU chips (torch_xla or TorchTPU) and the accelerators of the
+    distributed execution (GPUs), where the topology gives the device memory. The activation figures are XLA's
+    (attention softmaxes materialised): on GPUs with fused attention they are an upper bound."""
+    return bool(topo.hbm_gib_per_chip) and (topo.accelerator.startswith("tpu") or topo.execution == "distributed")
 
 
 def num_train_timesteps(cfg: RunConfig) -> int:
@@ -109,11 +117,14 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                 f"{topo.hosts} hosts x {topo.chips_per_host} chips per host = "
                                 f"{topo.hosts * topo.chips_per_host}",
                                 f"set tpu_topology.chips={topo.hosts * topo.chips_per_host}"))
-    if topo.processes != topo.hosts:
+    if topo.processes != "auto" and topo.processes != topo.expected_processes:
+        per = "device" if topo.execution == "distributed" else "host"
         problems.append(Problem("tpu_topology.processes", topo.processes,
-                                f"one training process runs per host and there are {topo.hosts} hosts",
-                                f"set tpu_topology.processes={topo.hosts}"))
-    if topo.execution == "eager":
+                                f"one training process runs per {per} and there are {topo.expected_processes} "
+                                f"{per}s", f"set tpu_topology.processes={topo.expected_processes} (or auto)"))
+    if topo.execution == "distributed":
+        problems.extend(distributed_problems(cfg, overridden))
+    elif topo.execution == "eager":
         if topo.pjrt_device is not None and not topo.accelerator.startswith("tpu"):
             problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
                                     "eager execution does not use PJRT", "set tpu_topology.pjrt_device=null"))
@@ -129,16 +140,16 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     if topo.execution in ("eager", "xla") and topo.chips != 1:
         problems.append(Problem("tpu_topology.execution", topo.execution,
                                 f"{topo.execution} drives one device but the topology has {topo.chips} chips",
-                                "set tpu_topology.execution=xla_spmd to use them all"))
+                                "set tpu_topology.execution=xla_spmd (or distributed) to use them all"))
     chips_ok = topo.hosts * topo.chips_per_host == topo.chips
-    if topo.execution == "xla_spmd" and chips_ok:
+    if topo.execution in MULTI_DEVICE and chips_ok:
         if topo.mesh.dp * topo.mesh.fsdp != topo.chips:
             if topo.chips % topo.mesh.fsdp == 0:
                 fix = f"set tpu_topology.mesh.dp={topo.chips // topo.mesh.fsdp}"
             else:
                 fix = f"set tpu_topology.mesh.dp={topo.chips} tpu_topology.mesh.fsdp=1"
             k = _pick(("tpu_topology.mesh.dp", "tpu_topology.mesh.fsdp"), overridden)
-            problems.append(Problem(k, topo.mesh.dp if k.endswith("dp") else topo.mesh.fsdp,
+            problems.append(Problem(k, topo.mesh.dp if k.endswith(".dp") else topo.mesh.fsdp,
                                     f"mesh dp {topo.mesh.dp} x fsdp {topo.mesh.fsdp} = "
                                     f"{topo.mesh.dp * topo.mesh.fsdp} devices but the topology has {topo.chips} chips",
                                     fix))
@@ -153,10 +164,10 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                     f"holds whole parameters",
                                     f"set tpu_topology.mesh.fsdp={topo.chips_per_host} "
                                     f"tpu_topology.mesh.dp={topo.chips // topo.chips_per_host}"))
-        if cfg.xla.gather == "host" and topo.hosts > 1:
+        if cfg.xla.gather == "host" and topo.hosts > 1 and topo.execution == "xla_spmd":
             problems.append(Problem("xla.gather", "host", "a host-side gather sees only this host's shards on a pod",
                                     "set xla.gather=device"))
-        if topo.accelerator == "cpu" and topo.hosts != 1:
+        if topo.accelerator == "cpu" and topo.hosts != 1 and topo.execution == "xla_spmd":
             problems.append(Problem("tpu_topology.hosts", topo.hosts, "PJRT CPU runs on one host",
                                     "set tpu_topology.hosts=1"))
 
@@ -258,18 +269,18 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     if m.dtype == "bfloat16" and train.mixed_precision != "bf16":
         problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
                                 "set train.mixed_precision=bf16 or model.dtype=float32"))
-    if not m.lora.enabled and topo.accelerator.startswith("tpu") and topo.hbm_gib_per_chip:
+    if not m.lora.enabled and estimates_memory(topo):
         # SD 1.x's UNet: 860M weights x (weight, gradient, 2 AdamW moments) x 4 bytes = 12.8 GiB, divided by fsdp,
         # plus ~3 GiB that stays whole (VAE, text encoder, 1-D tensors, activations of a small batch)
         def need(fsdp: int) -> float:
             return 12.8 / fsdp + 3.0
 
-        fsdp = topo.mesh.fsdp if topo.execution == "xla_spmd" else 1
+        fsdp = topo.mesh.fsdp if topo.execution in MULTI_DEVICE else 1
         if topo.hbm_gib_per_chip < need(fsdp):
             fits = [k for k in range(2, topo.chips_per_host + 1) if topo.chips % k == 0
                     and topo.chips_per_host % k == 0 and topo.hbm_gib_per_chip >= need(k)]
             alt = (f"; tpu_topology.mesh.fsdp={fits[0]} tpu_topology.mesh.dp={topo.chips // fits[0]} splits it to "
-                   f"about {need(fits[0]):.1f} GiB" if fits and topo.execution == "xla_spmd" else "")
+                   f"about {need(fits[0]):.1f} GiB" if fits and topo.execution in MULTI_DEVICE else "")
             problems.append(Problem("model.lora.enabled", False,
                                     f"a full UNet fine-tune with Adam needs about {need(fsdp):.1f} GiB per chip with "
                                     f"fsdp={fsdp}, the chip has {topo.hbm_gib_per_chip}{alt}",
@@ -415,7 +426,7 @@ def resident_gib(cfg: RunConfig, fsdp: int | None = None, dtype: str | None = No
     if cfg.model.family != "sd3":
         return RESIDENT_GIB
     topo, m = cfg.tpu_topology, cfg.model
-    fsdp = fsdp or (topo.mesh.fsdp if topo.execution == "xla_spmd" else 1)
+    fsdp = fsdp or (topo.mesh.fsdp if topo.execution in MULTI_DEVICE else 1)
     size = 2 if (dtype or m.dtype) == "bfloat16" else 4
     b = SD35_MEDIUM_BILLIONS
     frozen = b["transformer"] / fsdp + b["pos_embed"] + b["clips"] + (b["t5"] if m.text_encoder_3 else 0.0)
@@ -440,7 +451,7 @@ def _activation_budget(cfg: RunConfig, resident: float | None = None) -> float |
     """GiB a chip has for training activations, for SD-sized models on TPU topologies; None where not estimated.
     Negative when the models alone do not fit."""
     topo = cfg.tpu_topology
-    if not (topo.accelerator.startswith("tpu") and topo.hbm_gib_per_chip) or cfg.model.builder in SMALL_BUILDERS:
+    if not estimates_memory(topo) or cfg.model.builder in SMALL_BUILDERS:
         return None
     return topo.hbm_gib_per_chip - (resident_gib(cfg) if resident is None else resident)
 
@@ -593,9 +604,30 @@ _FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")
 _CHECKPOINT_NAME = re.compile(r"^epoch_\d{4,}$")
 
 
+# what is trained does not depend on how the global batch is split: these per-replica keys are compared as their
+# global values (x the topology's replicas), and the topology itself not at all, so a run resumes on any runtime and
+# any number of devices that give the same global batches (2 processes resume a 1-process checkpoint and the reverse)
+PER_REPLICA_KEYS = {"sample.batch_size": "sample.global_batch_size", "train.batch_size": "train.global_batch_size"}
+LAYOUT_KEYS = ("tpu_topology.",)
+
+
+def _replicas_of(flat: dict[str, Any]) -> int:
+    execution = flat.get("tpu_topology.execution", "eager")
+    if execution not in MULTI_DEVICE:
+        return 1
+    return int(flat.get("tpu_topology.mesh.dp", 1)) * int(flat.get("tpu_topology.mesh.fsdp", 1))
+
+
 def parity_relevant(tree: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in sorted(flatten(tree).items())
-            if k.startswith(PARITY_KEYS) and not k.startswith(RUN_CONTROL_KEYS)}
+    flat = flatten(tree)
+    replicas = _replicas_of(flat)
+    out = {k: v for k, v in flat.items()
+           if k.startswith(PARITY_KEYS) and not k.startswith(RUN_CONTROL_KEYS) and not k.startswith(LAYOUT_KEYS)
+           and k not in PER_REPLICA_KEYS}
+    for key, name in PER_REPLICA_KEYS.items():
+        if isinstance(flat.get(key), int):
+            out[name] = flat[key] * replicas
+    return dict(sorted(out.items()))
 
 
 def changed_keys(then: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -201,22 +201,61 @@ class MeshConfig(_Strict):
     layout: Literal["auto", "host_local"]
 
 
+# how a topology's devices are driven: eager (plain torch, one device), xla (torch_xla, one device), xla_spmd (torch_xla,
+# one program per host sharded over a mesh), distributed (plain torch, one process per device under torchrun, DDP or
+# FSDP2 over a DeviceMesh; TorchTPU on TPU accelerators)
+EXECUTIONS = ("eager", "xla", "xla_spmd", "distributed")
+MULTI_DEVICE = ("xla_spmd", "distributed")  # the executions that split the global batch over dp x fsdp devices
+
+
 class TopologyConfig(_Strict):
     name: str
     accelerator: Literal["cpu", "cuda", "tpu_v4", "tpu_v5e", "tpu_v6e"]
-    execution: Literal["eager", "xla", "xla_spmd"]
+    execution: Literal["eager", "xla", "xla_spmd", "distributed"]
     pjrt_device: Literal["CPU", "TPU", "CUDA"] | None
     hosts: int = Field(ge=1)
     chips_per_host: int = Field(ge=1)
     chips: int = Field(ge=1)
     hbm_gib_per_chip: float = Field(ge=0)
-    processes: int = Field(ge=1)
+    # training processes the launch must find: auto = one per host (xla, xla_spmd, eager) or one per device
+    # (distributed); an explicit number is checked against that
+    processes: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     mesh: MeshConfig
 
     @property
     def replicas(self) -> int:
-        """Data-parallel replicas: devices the global batch is split over (1 unless SPMD)."""
-        return self.mesh.dp * self.mesh.fsdp if self.execution == "xla_spmd" else 1
+        """Data-parallel replicas: devices the global batch is split over (1 unless SPMD or distributed)."""
+        return self.mesh.dp * self.mesh.fsdp if self.execution in MULTI_DEVICE else 1
+
+    @property
+    def expected_processes(self) -> int:
+        """Training processes of the whole run: one per device under `distributed`, one per host otherwise."""
+        return self.chips if self.execution == "distributed" else self.hosts
+
+    @property
+    def processes_per_host(self) -> int:
+        return self.chips_per_host if self.execution == "distributed" else 1
+
+    @property
+    def torchtpu(self) -> bool:
+        """TPU chips driven by TorchTPU (plain PyTorch, `torch.device("tpu")`) instead of torch_xla."""
+        return self.execution == "distributed" and self.accelerator.startswith("tpu")
+
+
+class DistributedConfig(_Strict):
+    """The `distributed` execution (tpu_topology.execution=distributed): torchrun, torch.distributed, torch.compile."""
+
+    # torch.compile backend of the denoising step and the training micro-step: auto = inductor on CPU and CUDA,
+    # tpu on TorchTPU; aot_eager (dynamo + AOTAutograd, no codegen); none (eager)
+    compile: Literal["auto", "inductor", "tpu", "aot_eager", "none"] = "auto"
+    # seconds a collective may wait for the other ranks before it fails the job (a dead or hung rank): bounded, so a
+    # lost rank never hangs the others; the first epoch's compile happens between collectives, so keep it generous
+    timeout_s: float = Field(default=900, ge=10, le=86400)
+    # torchrun's c10d rendezvous: null = this host on a free port (one node); HOST:PORT = the rendezvous of several
+    # nodes (the first node's address; every node runs the same command), or a fixed port on one node
+    rdzv_endpoint: str | None = None
+    # this node's rank among tpu_topology.hosts nodes: auto = the TPU VM worker id (TPU_WORKER_ID) or 0
+    node_rank: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"
 
 
 class ParityConfig(_Strict):
@@ -275,3 +314,4 @@ class RunConfig(_Strict):
     parity: ParityConfig
     xla: XlaConfig
     logger: LoggerConfig
+    distributed: DistributedConfig = DistributedConfig()

@@ -193,6 +193,7 @@ class Trainer:
         self.family = load_family(cfg, rt)
         if activation_checkpointing(cfg):  # the backward runs each block again from its kept input
             self.family.model.enable_gradient_checkpointing(rt.checkpoint_function())
+        self.family.denoiser = rt.prepare_model(self.family.model)  # DDP's wrapper, or FSDP2 in place
         self.state = TrainState(self.family.model, cfg.train, rt)
         self.algorithm = make_algorithm(cfg)
         p = cfg.prompts
@@ -273,14 +274,17 @@ class Trainer:
 
         loaded = ckpt.load_resume(self.out.path, cfg.resume, self.tree, force=cfg.force_resume, on_damaged=damaged)
         if loaded is None:
-            self.out.truncate_after_epoch(-1)  # a run killed before its first checkpoint starts clean
+            if self.rt.is_main:
+                self.out.truncate_after_epoch(-1)  # a run killed before its first checkpoint starts clean
             return
-        self.family.load_trainable_state({k: v.to(self.rt.device) for k, v in loaded.trainable.items()})
+        current = self.family.trainable_state()
+        self.family.load_trainable_state({k: self.rt.place_like(v, current[k]) for k, v in loaded.trainable.items()})
         self.state.load_state_dict(loaded.optimizer)
         self.algorithm.load_state_dict(loaded.tracker)
         self.start_epoch, self.state.global_step = loaded.epoch + 1, loaded.global_step
         self.run_id, self.last_saved_epoch = loaded.run_id, loaded.epoch
-        self.out.truncate_after_epoch(loaded.epoch)  # epochs after the checkpoint are logged again, once
+        if self.rt.is_main:
+            self.out.truncate_after_epoch(loaded.epoch)  # epochs after the checkpoint are logged again, once
         self.rt.sync()
         if self.rt.is_main:
             self.out.log({"kind": "event", "event": "resumed", "epoch": loaded.epoch, "global_step": self.global_step,
@@ -332,11 +336,16 @@ class Trainer:
             return "no checkpoint was written yet (the same command starts over)"
         return f"the last checkpoint (epoch {self.last_saved_epoch}) is intact"
 
-    def _stop_if_requested(self, epoch_done: int) -> None:
+    def _stopping(self) -> bool:
+        """Whether to stop at this safe point: a SIGTERM this process or any other got (every process of a run
+        asks at the same points, so they stop together and write one checkpoint)."""
+        return self.rt.any_process(self.stop.requested)
+
+    def _stop_if_requested(self, epoch_done: int, stopping: bool | None = None) -> None:
         """At a safe point: write the state as of the end of `epoch_done` (unless saved already) and stop. Safe
         points are where the algorithm's state is that of the end of `epoch_done` (its advantages of the next
         epoch not yet taken)."""
-        if not self.stop.requested:
+        if not (self._stopping() if stopping is None else stopping):
             return
         if epoch_done >= 0 and self.last_saved_epoch != epoch_done:
             self.save_checkpoint(epoch_done)
@@ -425,7 +434,8 @@ class Trainer:
         n = cfg.sample.num_batches_per_epoch
         for b, prompts in enumerate(self.algorithm.epoch_prompts(self.prompts, n, self.global_batch, prompt_rng)):
             traj, cond, images = self._sample_batch(prompts, noise_gen)
-            out.pending_rewards.append(self._score(images, prompts))
+            # the images of this process's rows (all of them unless distributed), scored here
+            out.pending_rewards.append(self._score(images, prompts[rt.local_rows(len(prompts))]))
             out.trajectories.append(traj)
             out.conds.append(cond)
             out.prompts.extend(prompts)
@@ -443,7 +453,9 @@ class Trainer:
         if cfg.xla.sync_before_reward_gather:
             self.rt.sync()
         try:
-            rewards = np.concatenate([f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards])
+            # per batch, every process's rows in order (distributed: gathered from the ranks)
+            rewards = np.concatenate([self.rt.gather_rows(np.asarray(f.result() if isinstance(f, Future) else f))
+                                      for f in sampled.pending_rewards])
         except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
             self._stop_if_requested(epoch - 1)
             raise
@@ -465,13 +477,15 @@ class Trainer:
             adv[keep] = self.algorithm.advantages([p for p, k in zip(sampled.prompts, keep) if k], rewards[keep])
         if not np.isfinite(adv).all():
             raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self._saved_state()}")
-        trajs = sampled.trajectories
+        # the whole epoch on every process (distributed ranks sampled a slice of each batch; SPMD holds it already)
+        rt, trajs = self.rt, sampled.trajectories
+        whole = lambda parts: torch.cat([rt.gather_batch(x) for x in parts])
         return EpochSamples(
-            latents=torch.cat([t.latents for t in trajs]),
-            log_probs=torch.cat([t.log_probs for t in trajs]),
-            step_indices=torch.cat([t.step_indices for t in trajs]),
-            cond=cat_cond(sampled.conds),
-            advantages=self.rt.shard_batch(torch.as_tensor(adv, dtype=torch.float32).to(self.rt.device)),
+            latents=whole(t.latents for t in trajs),
+            log_probs=whole(t.log_probs for t in trajs),
+            step_indices=whole(t.step_indices for t in trajs),
+            cond=tuple(whole(parts) for parts in zip(*sampled.conds)),
+            advantages=rt.epoch_layout(torch.as_tensor(adv, dtype=torch.float32).to(rt.device)),
         )
 
     def evaluate(self, epoch: int) -> dict:
@@ -483,7 +497,8 @@ class Trainer:
         self.family.model.eval()
         with self.state.ema_weights():
             _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed), evaluation=True)
-        rewards = np.asarray(self.reward(images, prompts), dtype=np.float64)
+        local = prompts[self.rt.local_rows(len(prompts))]  # the rows this process sampled
+        rewards = self.rt.gather_rows(np.asarray(self.reward(images, local), dtype=np.float64))
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt}
@@ -527,7 +542,9 @@ class Trainer:
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
             for b in range(N // self.train_batch):
-                sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch).to(dev)
+                # this process's rows of the global train batch (all of them unless distributed)
+                sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch)[rt.local_rows(self.train_batch)]
+                sel = sel.to(dev)
                 pick = lambda x: x.index_select(0, sel)
                 batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
                 for j in range(0, self.train_timesteps, K):
@@ -537,10 +554,12 @@ class Trainer:
                     if self.reference_mean is not None:
                         with torch.no_grad(), self.family.reference():
                             ref = self.reference_mean(*batch, cols, uncond)
-                    loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref)
-                    # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum, each
-                    # timestep weighs what it weighs unfused (1 / trained timesteps per update)
-                    (loss / (self.window // K)).backward()
+                    last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
+                    with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
+                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref)
+                        # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum,
+                        # each timestep weighs what it weighs unfused (1 / trained timesteps per update)
+                        (loss / (self.window // K)).backward()
                     stats = stats + K * torch.stack([loss.detach(), *rest])
                     micro += K
                     if micro % self.window == 0:
@@ -559,6 +578,7 @@ class Trainer:
         with (rt.profile(self.out.path, self.global_step) if self.global_step in self.cfg.xla.profile_steps
               else contextlib.nullcontext()):
             norm = self.state.update(self.cfg.train.max_grad_norm)
+        stats = rt.mean_over_replicas(stats)  # distributed: each rank's mean of its rows -> the global batch's
         host = rt.to_host(torch.cat([stats, norm.reshape(1).float()])).tolist()  # one copy per optimizer step
         if not all(np.isfinite(host)):
             raise NonFinite(f"non-finite loss or gradient at global step {self.global_step} (loss {host[0]}, "
@@ -578,7 +598,8 @@ class Trainer:
         """Checkpoint (written, not yet in place), image grid, metrics line, then the commit: a kill before the
         commit redoes the epoch, after it finds every output of the epoch."""
         cfg, rt, out = self.cfg, self.rt, self.out
-        saving = (epoch + 1) % cfg.save_freq == 0 or epoch + 1 == cfg.num_epochs or self.stop.requested
+        stopping = self._stopping()
+        saving = (epoch + 1) % cfg.save_freq == 0 or epoch + 1 == cfg.num_epochs or stopping
         with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
             pending = self.save_checkpoint(epoch, commit=False) if saving else None
         mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
@@ -605,7 +626,7 @@ class Trainer:
         nan_mean = lambda k: mean(k) if steps else float("nan")
         self.events.emit(ev.EpochDone(epoch, reward_mean, reward_std, nan_mean("approx_kl"), nan_mean("clipfrac"),
                                       len(steps), clock.phases))
-        self._stop_if_requested(epoch)
+        self._stop_if_requested(epoch, stopping)
 
 
 _STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
@@ -659,6 +680,11 @@ def run(validated: Validated, run_dir: Path) -> int:
     except storage.StorageError as e:
         events.emit(ev.Failed(str(e)))
         return EXIT_FAILED if code in (0, EXIT_PREEMPTED) else code
+    if code in (0, EXIT_PREEMPTED):
+        # distributed: every rank ends together, after the main one wrote and committed (a rank that ended early
+        # would make torchrun stop the others)
+        rt.barrier()
+    rt.close()
     return code
 
 

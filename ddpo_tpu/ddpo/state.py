@@ -57,8 +57,16 @@ class EMA:
             self._exchange()
 
     def _exchange(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         for p, e in zip(self.params, self.shadow):
-            p.data, e.data = e.data, p.data
+            if isinstance(p, DTensor):  # FSDP2 gathers from its own storage of the shard: exchange the values in it
+                with torch.no_grad():
+                    held = p.detach().clone()
+                    p.detach().copy_(e)
+                    e.copy_(held)
+            else:
+                p.data, e.data = e.data, p.data
 
     def reset(self) -> None:
         """Start the average at the current weights (a resume from a checkpoint that has none)."""
@@ -86,19 +94,18 @@ class TrainState:
         # second step (in epoch 1 when an epoch has a single update)
         for p in self.params:
             st = self.optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                            "exp_avg": torch.zeros(p.shape, dtype=p.dtype).to(rt.device),
-                                            "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype).to(rt.device)}
+                                            "exp_avg": rt.zeros_like_state(p), "exp_avg_sq": rt.zeros_like_state(p)}
             # gradients too (backward accumulates into them, zero_grad zeroes them in place): one layout for the
             # first micro-step and every later one. (A trainable weight no loss reaches would now get AdamW's weight
             # decay where a None gradient skipped it; LoRA and the UNet reach every one.)
-            p.grad = torch.zeros(p.shape, dtype=p.dtype).to(rt.device)
+            p.grad = rt.zeros_like_state(p)
             rt.place_state([p.grad, st["exp_avg"], st["exp_avg_sq"]])
         self.global_step = 0
         self.ema = EMA(self.params, t.ema_decay, t.ema_every, rt) if t.ema else None
 
     def update(self, max_grad_norm: float) -> torch.Tensor:
         """Clip the accumulated gradients, step the optimizer, zero the gradients in place; the norm (device)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)
+        norm = self.rt.to_full(torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm))  # FSDP2: a DTensor
         self.rt.optimizer_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=False)
         self.global_step += 1
@@ -146,7 +153,7 @@ class TrainState:
         ids = [i for group in saved["param_groups"] for i in group["params"]]
         for i, p in zip(ids, self.params, strict=True):
             st = saved["state"][i]
-            moments = {k: st[k].to(dtype=p.dtype).to(self.rt.device) for k in ("exp_avg", "exp_avg_sq")}
+            moments = {k: self.rt.place_like(st[k], p) for k in ("exp_avg", "exp_avg_sq")}
             self.optimizer.state[p] = {"step": st["step"].to(torch.float32), **moments}
             self.rt.place_state(moments.values())
         if self.ema is not None and ema is None:  # train.ema turned on for a run saved without one
@@ -154,5 +161,5 @@ class TrainState:
         elif self.ema is not None:
             with torch.no_grad():
                 for e, t in zip(self.ema.shadow, ema, strict=True):
-                    e.copy_(t.to(dtype=e.dtype).to(self.rt.device))
+                    e.copy_(self.rt.place_like(t, e))
             self.rt.place_state(self.ema.shadow)

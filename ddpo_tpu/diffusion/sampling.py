@@ -55,9 +55,9 @@ def sample_trajectory(step, num_steps: int, cond, uncond, init_latents: Tensor, 
     (x_prev, log_prob), e.g. make_denoise_step's, possibly compiled. `init_latents` (B,C,h,w) and `noise`
     (T,B,C,h,w) are host tensors drawn from the run's generator, so every backend samples the same trajectory for
     the same seed. `cond`/`uncond` (a tensor or a tuple of tensors) pass through to the step."""
-    batch = init_latents.shape[0]
     dtype = (cond[0] if isinstance(cond, tuple) else cond).dtype
     x = rt.shard_batch(init_latents.to(rt.device, dtype=dtype))
+    batch = x.shape[0]  # the rows this process samples (all of them unless distributed)
     latents, log_probs, indices = [x], [], []
     for i in range(num_steps):
         # an index per sample, uploaded as data: the traced graph is the same for every i

@@ -30,6 +30,12 @@ class ModelFamily(abc.ABC):
     model: torch.nn.Module           # the denoiser; its trainable parameters are what a run trains
     latent_shape: tuple[int, ...]    # (C, h, w)
     num_steps: int                   # denoising steps per sample
+    # what the step functions call: the model, or the runtime's data-parallel wrapper of it (DDP's forward arms its
+    # gradient hooks); set by the trainer before the steps are made (Runtime.prepare_model)
+    denoiser: torch.nn.Module | None = None
+
+    def call_denoiser(self) -> torch.nn.Module:
+        return self.denoiser if self.denoiser is not None else self.model
 
     @abc.abstractmethod
     def encode(self, prompts: list[str]) -> Cond:

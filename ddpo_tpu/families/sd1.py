@@ -48,7 +48,7 @@ class SD1Family(ModelFamily):
         return DDIMTables.from_scheduler(self.scheduler, num_steps, self.rt.device)
 
     def make_denoise_step(self, autocast, tables: DDIMTables | None = None, deterministic: bool = False):
-        unet, tables, s = self.model, tables or self.tables, self.cfg.sample
+        unet, tables, s = self.call_denoiser(), tables or self.tables, self.cfg.sample
         if not deterministic:
             step = make_denoise_step(unet, tables, eta=s.eta, guidance_scale=s.guidance_scale, autocast=autocast)
             return lambda x, idx, z, cond, uncond: step(x, idx, z, cond[0], uncond[0])
@@ -63,7 +63,7 @@ class SD1Family(ModelFamily):
         return ddim_step
 
     def make_score_step(self, autocast):
-        unet, tables, s = self.model, self.tables, self.cfg.sample
+        unet, tables, s = self.call_denoiser(), self.tables, self.cfg.sample
 
         def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
             with autocast() if autocast is not None else contextlib.nullcontext():

@@ -65,7 +65,7 @@ class SD3Family(ModelFamily):
 
         tables = tables or self.tables
         neg = uncond if uncond is not None else (None, None)
-        return sd3_velocity(self.model, x.to(self.dtype), tables.timestep_at(idx).to(self.dtype), cond[0],
+        return sd3_velocity(self.call_denoiser(), x.to(self.dtype), tables.timestep_at(idx).to(self.dtype), cond[0],
                             cond[1], neg[0], neg[1], self.cfg.sample.guidance_scale if uncond is not None else 1.0)
 
     def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):

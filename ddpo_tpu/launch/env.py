@@ -35,6 +35,18 @@ OWNED_VARIABLES: dict[str, str] = {
     "XLA_FLAGS": 'xla.flags (a list, quoted for the shell: \'xla.flags=["--xla_foo=1"]\')',
     "LIBTPU_INIT_ARGS": 'xla.libtpu_init_args (a list, quoted for the shell: \'xla.libtpu_init_args=["--flag=1"]\')',
     "XLA_PERSISTENT_CACHE_PATH": "xla.compilation_cache_dir",
+    # TorchTPU reads these at `import torch`; the launcher sets what a run needs (tpu_topology, execution=distributed)
+    "TORCH_TPU_TOPOLOGY": "tpu_topology (e.g. tpu_topology=v6e-8 tpu_topology.execution=distributed)",
+    "TORCH_TPU_DEVICES_PER_HOST": "tpu_topology.chips_per_host",
+    "TORCH_TPU_TIER2_COMPILATION_CACHE": "xla.compilation_cache_dir (TorchTPU's compile cache too)",
+    "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT": "xla.compilation_cache_dir (TorchTPU's compile cache too)",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD": "tpu_topology.execution (TorchTPU is loaded for TPU topologies with "
+                                     "execution=distributed, and kept out of every other run)",
+    # torchrun's own: the front end starts torchrun with the values of the config
+    "PET_NPROC_PER_NODE": "tpu_topology.chips_per_host",
+    "PET_NNODES": "tpu_topology.hosts",
+    "PET_NODE_RANK": "distributed.node_rank",
+    "PET_RDZV_ENDPOINT": "distributed.rdzv_endpoint",
 }
 
 # a run's own marker: the training process finds its run dir here (set by the launcher only)
@@ -119,9 +131,10 @@ def runtime_variables(cfg: RunConfig) -> dict[str, str]:
     """The variables the config sets for the training process (XLA and PJRT knobs)."""
     topo, xla = cfg.tpu_topology, cfg.xla
     out: dict[str, str] = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2" if xla.debug_level == 0 else "0"}
-    if topo.execution == "eager":
+    if topo.execution in ("eager", "distributed"):
         # diffusers imports torch_xla whenever it is installed; pin it to the host so it never claims an accelerator
         out["PJRT_DEVICE"] = "CPU"
+        out.update(torchtpu_variables(cfg))
         return out
     out["PJRT_DEVICE"] = topo.pjrt_device or "CPU"
     if topo.pjrt_device == "CPU":
@@ -136,6 +149,36 @@ def runtime_variables(cfg: RunConfig) -> dict[str, str]:
         out["XLA_IR_DEBUG"] = "1"
         out["XLA_HLO_DEBUG"] = "1"
     return out
+
+
+def torchtpu_variables(cfg: RunConfig) -> dict[str, str]:
+    """TorchTPU's variables, read at `import torch` in the training process: loaded only for TPU topologies on the
+    distributed execution, its compile cache where the config puts caches. (Multi-host launch variables are
+    TorchTPU's own set_tpu_launch_env's, called by the torchrun wrapper: launch/torchrun.py.)"""
+    if not cfg.tpu_topology.torchtpu:
+        return {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # an installed torch_tpu without a TPU aborts or claims nothing
+    out = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}
+    cache = compilation_cache_dir(cfg)
+    if cache:
+        out["TORCH_TPU_TIER2_COMPILATION_CACHE"] = str(Path(cache) / "torch_tpu")
+    return out
+
+
+def torchrun_ranks() -> tuple[int, int, int] | None:
+    """(global rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
+    values = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
+    if not all(v.isdigit() for v in values) or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return int(values[0]), int(values[1]), int(values[2])
+
+
+def node_rank(cfg: RunConfig) -> int:
+    """This node's rank among tpu_topology.hosts: distributed.node_rank, or on auto the TPU VM worker id (0 if
+    none)."""
+    value = cfg.distributed.node_rank
+    if value != "auto":
+        return value
+    return tpu_worker_id() or 0
 
 
 def child_environment(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -160,6 +203,14 @@ def run_dir_from_environment() -> Path | None:
 def run_dir_lock_fd_from_environment() -> int | None:
     value = os.environ.get(RUN_DIR_LOCK_FD_VARIABLE, "")
     return int(value) if value.isdigit() else None
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list, or None when unset (every GPU)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d for d in value.split(",") if d.strip() and not d.strip().startswith("-")]
 
 
 def tpu_worker_id() -> int | None:

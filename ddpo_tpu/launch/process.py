@@ -39,7 +39,29 @@ def _terminate_with_parent() -> None:
         pass
 
 
-def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None) -> int:
+TORCHRUN_MODULE = "ddpo_tpu.launch.torchrun"
+
+
+def training_command(cfg=None) -> list[str]:
+    """The training process's command: the worker itself, or for the distributed execution torchrun (through
+    launch/torchrun.py, which reports its ranks' ends as one line and an exit code) starting one worker per device
+    of this node."""
+    if cfg is None or cfg.tpu_topology.execution != "distributed":
+        return [sys.executable, "-m", WORKER_MODULE]
+    from ddpo_tpu.launch.env import node_rank
+
+    topo, d = cfg.tpu_topology, cfg.distributed
+    if d.rdzv_endpoint is None:  # one node: torchrun's c10d store on this host, on a port it picks
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", d.rdzv_endpoint, "--rdzv-id", cfg.run_name,
+                      "--node-rank", str(node_rank(cfg))]
+    return [sys.executable, "-m", TORCHRUN_MODULE, "--nnodes", str(topo.hosts),
+            "--nproc-per-node", str(topo.chips_per_host), *rendezvous, "--max-restarts", "0",
+            "--monitor-interval", "0.5", "-m", WORKER_MODULE]
+
+
+def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: list[str] | None = None) -> int:
     """Run the training process to its end; its output goes to the console and to log_path (train.log), and its start
     and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
     front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
@@ -49,7 +71,7 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None) -> int:
     run_dir = Path(log_path).parent
     record = EventLog(run_dir, echo=_silent)
     follow = EventFollower(run_dir / EVENTS_FILE, start=_size(run_dir / EVENTS_FILE))
-    cmd = [sys.executable, "-m", WORKER_MODULE]
+    cmd = cmd or [sys.executable, "-m", WORKER_MODULE]
     handed = run_dir_lock.handover_fd() if run_dir_lock is not None else None
     if handed is not None:
         env = {**env, RUN_DIR_LOCK_FD_VARIABLE: str(handed)}

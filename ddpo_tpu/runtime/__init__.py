@@ -1,6 +1,7 @@
 """The runtime interface the epoch loop is written against, and its backends.
 
-eager.py: plain torch on CPU or CUDA. xla.py: torch_xla on one device or SPMD over a mesh (one process per host);
+eager.py: plain torch on CPU or CUDA. distributed.py: plain torch, one process per device under torchrun (gloo, nccl,
+TorchTPU), DDP or FSDP2, torch.compile. xla.py: torch_xla on one device or SPMD over a mesh (one process per host);
 it is the only module of ddpo_tpu that imports torch_xla.
 """
 
@@ -15,6 +16,10 @@ def make_runtime(cfg: RunConfig) -> Runtime:
         from ddpo_tpu.runtime.eager import EagerRuntime
 
         return EagerRuntime(cfg)
+    if cfg.tpu_topology.execution == "distributed":
+        from ddpo_tpu.runtime.distributed import DistributedRuntime
+
+        return DistributedRuntime(cfg)
     from ddpo_tpu.runtime.xla import XlaRuntime
 
     return XlaRuntime(cfg)

@@ -78,6 +78,58 @@ class Runtime(abc.ABC):
         """Lay a tensor whose dim 0 is the global batch out over the data-parallel devices."""
         return tensor
 
+    # --- processes: one for the whole global batch here; the distributed runtime has one per device --------------
+    def local_rows(self, n: int) -> slice:
+        """The rows of a global batch of n this process computes (all of them unless distributed)."""
+        return slice(0, n)
+
+    def gather_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a batch -> the whole batch, on every process (distributed: an all-gather)."""
+        return tensor
+
+    def gather_rows(self, array):
+        """Host rows of this process -> the global rows in process order, on every process."""
+        return array
+
+    def mean_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A statistic computed on this process's rows -> its mean over all processes (equal row counts)."""
+        return tensor
+
+    def any_process(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any: a stop all processes take at the same point."""
+        return flag
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """At the end of the run (distributed: the process group)."""
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """What the step functions call: the model itself, or a data-parallel wrapper of it (DDP)."""
+        return model
+
+    def no_gradient_sync(self, model: torch.nn.Module):
+        """A context for micro-steps that are not the last of an accumulation window (distributed: no reduction)."""
+        return contextlib.nullcontext()
+
+    def zeros_like_state(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros shaped as a parameter, uploaded as data (on XLA a pending constant would join the next graph)."""
+        return torch.zeros(p.shape, dtype=p.dtype).to(self.device)
+
+    def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole tensor (distributed FSDP2: gathered from the ranks' shards)."""
+        return tensor
+
+    def place_like(self, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device in the layout of `like`."""
+        return value.to(self.device)
+
+    def epoch_layout(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of the whole epoch (dim 0: its samples) as training holds it: SPMD lays it over the devices like
+        the trajectories; a distributed rank holds it whole (it trains its slice of each train batch)."""
+        return self.shard_batch(tensor)
+
     def place_state(self, tensors) -> None:
         """Pin weights, gradients and optimizer moments to their layout on the devices. SPMD backends replicate
         them, or with mesh.fsdp > 1 split each one of 2+ dims whose dim 0 divides over the fsdp axis. Pinned on

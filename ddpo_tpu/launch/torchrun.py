@@ -1,0 +1,122 @@
+"""The training process of the distributed execution: torchrun (torch.distributed.run, its own parser and elastic
+agent, not a spawner of ours) starting one worker per device of this node, with three things around it.
+
+- Locks: this process holds the run dir's lock (handed over by the front end) and the accelerator's for the whole
+  job, as a single worker does; the ranks take none.
+- Signals: torchrun runs in a thread, so its agent installs no signal handlers (it does only in the main thread) and
+  a SIGTERM (preemption, the front end's forward) reaches the ranks from here, with no deadline: each rank finishes
+  its checkpoint at the next safe point, where they agree to stop together. (torchrun's own handler gives ranks 30 s,
+  then SIGKILL.)
+- One line, one exit code: torchrun's ChildFailedError lists each failed rank (exit code or signal, pid, time); the
+  documented codes pass through (75 preempted, 3 busy, 2 config) and any other end names the first rank that failed.
+
+A rank that dies (SIGKILL, OOM) ends the job in bounded time: the agent sees it within --monitor-interval and
+stops the other ranks (SIGTERM, SIGKILL after 30 s); a rank blocked in a collective on it fails when the dead rank's
+connection closes, or at distributed.timeout_s.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+
+def _children() -> list:
+    import psutil
+
+    return psutil.Process().children(recursive=False)
+
+
+def _forward(signum, _frame) -> None:
+    for child in _children():
+        try:
+            child.send_signal(signum)
+        except Exception:  # noqa: BLE001 -- gone already
+            pass
+
+
+def outcome(failures: dict) -> tuple[int, str]:
+    """(exit code, a line or "") from torchrun's failures: rank -> ProcessFailure (exitcode, pid, timestamp)."""
+    from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED
+
+    codes = {rank: f.exitcode for rank, f in failures.items()}
+    stopped = {EXIT_PREEMPTED, -signal.SIGTERM, 128 + signal.SIGTERM}  # a rank torchrun ended after another stopped
+    if EXIT_PREEMPTED in codes.values() and set(codes.values()) <= stopped:
+        return EXIT_PREEMPTED, ""
+    for documented in (EXIT_BUSY, EXIT_CONFIG):
+        if documented in codes.values():
+            return documented, ""
+    rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    if first.exitcode < 0:
+        how = f"was killed by {signal.Signals(-first.exitcode).name}"
+    else:
+        how = f"exited with code {first.exitcode}"
+    where = "train.log" if rank == 0 else f"ranks/rank{rank}.log"
+    return EXIT_FAILED, (f"error: rank {rank} (pid {first.pid}) {how} (its output: {where}); the other ranks were "
+                         f"stopped; the same command resumes from the last checkpoint")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from omegaconf import OmegaConf
+
+    from ddpo_tpu.config.compose import validate
+    from ddpo_tpu.launch import env as envmod
+    from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_FAILED
+    from ddpo_tpu.worker import hold_locks
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run_dir = envmod.run_dir_from_environment()
+    if run_dir is None:
+        print("ddpo_tpu.launch.torchrun is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
+        return 2
+    cfg = validate(OmegaConf.load(run_dir / "config.yaml")).cfg
+    locks = hold_locks(cfg, run_dir)
+    if locks is None:
+        return EXIT_BUSY
+    try:
+        if cfg.tpu_topology.torchtpu:  # TorchTPU's launch variables for its ranks, set before they start
+            from torch_tpu import distributed as tpu_dist
+
+            tpu_dist.set_tpu_launch_env(nnodes=cfg.tpu_topology.hosts, nproc_per_node=cfg.tpu_topology.chips_per_host)
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+
+        # the agent's own failure report is a page of text per rank: ours is one line (below)
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        args = parse_args(argv)
+        result: dict = {}
+
+        def agent() -> None:
+            try:
+                run(args)
+            except ChildFailedError as e:
+                result["failures"] = e.failures
+            except BaseException as e:  # noqa: BLE001 -- reported below, with the rendezvous' own message
+                result["error"] = e
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _forward)
+        thread = threading.Thread(target=agent, name="torchrun-agent")
+        thread.start()
+        while thread.is_alive():  # the main thread stays free to take signals
+            thread.join(timeout=0.5)
+        if "failures" in result:
+            code, line = outcome(result["failures"])
+            if line:
+                print(line, file=sys.stderr, flush=True)
+            return code
+        if "error" in result:
+            e = result["error"]
+            print(f"error: torchrun could not run the job: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                  file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        return 0
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
