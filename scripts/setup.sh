@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with the pinned requirements and ddpo_tpu installed in editable mode.
-# Reuses an existing .venv when requirements.txt and pyproject.toml have not changed (there is no download cache on
-# CI machines: a fresh install of torch + torch_xla takes minutes).
+# Create (or reuse) a venv with pinned requirements and ddpo_tpu installed in editable mode.
+#   bash scripts/setup.sh             .venv from requirements.txt: torch 2.9 + torch_xla 2.9 (XLA, SPMD, eager, distributed)
+#   bash scripts/setup.sh --torchtpu  .venv-torchtpu from requirements-torchtpu.txt: torch 2.15 + TorchTPU + libtpu
+#                                     (the distributed execution on TPU VMs; eager and distributed on CPU/CUDA too)
+# Reuses a venv when its lockfile and pyproject.toml have not changed (there is no download cache on CI machines: a
+# fresh install of torch takes minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-stamp=".venv/.ddpo_tpu-requirements.sha256"
-want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
-if [[ -x .venv/bin/python && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-  echo "setup: reusing .venv (requirements unchanged)"
+venv=".venv" lock="requirements.txt"
+if [[ "${1:-}" == "--torchtpu" ]]; then
+  venv=".venv-torchtpu" lock="requirements-torchtpu.txt"
+elif [[ -n "${1:-}" ]]; then
+  echo "setup: unknown option ${1} (use --torchtpu or nothing)" >&2
+  exit 2
+fi
+stamp="$venv/.ddpo_tpu-requirements.sha256"
+want="$(cat "$lock" pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [[ -x $venv/bin/python && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+  echo "setup: reusing $venv (requirements unchanged)"
   exit 0
 fi
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "ddpo_tpu needs Python >= 3.11"'
-[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-.venv/bin/python -m pip install -q -r requirements.txt
-.venv/bin/python -m pip install -q --no-deps -e .
+[[ -x $venv/bin/python ]] || "$PY" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+"$venv/bin/python" -m pip install -q -r "$lock"
+"$venv/bin/python" -m pip install -q --no-deps -e .
 echo "$want" > "$stamp"
-echo "setup: .venv ready"
+echo "setup: $venv ready"
