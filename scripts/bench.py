@@ -177,13 +177,27 @@ HOST_VARIANTS = {  # name -> overrides
     "dynamo_k1": ["xla.step_compiler=dynamo", "train.timesteps_per_micro_step=1"],
     "dynamo_k2": ["xla.step_compiler=dynamo", "train.timesteps_per_micro_step=2"],
     "dynamo_k8": ["xla.step_compiler=dynamo", "train.timesteps_per_micro_step=8"],
+    # plain PyTorch on the host CPU: the device is the main thread itself, so "host" time is all of the compute (an
+    # upper bound of the dispatch overhead a GPU or TPU would see)
+    "eager_k1": ["tpu_topology=eager_cpu", "train.timesteps_per_micro_step=1"],
+    # the distributed runtime with one process (torchrun, the process group, DDP of one, torch.compile)
+    **{f"dist_{backend}_k1": ["tpu_topology=cpu_dist2", "tpu_topology.chips_per_host=1", "tpu_topology.chips=1",
+                              "tpu_topology.mesh.dp=1", f"distributed.compile={backend}",
+                              "train.timesteps_per_micro_step=1"] for backend in ("none", "aot_eager", "inductor")},
 }
+
+
+def _with_variant(args: list[str], variant: list[str]) -> list[str]:
+    """HOST_ARGS with a variant's overrides; a variant's key replaces the same key of HOST_ARGS (Hydra refuses a
+    config group given twice)."""
+    keys = {o.split("=", 1)[0] for o in variant}
+    return [a for a in args if a.split("=", 1)[0] not in keys] + list(variant)
 
 
 def host_run(name: str, root: Path) -> dict:
     """One training process; per steady-state epoch (1 and 2): wall seconds and the main thread's CPU seconds
     (time.thread_time() around each phase in the trainer: tracing, dispatch, Python; XLA executes on other threads)."""
-    args = [*HOST_ARGS, *HOST_VARIANTS[name], f"output_root={root}", f"run_name={name}"]
+    args = [*_with_variant(HOST_ARGS, HOST_VARIANTS[name]), f"output_root={root}", f"run_name={name}"]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], env=clean_env(), cwd=REPO,
                           capture_output=True, text=True)

@@ -8,6 +8,11 @@ from pathlib import Path
 
 import pytest
 
+if importlib.util.find_spec("torch_tpu") is not None:  # the TorchTPU environment, on a machine without a TPU
+    from ddpo_tpu.launch.env import keep_torchtpu_unloaded
+
+    keep_torchtpu_unloaded()
+
 # Re-exported for the test files that still import them from conftest (test_status.py, test_launch_pod.py) until
 # they import from tests.helpers; nothing else should.
 from tests.helpers import REPO, clean_env, read_metrics, run_train  # noqa: F401

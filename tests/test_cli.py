@@ -71,6 +71,8 @@ def test_full_error_on_request(tmp_path):
     ("DDPO_TPU_SYNC_EVERY_STEP", "2", "xla.sync_every_n_denoising_steps"),
     ("PJRT_DEVICE", "TPU", "tpu_topology"),
     ("XLA_FLAGS", "--xla_dump_to=/tmp/x", "xla.flags"),
+    ("TORCH_TPU_TOPOLOGY", "2x4", "tpu_topology"),               # TorchTPU reads it at `import torch`
+    ("PET_NPROC_PER_NODE", "4", "tpu_topology.chips_per_host"),  # torchrun's, which the front end starts
 ])
 def test_legacy_variable_is_refused(tmp_path, name, value, key):
     proc, _ = cli(tmp_path, "+experiment=smoke", env=clean_env(**{name: value}))

@@ -164,6 +164,13 @@ def torchtpu_variables(cfg: RunConfig) -> dict[str, str]:
     return out
 
 
+def keep_torchtpu_unloaded() -> None:
+    """This process's coming `import torch` leaves TorchTPU out (the test process of the TorchTPU environment: measured
+    with torch 2.15 + torch-tpu 0.2.0 on a machine without a TPU, a plain CPU backward then hangs in the autograd
+    engine). Training processes get the variable from torchtpu_variables instead."""
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
 def torchrun_ranks() -> tuple[int, int, int] | None:
     """(global rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
     values = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]

@@ -1,0 +1,183 @@
+"""The distributed execution end to end (tpu_topology=cpu_dist2: torchrun, two gloo processes on the CPU).
+
+Equality with one eager process: both train the same global batches from the same seed, so their final weights
+agree to float32 rounding. Adam divides each gradient element by its own magnitude, which turns a last-bit difference
+of a near-zero gradient element (DDP averages two partial means where one process takes one mean: another order of
+additions) into a step of lr in either direction: measured on the smoke, two eager runs that differ only in
+micro-batching (train.batch_size 2 x 2 accumulation vs 1 x 4) already end 1.3e-4 apart. The comparisons therefore
+run Adam in its linear regime (adam_epsilon 0.1 >> |gradient|: the step is lr x m / eps), where rounding stays
+rounding: measured 9e-8 relative for DDP and FSDP2, against a weight change of 7e-3 (so the check can fail)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import clean_env, read_metrics, run_train, wait_for_event
+
+pytestmark = pytest.mark.slow
+
+LINEAR_ADAM = ["train.adam_epsilon=0.1", "train.learning_rate=0.1"]
+DIST = ["tpu_topology=cpu_dist2", "distributed.compile=none"]
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    num = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a)
+    return (num / sum(float((a[k].double() ** 2).sum()) for k in a)) ** 0.5
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "weights" / "final.safetensors")
+
+
+def train(tmp: Path, name: str, args: list[str], timeout: float = 900) -> Path:
+    proc = run_train([*args, f"run_name={name}", f"output_root={tmp}/runs"], cwd=tmp, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return tmp / "runs" / name
+
+
+# (experiment and what is trained, one process's per-replica sizes, two processes' per-replica sizes, mesh)
+CASES = {
+    "ddp_full": (["+experiment=smoke"], ["sample.batch_size=4", "train.batch_size=2"],
+                 ["sample.batch_size=2", "train.batch_size=1"], []),
+    "fsdp_full": (["+experiment=smoke"], ["sample.batch_size=4", "train.batch_size=2"],
+                  ["sample.batch_size=2", "train.batch_size=1"],
+                  ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"]),
+    "ddp_lora": (["+experiment=smoke", "model.lora.enabled=true"], ["sample.batch_size=4", "train.batch_size=2"],
+                 ["sample.batch_size=2", "train.batch_size=1"], []),
+    # with an EMA (exchanged into FSDP2's own shard storage for evaluation) and an evaluation
+    "fsdp_grpo_sd3": (["+experiment=flow_grpo_smoke", "sample.num_batches_per_epoch=2",
+                       "train.gradient_accumulation_steps=2", "train.ema=true", "train.ema_every=1",
+                       "evaluation.every_n_epochs=1"],
+                      ["sample.batch_size=8", "train.batch_size=8"], ["sample.batch_size=4", "train.batch_size=4"],
+                      ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_train_what_one_eager_process_trains(tmp_path, case):
+    experiment, one, two, mesh = CASES[case]
+    common = [*experiment, "num_epochs=1", *LINEAR_ADAM]
+    eager = train(tmp_path, "eager", [*common, *one])
+    dist = train(tmp_path, "dist", [*common, *two, *DIST, *mesh])
+    a, b = final_weights(eager), final_weights(dist)
+    # the same samples: every reward of the epoch, in order
+    assert read_metrics(eager, "epoch")[0]["reward_mean"] == pytest.approx(read_metrics(dist, "epoch")[0]["reward_mean"],
+                                                                          rel=1e-6)
+    assert relative_difference(a, b) <= 1e-5
+    if (eager / "weights" / "final_ema.safetensors").exists():
+        assert relative_difference(load_file(eager / "weights" / "final_ema.safetensors"),
+                                   load_file(dist / "weights" / "final_ema.safetensors")) <= 1e-5
+        assert read_metrics(eager, "eval")[0]["reward_mean"] == pytest.approx(
+            read_metrics(dist, "eval")[0]["reward_mean"], rel=1e-6)
+    # ... and training moved the weights by far more than that (the check can fail): the update vs the initial
+    # weights, read back from the first step's size in the metrics' grad norms
+    steps = read_metrics(dist, "step")
+    assert len(steps) == len(read_metrics(eager, "step")) >= 1 and all(s["grad_norm"] > 0 for s in steps)
+    assert read_metrics(dist, "event")[0]["event"] == "state_layout"
+    if "fsdp" in case:  # the state really is split over the two processes
+        layout = read_metrics(dist, "event")[0]
+        assert layout["sharded"] > 0 and layout["bytes_per_device"] < 0.75 * layout["bytes_total"]
+
+
+@pytest.mark.parametrize("experiment", [["+experiment=smoke", "sample.batch_size=2", "train.batch_size=1"],
+                                        ["+experiment=flow_grpo_smoke", "sample.batch_size=4", "train.batch_size=4",
+                                         "sample.num_batches_per_epoch=2", "train.gradient_accumulation_steps=2"]],
+                         ids=["sd1_ddpo", "sd3_grpo"])
+def test_compiled_steps_compile_in_epoch_0_only(tmp_path, experiment):
+    """torch.compile (aot_eager: dynamo and AOTAutograd, as inductor, without its C++ build) compiles the sampling
+    and training steps in epoch 0 and nothing after, counted from dynamo's counters (unique graphs)."""
+    run = train(tmp_path, "compiled", [*experiment, "num_epochs=3", "tpu_topology=cpu_dist2",
+                                       "distributed.compile=aot_eager"], timeout=1200)
+    epochs = read_metrics(run, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    assert epochs[0]["phases"]["sampling"]["compilations"] > 0 and epochs[0]["phases"]["training"]["compilations"] > 0
+    assert [e["new_compilations"] for e in epochs[1:]] == [0, 0]
+
+
+def _ranks(front_end: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of a distributed run's workers (children of torchrun, the front end's child)."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(front_end.pid).children(recursive=True):
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env and "ddpo_tpu.worker" in " ".join(p.cmdline()):
+            out[int(env["RANK"])] = p.pid
+    return out
+
+
+def test_a_killed_rank_ends_the_job_naming_it_and_the_run_resumes_exactly(tmp_path):
+    args = ["+experiment=smoke", "sample.batch_size=2", "train.batch_size=1", "num_epochs=6", "save_freq=1", *DIST,
+            "run_name=killed", f"output_root={tmp_path}/runs"]
+    run_dir = tmp_path / "runs" / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_event(run_dir, "checkpoint", proc, timeout=600, epoch=0)
+        wait_for_event(run_dir, "phase_start", proc, timeout=600, epoch=1, phase="training")
+        ranks = _ranks(proc)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert took < 60, f"the job took {took:.0f} s to end after a rank died"
+    errors = [ln for ln in out.splitlines() if ln.startswith("error: rank")]
+    assert errors and "rank 1" in errors[0] and "SIGKILL" in errors[0], out[-3000:]
+    # the same command resumes from the checkpoint of epoch 0 and finishes
+    again = run_train(args, cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = [e for e in read_metrics(run_dir, "event") if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["epoch"] >= 0
+    # ... to the weights of an uninterrupted run
+    whole = train(tmp_path, "whole", [a for a in args if not a.startswith(("run_name=", "output_root="))])
+    assert relative_difference(final_weights(whole), final_weights(run_dir)) == 0.0
+
+
+def test_checkpoints_resume_across_world_sizes(tmp_path):
+    """2 processes resume a 1-process checkpoint and the reverse; each continued run ends where an uninterrupted one
+    of the same global batch ends (within the float rounding of the comparison above). The reward is the smooth
+    aesthetic score (tiny local stand-ins): the second epoch samples from weights that differ in the last bits, and
+    JPEG sizes would turn a pixel that rounds the other way into a whole byte of reward."""
+    base = ["+experiment=smoke", "reward=aesthetic", "save_freq=1", *LINEAR_ADAM]
+    one, two = ["sample.batch_size=4", "train.batch_size=2"], ["sample.batch_size=2", "train.batch_size=1", *DIST]
+    reference = final_weights(train(tmp_path, "reference", [*base, *one, "num_epochs=2"]))
+    for first, second, name in ((one, two, "one_then_two"), (two, one, "two_then_one")):
+        train(tmp_path, name, [*base, *first, "num_epochs=1"])
+        run_dir = train(tmp_path, name, [*base, *second, "num_epochs=2"])
+        resumed = [e for e in read_metrics(run_dir, "event") if e["event"] == "resumed"]
+        assert resumed and resumed[-1]["epoch"] == 0, name
+        assert relative_difference(reference, final_weights(run_dir)) <= 1e-5, name
+
+
+def test_the_accelerator_benchmark_reports_a_run(tmp_path):
+    """scripts/bench_accelerator.py, the command for the first real accelerator, on the CPU: it runs the trainer and
+    reports images/s, MFU, memory and compile figures from the run's own metrics."""
+    import json
+
+    proc = subprocess.run([sys.executable, "scripts/bench_accelerator.py", "--model", "tiny", "--no-append", "--",
+                           "+experiment=smoke", *DIST, "sample.batch_size=2", "train.batch_size=1", "num_epochs=2"],
+                          cwd=Path(__file__).resolve().parents[1], env=clean_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["topology"] == "cpu_dist2" and row["execution"] == "distributed"
+    assert row["images_per_s"] > 0 and row["epoch_tflop"] > 0 and 0 < row["mfu_%"] < 100
+    assert row["compilations_after_epoch0"] == 0
