@@ -409,6 +409,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
     ap.add_argument("--host-overhead", action="store_true",
                     help="only the host-overhead benchmark at SD 1.4's topology (model=sd14_topology)")
+    ap.add_argument("--no-estimate", action="store_true",
+                    help="--host-overhead: only the training runs, not the per-step XLA probe and device estimate")
     ap.add_argument("--full-width", action="store_true",
                     help="only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU")
     ap.add_argument("--overrides", nargs="*", default=[], help="--full-width: extra config overrides for its runs")
@@ -513,14 +515,18 @@ def host_overhead(args) -> None:
         for name in args.variants:
             runs.append(host_run(name, Path(tmp)))
             print(json.dumps(runs[-1]), flush=True)
-    est, tf = host_vs_device(args.ks, args.checkpointed)
+    est, tf = ([], None) if args.no_estimate else host_vs_device(args.ks, args.checkpointed)
     for r in est:
         print(json.dumps(r), flush=True)
     text = (heading() +
-            f"Host overhead at SD 1.4's topology (model=sd14_topology, XLA CPU, LoRA; 8 denoising steps, 4 x 2 "
+            f"Host overhead at SD 1.4's topology (model=sd14_topology, LoRA; lazy_/dynamo_: XLA CPU; eager_ and "
+            f"dist_<torch.compile backend>_: plain PyTorch on the CPU, where the main thread also computes, so their "
+            f"host time is an upper bound of the dispatch cost; 8 denoising steps, 4 x 2 "
             f"samples, train batch 2 x 2 accumulation: 16 sampling steps and 32 trained timesteps per epoch). "
             f"Medians of the steady-state epochs 1 and 2; host = CPU time of the training process's main thread "
-            f"(time.thread_time around each phase; XLA executes on other threads):\n\n{table(runs)}\n\n"
+            f"(time.thread_time around each phase; XLA executes on other threads):\n\n{table(runs)}\n\n")
+    if est:
+        text += (
             f"Per step at the parity batch sizes (sd14_topology host time, median of 8 calls; device time from "
             f"SD 1.4's FLOPs at 512 px, TFLOP {tf}, on one v6e chip at 918 TFLOP/s bf16 peak and at 40%; an "
             f"estimate, no TPU measured). The v6e-8 images/s of +experiment=compressibility_parity are 256 / "

@@ -34,33 +34,33 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _devices_problems(topo, found: int, what: str, why: str, fix: str) -> list[str]:
+    """None of the devices a topology's processes need, or fewer than its processes per node."""
+    if found == 0:
+        return [f"tpu_topology={topo.name}: no {what} is visible on this machine ({why}) ({fix})"]
+    if topo.chips_per_host > found:
+        return [f"tpu_topology.chips_per_host={topo.chips_per_host}: {topo.chips_per_host} processes per node but "
+                f"this node has {found} {what}(s) (set tpu_topology.chips_per_host={found} with tpu_topology.chips "
+                f"and tpu_topology.mesh to match, or choose the tpu_topology of this machine)"]
+    return []
+
+
 def distributed_problems(cfg) -> list[str]:
     topo, d = cfg.tpu_topology, cfg.distributed
     if topo.execution != "distributed":
         return []
     out = []
     if topo.accelerator == "cuda":
-        n = nvidia_gpus()
-        if n == 0:
-            out.append(f"tpu_topology={topo.name}: no NVIDIA GPU is visible on this machine (no driver, or "
-                       f"CUDA_VISIBLE_DEVICES hides them) (run on a GPU machine, or tpu_topology=cpu_dist2 here)")
-        elif topo.chips_per_host > n:
-            out.append(f"tpu_topology.chips_per_host={topo.chips_per_host}: {topo.chips_per_host} processes per node "
-                       f"but this node has {n} GPU(s) (set tpu_topology.chips_per_host={n} with "
-                       f"tpu_topology.chips and tpu_topology.mesh to match, e.g. tpu_topology=gpu-1)")
+        out += _devices_problems(topo, nvidia_gpus(), "NVIDIA GPU", "no driver, or CUDA_VISIBLE_DEVICES hides them",
+                                 "run on a GPU machine, or tpu_topology=cpu_dist2 here")
     elif topo.torchtpu:
         if importlib.util.find_spec("torch_tpu") is None or importlib.util.find_spec("libtpu") is None:
             out.append(f"tpu_topology.execution=distributed: tpu_topology={topo.name} then runs on TorchTPU, which is "
                        f"not installed in this environment (bash scripts/setup.sh --torchtpu builds .venv-torchtpu; "
                        f"or set tpu_topology.execution=xla_spmd for torch_xla)")
         else:
-            n = tpu_chips()
-            if n == 0:
-                out.append(f"tpu_topology={topo.name}: TorchTPU is installed but this machine has no TPU chip "
-                           f"(run on a TPU VM; here use tpu_topology=cpu_dist2)")
-            elif topo.chips_per_host > n:
-                out.append(f"tpu_topology.chips_per_host={topo.chips_per_host}: {topo.chips_per_host} processes per "
-                           f"host but this TPU VM has {n} chip(s) (choose the tpu_topology of this machine)")
+            out += _devices_problems(topo, tpu_chips(), "TPU chip", "TorchTPU is installed",
+                                     "run on a TPU VM; here use tpu_topology=cpu_dist2")
     if d.rdzv_endpoint is not None:
         host, _, port = d.rdzv_endpoint.rpartition(":")
         local = host in LOCAL_HOSTS or host == socket.gethostname()
