@@ -135,3 +135,15 @@ def test_a_rendezvous_port_in_use_is_refused(tmp_path):
         proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
                                                   "tpu_topology=cpu_dist2", f"distributed.rdzv_endpoint=127.0.0.1:{port}"])
     assert_refused(tmp_path, proc, errors, "distributed.rdzv_endpoint", "in use", wall)
+
+
+def test_more_processes_per_node_than_devices_is_refused():
+    """The branch a GPU or TPU machine takes (this one has neither): 8 processes per node on a node of 4 devices."""
+    from ddpo_tpu.launch.machine import _devices_problems
+
+    topo = compose_and_validate(["+experiment=smoke", "tpu_topology=gpu-8"]).cfg.tpu_topology
+    (line,) = _devices_problems(topo, 4, "NVIDIA GPU", "why", "fix")
+    assert line.startswith("tpu_topology.chips_per_host=8:") and "has 4 NVIDIA GPU(s)" in line
+    assert "set tpu_topology.chips_per_host=4" in line
+    assert _devices_problems(topo, 8, "NVIDIA GPU", "why", "fix") == []
+    assert "no NVIDIA GPU" in _devices_problems(topo, 0, "NVIDIA GPU", "why", "fix")[0]
