@@ -59,11 +59,11 @@ class XlaRuntime(Runtime):
 
     def _check_launch(self, cfg: RunConfig) -> None:
         topo = cfg.tpu_topology
-        if self.process_count != topo.processes:
+        if self.process_count != topo.expected_processes:
             worker = envmod.tpu_worker_id()
             raise LaunchMismatch(
-                f"tpu_topology={topo.name} expects {topo.processes} training processes (one per host) but this run "
-                f"has {self.process_count}{f' (this is worker {worker})' if worker is not None else ''}: launch the "
+                f"tpu_topology={topo.name} expects {topo.expected_processes} training processes (one per host) but "
+                f"this run has {self.process_count}{f' (this is worker {worker})' if worker is not None else ''}: launch the "
                 f"same command on all workers (ddpo-pod --tpu NAME --zone ZONE -- OVERRIDES...), not only worker 0")
         if self.spmd:
             n = xr.global_runtime_device_count()
