@@ -63,8 +63,9 @@ class XlaRuntime(Runtime):
             worker = envmod.tpu_worker_id()
             raise LaunchMismatch(
                 f"tpu_topology={topo.name} expects {topo.expected_processes} training processes (one per host) but "
-                f"this run has {self.process_count}{f' (this is worker {worker})' if worker is not None else ''}: launch the "
-                f"same command on all workers (ddpo-pod --tpu NAME --zone ZONE -- OVERRIDES...), not only worker 0")
+                f"this run has {self.process_count}{f' (this is worker {worker})' if worker is not None else ''}: "
+                f"launch the same command on all workers (ddpo-pod --tpu NAME --zone ZONE -- OVERRIDES...), not only "
+                f"worker 0")
         if self.spmd:
             n = xr.global_runtime_device_count()
             if n != topo.chips:
