@@ -130,7 +130,9 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
                                     "eager execution does not use PJRT", "set tpu_topology.pjrt_device=null"))
         if topo.accelerator.startswith("tpu"):
             problems.append(Problem("tpu_topology.execution", topo.execution,
-                                    "TPUs run through XLA", "set tpu_topology.execution=xla_spmd (or xla for one chip)"))
+                                    "TPUs run through XLA or TorchTPU",
+                                    "set tpu_topology.execution=xla_spmd (or xla for one chip), or distributed for "
+                                    "TorchTPU"))
     else:
         want = {"cpu": "CPU", "cuda": "CUDA"}.get(topo.accelerator, "TPU")
         if topo.pjrt_device != want:

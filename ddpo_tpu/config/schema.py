@@ -201,9 +201,9 @@ class MeshConfig(_Strict):
     layout: Literal["auto", "host_local"]
 
 
-# how a topology's devices are driven: eager (plain torch, one device), xla (torch_xla, one device), xla_spmd (torch_xla,
-# one program per host sharded over a mesh), distributed (plain torch, one process per device under torchrun, DDP or
-# FSDP2 over a DeviceMesh; TorchTPU on TPU accelerators)
+# how a topology's devices are driven: eager (plain torch, one device), xla (torch_xla, one device), xla_spmd
+# (torch_xla, one program per host sharded over a mesh), distributed (plain torch, one process per device under
+# torchrun, DDP or FSDP2 over a DeviceMesh; TorchTPU on TPU accelerators)
 EXECUTIONS = ("eager", "xla", "xla_spmd", "distributed")
 MULTI_DEVICE = ("xla_spmd", "distributed")  # the executions that split the global batch over dp x fsdp devices
 

@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if "error" in result:
             e = result["error"]
-            print(f"error: torchrun could not run the job: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                  file=sys.stderr, flush=True)
+            first = str(e).splitlines()[0] if str(e) else ""
+            print(f"error: torchrun could not run the job: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         return 0
     finally:
