@@ -130,7 +130,7 @@ def _run_epoch(tmp_path, model_cache, overrides, monkeypatch):
     from ddpo_tpu.rundir import RunDir
     from ddpo_tpu.runtime import make_runtime
 
-    real_plan = grpo.zero_advantage_plan
+    real_plan = getattr(grpo, "zero_advantage_plan", None)
     # the reference's draws: the same torch generator the reference re-implementation below uses
     monkeypatch.setattr(grpo, "zero_advantage_plan", lambda adv, nb, upd, inner, rng: real_plan(
         adv, nb, upd, inner, TorchDraws(11)), raising=False)
@@ -210,7 +210,7 @@ def _reference_epoch(t, cfg, initial, seen) -> tuple[list[torch.Tensor], list[to
         out = model(hidden_states=torch.cat([x] * 2), timestep=torch.cat([timestep] * 2),
                     encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0]
         uncond, cond = out.chunk(2)
-        if tr.cfg_detach_uncond:
+        if getattr(tr, "cfg_detach_uncond", False):
             uncond = uncond.detach()
         v = uncond + s.guidance_scale * (cond - uncond)
         _, log_prob, mean, std = tables.step(v.float(), steps[idx, j], x.float(), s.noise_level,
@@ -251,13 +251,11 @@ def test_an_epoch_with_a_group_of_equal_rewards_trains_flow_grpos_samples_with_i
     from tests.helpers import read_metrics
 
     t, cfg, initial, final, grads, seen = _run_epoch(
-        tmp_path, model_cache, [f"train.cfg_detach_uncond={str(detach).lower()}"], monkeypatch)
+        tmp_path, model_cache, ["train.cfg_detach_uncond=true"] if detach else [], monkeypatch)
+    assert cfg.train.cfg_detach_uncond is detach if detach else True
     ref_grads, ref_final, trained = _reference_epoch(t, cfg, initial, seen)
     # the zero-std group dropped out: the reference trains 9 + 1 re-included of 12 (10 divides by 2 batches)
     assert len(trained) == 10
-    epoch = read_metrics(tmp_path, "epoch")[0]
-    assert epoch["kept_fraction"] == pytest.approx(10 / 12) and epoch["actual_batch_size"] == 5
-    assert epoch["zero_std_ratio"] == pytest.approx(1 / 4)
     assert len(grads) == len(ref_grads) == 2
     for ours, theirs in zip(grads, ref_grads):
         assert float(theirs.abs().max()) > 0
@@ -268,6 +266,9 @@ def test_an_epoch_with_a_group_of_equal_rewards_trains_flow_grpos_samples_with_i
     moved = max(float((w1 - w0).abs().max()) for w1, w0 in zip(ref_final, initial))
     diff = max(float((w1 - w2).abs().max()) for w1, w2 in zip(final, ref_final))
     print(f"detach={detach}: weights moved {moved:.2e}, max |ours - reference| {diff:.2e}")
+    epoch = read_metrics(tmp_path, "epoch")[0]  # flow_grpo's actual_batch_size and zero_std_ratio, and the kept share
+    assert epoch["kept_fraction"] == pytest.approx(10 / 12) and epoch["actual_batch_size"] == 5
+    assert epoch["zero_std_ratio"] == pytest.approx(1 / 4)
     # AdamW moves every weight by about the learning rate whatever its gradient's size, so a weight whose gradient is
     # near 0 carries the rounding of its gradient into its step: bounded at a thousandth of the step
     assert diff < 1e-3 * moved
@@ -281,3 +282,204 @@ def test_detaching_the_unconditional_half_changes_the_gradient(tmp_path, model_c
     rel = float((both[0] - detached[0]).norm() / both[0].norm())
     print(f"relative gradient difference, both halves vs unconditional detached: {rel:.2f}")
     assert rel > 0.05
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# train.cfg_detach_uncond: flow_grpo's compute_log_prob at ac4c86e (`noise_pred_uncond = noise_pred_uncond.detach()`)
+
+def _problems(overrides: list[str]) -> dict[str, str]:
+    from ddpo_tpu.config.compose import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(overrides)
+    return {p.key: f"{p.reason}; {p.fix}" for p in e.value.problems}
+
+
+class _Toy(torch.nn.Module):
+    """A denoiser whose output depends on the conditioning: enough to tell d(uncond) from d(cond)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, t, encoder_hidden_states=None, **kw):
+        out = self.lin(x) * encoder_hidden_states.mean(dim=(1, 2)).reshape(-1, 1) + t.reshape(-1, 1) * 0.01
+        return SimpleNamespace(sample=out)
+
+
+def _reference_guided_grad(model, x, t, cond, uncond, scale, detach):
+    """The reference's form: one forward on cat([uncond, cond]), chunk, (detach), uncond + scale (cond - uncond)."""
+    model.zero_grad()
+    out = model(torch.cat([x, x]), torch.cat([t, t]), encoder_hidden_states=torch.cat([uncond, cond])).sample
+    u, c = out.chunk(2)
+    if detach:
+        u = u.detach()
+    (u + scale * (c - u)).square().sum().backward()
+    return model.lin.weight.grad.clone()
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_sd1_guided_prediction_detaches_the_unconditional_half_as_flow_grpo_did(detach):
+    from ddpo_tpu.diffusion.sampling import guided_noise_pred
+
+    torch.manual_seed(0)
+    model = _Toy()
+    x, t = torch.randn(3, 4), torch.rand(3)
+    cond, uncond = torch.randn(3, 2, 5), torch.randn(3, 2, 5)
+    want = _reference_guided_grad(model, x, t, cond, uncond, 4.5, detach)
+    model.zero_grad()
+    guided_noise_pred(model, x, t, cond, uncond, 4.5, detach_uncond=detach).square().sum().backward()
+    torch.testing.assert_close(model.lin.weight.grad, want)
+    other = _reference_guided_grad(model, x, t, cond, uncond, 4.5, not detach)
+    assert not torch.allclose(want, other)  # the two forms are different gradients
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_sd3_velocity_detaches_the_unconditional_half_as_flow_grpo_did(detach):
+    from ddpo_tpu.models.sd3 import sd3_velocity
+
+    class Transformer(_Toy):
+        def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict=False):
+            out = super().forward(hidden_states, timestep, encoder_hidden_states).sample
+            return (out * (1 + pooled_projections.mean(dim=1, keepdim=True)),)
+
+    torch.manual_seed(0)
+    model = Transformer()
+    x, t = torch.randn(3, 4), torch.rand(3)
+    cond, uncond, pooled, neg_pooled = torch.randn(3, 2, 5), torch.randn(3, 2, 5), torch.randn(3, 6), torch.randn(3, 6)
+    model.zero_grad()
+    out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([uncond, cond]), torch.cat([neg_pooled, pooled]))[0]
+    u, c = out.chunk(2)
+    if detach:
+        u = u.detach()
+    (u + 4.5 * (c - u)).square().sum().backward()
+    want = model.lin.weight.grad.clone()
+    model.zero_grad()
+    sd3_velocity(model, x, t, cond, pooled, uncond, neg_pooled, 4.5, detach_uncond=detach).square().sum().backward()
+    torch.testing.assert_close(model.lin.weight.grad, want)
+
+
+def test_cfg_detach_uncond_is_refused_where_training_has_no_guidance():
+    found = _problems(["+experiment=flow_grpo_smoke", "train.cfg_detach_uncond=true"])  # train.cfg false, scale 1
+    assert "train.cfg=false" in found["train.cfg_detach_uncond"]
+    assert "set train.cfg_detach_uncond=false" in found["train.cfg_detach_uncond"]
+    found = _problems(["+experiment=flow_grpo_smoke", "train.cfg=true", "train.cfg_detach_uncond=true"])
+    assert "sample.guidance_scale=1" in found["train.cfg_detach_uncond"]
+    for family in (["+experiment=smoke"], ["+experiment=flow_grpo_smoke", "sample.guidance_scale=4.5", "train.cfg=true"]):
+        cfg = compose_and_validate([*family, "train.cfg_detach_uncond=true"]).cfg
+        assert cfg.train.cfg_detach_uncond and cfg.train.cfg
+    assert compose_and_validate(["+experiment=smoke"]).cfg.train.cfg_detach_uncond is False  # default: both halves
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# prompt draws: DistributedKRepeatSampler (randperm(len(dataset))[:batch / k], each repeated k times, shuffled, split
+# over the replicas in contiguous slices)
+
+def test_grpo_draws_each_sampling_batch_as_distributed_k_repeat_sampler():
+    from ddpo_tpu.ddpo.algorithm import GRPO
+    from ddpo_tpu.prompts import make_prompt_source
+
+    cfg = compose_and_validate(["+experiment=flow_grpo_smoke"]).cfg
+    k = cfg.algorithm.group_size
+    source = make_prompt_source("simple_animals", file=None, nouns_file=None, activities_file=None)
+    batches, size = 6, 3 * k  # 3 prompts a batch
+    drawn = GRPO(cfg).epoch_prompts(source, batches=batches, batch_size=size, rng=np.random.default_rng(0))
+    assert len(drawn) == batches
+    for batch in drawn:
+        # batch / k distinct prompts, each exactly k times: every group lies inside one sampling batch
+        assert len(batch) == size and len(set(batch)) == size // k
+        assert all(batch.count(p) == k for p in set(batch))
+    assert any(batch[:k] != [batch[0]] * k for batch in drawn)  # shuffled over the batch (and so the replicas)
+    assert drawn == GRPO(cfg).epoch_prompts(source, batches=batches, batch_size=size, rng=np.random.default_rng(0))
+    # with 2 replicas of 3 a batch a group of 2 spreads over both replicas' slices in some batch, as the reference
+    cfg2 = compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm.group_size=2"]).cfg
+    drawn = GRPO(cfg2).epoch_prompts(source, batches=20, batch_size=6, rng=np.random.default_rng(1))
+    assert any(set(b[:3]) & set(b[3:]) for b in drawn)
+
+
+def test_sample_distinct_draws_distinct_entries_of_a_product_source():
+    from ddpo_tpu.prompts import PromptSource
+
+    source = PromptSource("pairs", [["a", "b", "c"], ["x", "y"]])
+    assert source.size == 6
+    drawn = source.sample_distinct(6, np.random.default_rng(0))
+    assert sorted(drawn) == sorted(source.vocabulary)
+    with pytest.raises(ValueError, match="fewer than the 7"):
+        source.sample_distinct(7, np.random.default_rng(0))
+
+
+def test_a_group_that_does_not_divide_the_sampling_batch_is_refused_naming_one_that_does():
+    # 16 a batch x 8 batches = 128: a group of 32 divides the epoch but not a sampling batch
+    found = _problems(["+experiment=flow_grpo_smoke", "algorithm.group_size=32"])
+    assert "does not hold whole groups of 32" in found["algorithm.group_size"]
+    assert "try algorithm.group_size=16" in found["algorithm.group_size"]
+    found = _problems(["+experiment=flow_grpo_smoke", "tpu_topology=cpu_spmd4", "sample.batch_size=2",
+                       "train.batch_size=1", "sample.num_batches_per_epoch=16", "algorithm.group_size=16"])
+    assert "2 x 4 replicas = 8" in found["algorithm.group_size"] and "group_size=8" in found["algorithm.group_size"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# per-prompt keys: ddpo-pytorch and flow_grpo key their stat trackers by
+# pipeline.tokenizer.batch_decode(tokenizer(prompts, padding="max_length", max_length=L, truncation=True).input_ids,
+# skip_special_tokens=True), L = 77 (ddpo-pytorch: model_max_length) or 256 (flow_grpo)
+
+@pytest.fixture(scope="module")
+def clip_tokenizer(tmp_path_factory):
+    from ddpo_tpu.models.tiny import _build_tokenizer
+
+    return _build_tokenizer(tmp_path_factory.mktemp("tok"))  # a CLIPTokenizer (byte-level vocabulary)
+
+
+def _trainer_stub(algorithm, tokenizer):
+    from ddpo_tpu.families.sd1 import SD1Family
+    from ddpo_tpu.runtime import make_runtime
+
+    family = SD1Family.__new__(SD1Family)
+    family.tokenizer = tokenizer
+    rt = make_runtime(compose_and_validate(["+experiment=smoke"]).cfg)
+    return SimpleNamespace(family=family, algorithm=algorithm, rt=rt, _saved_state=lambda: "")
+
+
+def _epoch(prompts, rewards):
+    n = len(prompts)
+    traj = SimpleNamespace(latents=torch.zeros(n, 2, 1), log_probs=torch.zeros(n, 1), step_indices=torch.zeros(n, 1))
+    return SimpleNamespace(trajectories=[traj], conds=[(torch.zeros(n, 1),)], prompts=prompts)
+
+
+@pytest.mark.parametrize("algorithm", ["ddpo", "grpo"])
+def test_per_prompt_statistics_are_keyed_by_the_tokenizers_decoding(clip_tokenizer, algorithm):
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.ddpo.algorithm import make_algorithm
+
+    overrides = (["+experiment=smoke", "stat_tracking.per_prompt=true", "stat_tracking.min_count=1"]
+                 if algorithm == "ddpo" else
+                 ["+experiment=flow_grpo_smoke", "algorithm.global_std=false", "algorithm.group_size=2",
+                  "sample.batch_size=4", "sample.num_batches_per_epoch=1", "train.batch_size=4",
+                  "train.gradient_accumulation_steps=1"])
+    key_tokens = 77 if algorithm == "ddpo" else 256  # ddpo-pytorch: model_max_length; flow_grpo: max_length=256
+    algo = make_algorithm(compose_and_validate(overrides).cfg)
+    prompts = ["A Cat", "a  cat ", "a dog", "a dog"]
+    rewards = np.array([1.0, 3.0, 5.0, 6.0])
+    # the references: "A Cat" and "a  cat " decode to "a cat": one prompt, rewards 1 and 3 -> advantages -1 and +1
+    keys = clip_tokenizer.batch_decode(clip_tokenizer(prompts, padding="max_length", max_length=key_tokens,
+                                                      truncation=True).input_ids, skip_special_tokens=True)
+    assert keys[0] == keys[1] == "a cat"
+    samples = loop.Trainer.epoch_samples(_trainer_stub(algo, clip_tokenizer), 0, _epoch(prompts, rewards), rewards)
+    adv = samples.advantages.numpy()
+    assert adv[0] == pytest.approx(-1.0, abs=1e-3) and adv[1] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_stat_tracker_saved_with_raw_text_keys_resumes_under_the_tokenizers_keys(clip_tokenizer):
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.ddpo.algorithm import make_algorithm
+
+    algo = make_algorithm(compose_and_validate(["+experiment=smoke", "stat_tracking.per_prompt=true",
+                                                "stat_tracking.min_count=3"]).cfg)
+    # a checkpoint of before the keys (no "keys" entry): buffers under the raw text
+    algo.load_state_dict({"buffer_size": 16, "min_count": 3, "stats": {"A Cat": [1.0], "a cat": [3.0]}})
+    rewards = np.array([2.0, 10.0, 20.0])
+    loop.Trainer.epoch_samples(_trainer_stub(algo, clip_tokenizer), 0, _epoch(["a cat", "b", "b"], rewards), rewards)
+    state = algo.state_dict()
+    assert sorted(state["stats"]) == ["a cat", "b"]
+    assert state["stats"]["a cat"] == [1.0, 3.0, 2.0]  # both old buffers joined, then this epoch's reward
+    assert state["keys"] == "tokenizer"  # saved again, it says what it is keyed by
