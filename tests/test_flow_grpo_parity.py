@@ -483,3 +483,24 @@ def test_a_stat_tracker_saved_with_raw_text_keys_resumes_under_the_tokenizers_ke
     assert sorted(state["stats"]) == ["a cat", "b"]
     assert state["stats"]["a cat"] == [1.0, 3.0, 2.0]  # both old buffers joined, then this epoch's reward
     assert state["keys"] == "tokenizer"  # saved again, it says what it is keyed by
+
+
+def test_drop_zero_advantage_is_on_for_grpo_and_its_key_turns_it_off():
+    from ddpo_tpu.ddpo.algorithm import GRPO
+
+    cfg = compose_and_validate(["+experiment=flow_grpo_smoke"]).cfg
+    assert cfg.algorithm.drop_zero_advantage is True
+    n = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+    keys = [f"p{i // 4}" for i in range(n)]
+    # groups p0 and p1: equal rewards (8 dropped: 120 kept divide the 8 sampling batches, none re-included)
+    rewards = np.where(np.arange(n) < 8, 1.0, np.arange(n, dtype=np.float64))
+    grpo = GRPO(cfg)
+    adv = grpo.advantages(keys, rewards)
+    plan = grpo.train_plan(0, adv, keys, rewards)
+    assert plan is not None and not plan.weights[:8].any() and plan.kept == n - 8
+    assert grpo.epoch_metrics["zero_std_ratio"] == pytest.approx(2 / (n // 4))
+    off = GRPO(compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm.drop_zero_advantage=false"]).cfg)
+    assert off.train_plan(0, adv, keys, rewards) is None  # every sample, weight 1, the loop's shuffle
+    assert set(off.epoch_metrics) == {"zero_std_ratio"}
+    found = _problems(["+experiment=smoke", "+algorithm.drop_zero_advantage=false"])
+    assert "a GRPO setting" in found["algorithm.drop_zero_advantage"]
