@@ -62,12 +62,13 @@ def test_grpo_samples_each_prompt_of_an_epoch_group_size_times():
 
     cfg = compose_and_validate(FLOW_SMOKE).cfg
     source = make_prompt_source("imagenet_animals", file=None, nouns_file=None, activities_file=None)
-    plan = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=6, rng=np.random.default_rng(0))
-    assert [len(b) for b in plan] == [6, 6, 6, 6]
+    # each sampling batch holds whole groups (flow_grpo's DistributedKRepeatSampler; tests/test_flow_grpo_parity.py)
+    plan = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=8, rng=np.random.default_rng(0))
+    assert [len(b) for b in plan] == [8, 8, 8, 8]
     counts = {p: sum(b.count(p) for b in plan) for b in plan for p in b}
-    assert all(c % 4 == 0 for c in counts.values()) and sum(counts.values()) == 24
+    assert all(c % 4 == 0 for c in counts.values()) and sum(counts.values()) == 32
     assert plan[0] != sorted(plan[0]) or plan[0] != plan[1]  # shuffled over the batches, not group after group
-    again = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=6, rng=np.random.default_rng(0))
+    again = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=8, rng=np.random.default_rng(0))
     assert again == plan
 
 

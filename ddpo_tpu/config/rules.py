@@ -295,6 +295,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     problems.extend(_reward_problems(cfg.reward))
     problems.extend(_family_problems(cfg))
     problems.extend(_algorithm_problems(cfg, tot, overridden))
+    problems.extend(_guidance_problems(cfg))
     problems.extend(_input_problems(cfg, tot))
     return problems
 
@@ -332,7 +333,7 @@ def _algorithm_problems(cfg: RunConfig, tot: Totals, overridden: frozenset[str])
     problems: list[Problem] = []
     a, n = cfg.algorithm, tot.samples_per_epoch
     if a.name != "grpo":
-        for key in ("group_size", "kl_beta", "global_std"):
+        for key in ("group_size", "kl_beta", "global_std", "drop_zero_advantage"):
             if key in {k.removeprefix("algorithm.") for k in overridden}:
                 problems.append(Problem(f"algorithm.{key}", getattr(a, key), "a GRPO setting; algorithm=ddpo",
                                         "add algorithm=grpo"))
@@ -352,6 +353,15 @@ def _algorithm_problems(cfg: RunConfig, tot: Totals, overridden: frozenset[str])
     elif n // a.group_size < 1:
         problems.append(Problem("algorithm.group_size", a.group_size, f"larger than the epoch's {n} samples",
                                 f"set algorithm.group_size={n} or fewer"))
+    elif (batch := cfg.sample.batch_size * tot.replicas) % a.group_size:
+        # flow_grpo's DistributedKRepeatSampler: each sampling batch holds whole groups (batch / group_size prompts)
+        sizes = [g for g in range(2, batch + 1) if batch % g == 0]
+        near = min(sizes, key=lambda g: (abs(g - a.group_size), g)) if sizes else None
+        problems.append(Problem("algorithm.group_size", a.group_size,
+                                f"a sampling batch of {cfg.sample.batch_size} x {tot.replicas} replicas = {batch} "
+                                f"samples does not hold whole groups of {a.group_size} (flow_grpo draws each group "
+                                f"inside one sampling batch)",
+                                f"try algorithm.group_size={near}" if near else "raise sample.batch_size"))
     if a.kl_beta > 0 and not cfg.model.lora.enabled:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter", "set model.lora.enabled=true or "
@@ -362,6 +372,16 @@ def _algorithm_problems(cfg: RunConfig, tot: Totals, overridden: frozenset[str])
                                 "the last CPS step is deterministic (std 0), so its KL term is 0/0",
                                 f"train fewer steps, e.g. train.timestep_fraction=0.99 (flow_grpo)"))
     return problems
+
+
+def _guidance_problems(cfg: RunConfig) -> list[Problem]:
+    """train.cfg_detach_uncond needs an unconditional half at train time to detach."""
+    if cfg.train.cfg_detach_uncond and (not cfg.train.cfg or cfg.sample.guidance_scale == 1):
+        why = "train.cfg=false" if not cfg.train.cfg else "sample.guidance_scale=1"
+        return [Problem("train.cfg_detach_uncond", True, f"training has no guidance to detach ({why}: no "
+                        f"unconditional half at train time)", "set train.cfg_detach_uncond=false, or train.cfg=true "
+                        "with sample.guidance_scale > 1")]
+    return []
 
 
 # Activation memory of one SD 1.x UNet evaluation at 512 px (64x64 latents) kept for the backward pass, per sample, on

@@ -154,6 +154,8 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(gt=0)
     num_inner_epochs: int = Field(ge=1)
     cfg: bool
+    # the unconditional half of the guided prediction without gradient at train time (flow_grpo at ac4c86e)
+    cfg_detach_uncond: bool = False
     adv_clip_max: float = Field(gt=0)
     clip_range: float = Field(gt=0, lt=1)
     timestep_fraction: float = Field(gt=0, le=1)
@@ -172,6 +174,7 @@ class AlgorithmConfig(_Strict):
     group_size: int | None = Field(default=None, ge=2)   # grpo: samples per prompt in an epoch
     kl_beta: float = Field(default=0.0, ge=0)             # grpo: weight of the KL penalty to the reference policy
     global_std: bool = False                              # grpo: divide by the std of the whole epoch, not the group
+    drop_zero_advantage: bool = True                      # grpo: train only samples with advantage (flow_grpo's mask)
 
 
 class StatTrackingConfig(_Strict):

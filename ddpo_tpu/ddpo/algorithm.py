@@ -14,17 +14,24 @@ import numpy as np
 from torch import Tensor
 
 from ddpo_tpu.ddpo.ppo import ppo_loss
+from ddpo_tpu.ddpo.grpo import TrainPlan
 from ddpo_tpu.ddpo.stat_tracking import PerPromptStatTracker, global_advantages
 from ddpo_tpu.families.base import StepScore
+
+PLAN_STREAM = 3  # the host generator of GRPO's zero-advantage plan: (seed, epoch, 3), apart from the loop's 0-2
 
 
 class DDPO:
     name = "ddpo"
     stat_names = ("loss", "approx_kl", "clipfrac")  # the scalars loss() returns, in order (logged per update)
     needs_reference = False                         # loss() does not compare with the reference policy
+    # per-prompt statistics are keyed by the tokenizer's decoding of the prompt's ids, as ddpo-pytorch keys them
+    # (pipeline.tokenizer, max_length = model_max_length, 77 for CLIP): lower-cased, whitespace-normalised, truncated
+    key_tokens = 77
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.epoch_metrics: dict[str, float | int] = {}  # the last epoch's figures for its metrics line
         st = cfg.stat_tracking
         self.tracker = PerPromptStatTracker(st.buffer_size, st.min_count)
         self.shuffle_timesteps = cfg.xla.shuffle_timesteps  # each sample's time axis in random order (ddpo-pytorch)
@@ -33,16 +40,26 @@ class DDPO:
         """Each batch's prompts, drawn batch by batch as the reference does."""
         return [source.sample(batch_size, rng) for _ in range(batches)]
 
-    def advantages(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
+    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
+        """`keys`: each sample's prompt key (prompt_keys of the family, key_tokens long)."""
         if self.cfg.stat_tracking.per_prompt:
-            return self.tracker.update(prompts, rewards)
+            return self.tracker.update(keys, rewards)
         return global_advantages(rewards)
 
+    def rekey(self, key_of) -> None:
+        """A tracker restored from a checkpoint keyed by raw text takes the tokenizer's keys (key_of: texts -> keys)."""
+        self.tracker.rekey(key_of)
+
+    def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> TrainPlan | None:
+        """Every sample trained with weight 1, in the loop's random order."""
+        self.epoch_metrics = {}
+        return None
+
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,
-             reference_mean: Tensor | None = None) -> tuple[Tensor, ...]:
-        """(loss, *statistics): each a mean over the batch's terms, on the device."""
+             reference_mean: Tensor | None = None, weights: Tensor | None = None) -> tuple[Tensor, ...]:
+        """(loss, *statistics): each a mean over the batch's terms of weight x term, on the device."""
         t = self.cfg.train
-        loss, info = ppo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max)
+        loss, info = ppo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, weights)
         return loss, info["approx_kl"], info["clipfrac"]
 
     def state_dict(self) -> dict[str, Any]:
@@ -56,34 +73,65 @@ class GRPO:
     name = "grpo"
     stat_names = ("loss", "approx_kl", "clipfrac", "kl")
 
+    # flow_grpo keys groups by tokenizers[0]'s decoding of the prompt ids padded/truncated to 256 tokens
+    key_tokens = 256
+
     def __init__(self, cfg):
         self.cfg = cfg
+        self.epoch_metrics: dict[str, float | int] = {}
         self.needs_reference = cfg.algorithm.kl_beta > 0
         # flow_grpo trains the first int(T x timestep_fraction) steps in order (the last, least noisy, are left out)
         self.shuffle_timesteps = False
 
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
-        """N / group_size prompts, each group_size times, in random order over the epoch's batches (and so over
-        the replicas: a group's advantages are computed on the host over the whole epoch)."""
-        n, g = batches * batch_size, self.cfg.algorithm.group_size
-        distinct = source.sample(n // g, rng)
-        order = rng.permutation(n)
-        flat = [distinct[i // g] for i in order]
-        return [flat[b * batch_size:(b + 1) * batch_size] for b in range(batches)]
+        """flow_grpo's DistributedKRepeatSampler, batch by batch: batch_size / group_size distinct prompts, each
+        repeated group_size times, shuffled over the batch (and so over the replicas, which take contiguous slices
+        of it). Every group lies inside one sampling batch; batches draw independently (a prompt drawn again in
+        another batch joins its group, as the reference's per-epoch stat tracker merges it)."""
+        g = self.cfg.algorithm.group_size
+        if batch_size % g:
+            raise ValueError(f"algorithm.group_size={g} does not divide the sampling batch of {batch_size}")
+        out = []
+        for _ in range(batches):
+            distinct = source.sample_distinct(batch_size // g, rng)
+            order = rng.permutation(batch_size)
+            out.append([distinct[i // g] for i in order])
+        return out
 
-    def advantages(self, prompts: list[str], rewards: np.ndarray) -> np.ndarray:
+    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
         from ddpo_tpu.ddpo.grpo import group_advantages
 
-        return group_advantages(rewards, prompts, global_std=self.cfg.algorithm.global_std)
+        return group_advantages(rewards, keys, global_std=self.cfg.algorithm.global_std)
+
+    def rekey(self, key_of) -> None:
+        pass  # no state across epochs
+
+    def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> TrainPlan | None:
+        """flow_grpo's zero-advantage filter as an order and loss weights (algorithm.drop_zero_advantage), from a
+        host generator of (seed, epoch); the epoch's kept fraction and share of zero-std groups for its metrics."""
+        from ddpo_tpu.ddpo.grpo import zero_advantage_plan, zero_std_ratio
+
+        cfg = self.cfg
+        finite = np.isfinite(rewards)
+        self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
+        if not cfg.algorithm.drop_zero_advantage:
+            return None
+        s, t = cfg.sample, cfg.train
+        # optimizer steps per inner epoch: (batch x batches) / (train batch x accumulation); the replicas cancel
+        updates = (s.batch_size * s.num_batches_per_epoch) // (t.batch_size * t.gradient_accumulation_steps)
+        rng = np.random.default_rng([cfg.seed, epoch, PLAN_STREAM])
+        plan = zero_advantage_plan(advantages, s.num_batches_per_epoch, updates, t.num_inner_epochs, rng)
+        self.epoch_metrics.update(plan.metrics)
+        return plan
 
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,
-             reference_mean: Tensor | None = None) -> tuple[Tensor, ...]:
+             reference_mean: Tensor | None = None, weights: Tensor | None = None) -> tuple[Tensor, ...]:
         from ddpo_tpu.ddpo.grpo import grpo_loss, kl_to_reference
 
         t = self.cfg.train
         kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
         loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,
-                               self.cfg.algorithm.kl_beta)
+                               self.cfg.algorithm.kl_beta, weights)
         return loss, info["approx_kl"], info["clipfrac"], info["kl"]
 
     def state_dict(self) -> dict[str, Any]:

@@ -18,21 +18,29 @@ Semantics follow the reference:
   clamped to ``+-adv_clip_max``, ratio ``exp(logp - logp_old)``, ``mean(max(-A r, -A clip(r, 1 +- eps)))``), plus
   ``beta * mean(kl)`` when ``beta > 0``.
 
-Not here (the loop's business): the reference drops samples whose advantage is exactly 0 over all timesteps
-(``mask = advantages.abs().sum(1) != 0``, padded back to a multiple of ``num_batches_per_epoch``).
+* Zero-advantage samples (``train_sd3.py`` after the stat tracker): the reference keeps only the samples whose
+  advantages are not all 0 (``mask = advantages.abs().sum(1) != 0``: a group of equal rewards drops out), turns random
+  dropped ones back on until the kept count divides ``num_batches_per_epoch``, then per inner epoch permutes the kept
+  samples (the permutation compounds over inner epochs) and cuts them into ``num_batches_per_epoch`` batches, each a
+  mean over its kept samples. ``zero_advantage_plan`` does the same with fixed shapes: every sample still runs, in an
+  order that puts the reference's batch b in the b-th block of a sampling batch's size, with a loss weight ``N / K``
+  on the K kept samples and 0 on the others (docs/parity.md: why this is the reference's gradient per update).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ddpo_tpu.ddpo.ppo import ppo_loss
+from ddpo_tpu.ddpo.ppo import ppo_loss, weighted_mean
 
-__all__ = ["GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss"]
+__all__ = ["GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "TrainPlan", "zero_advantage_plan",
+           "zero_std_ratio"]
 
 GROUP_STD_EPS = 1e-4  # flow_grpo's PerPromptStatTracker: std + 1e-4
 
@@ -110,8 +118,10 @@ def grpo_loss(
     adv_clip_max: float,
     kl: Tensor | None = None,
     beta: float = 0.0,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``ppo_loss(...) + beta * mean(kl)`` (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
+    With ``weights`` (B,) every mean is ``mean(w * .)``: the zero-advantage filter (``zero_advantage_plan``).
 
     Returns ``(loss, info)``; info holds ``approx_kl`` and ``clipfrac`` (as ppo_loss), ``policy_loss`` and ``kl``
     (``mean(kl)``, logged even when beta is 0; zero when kl is None), all detached, on the device.
@@ -120,9 +130,9 @@ def grpo_loss(
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and kl is None:
         raise ValueError("beta > 0 needs the kl term")
-    policy_loss, info = ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max)
+    policy_loss, info = ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, weights)
     if kl is not None:
-        kl_mean = torch.mean(kl)
+        kl_mean = weighted_mean(kl, weights)
         loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
         info["kl"] = kl_mean.detach()
     else:
@@ -130,3 +140,76 @@ def grpo_loss(
         info["kl"] = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
     info["policy_loss"] = policy_loss.detach()
     return loss, info
+
+
+@dataclass
+class TrainPlan:
+    """Which samples an epoch trains, in which order, with which loss weight (static shapes: every sample runs)."""
+
+    orders: np.ndarray     # (inner epochs, N) int64: the sample at each train position of each inner epoch
+    weights: np.ndarray    # (N,) float32 per sample: N / kept for a kept sample, 0 for a dropped one
+    kept: int              # samples trained (after the re-inclusion), the reference's mask.sum()
+    num_batches: int       # the reference's rebatching: kept / num_batches samples in each of its batches
+
+    @property
+    def metrics(self) -> dict[str, float | int]:
+        n = self.weights.shape[0]
+        # flow_grpo logs actual_batch_size = mask.sum() // num_batches_per_epoch (a per-process figure there)
+        return {"kept_fraction": self.kept / n if n else 0.0, "actual_batch_size": self.kept // self.num_batches}
+
+
+def zero_advantage_plan(advantages: np.ndarray, num_batches: int, updates: int, inner_epochs: int, rng) -> TrainPlan:
+    """flow_grpo's zero-advantage filter and rebatching as an order and weights over all N samples.
+
+    ``advantages`` (N,) or (N, T); ``num_batches`` the epoch's sampling batches (the reference rebatches into that
+    many), ``updates`` optimizer steps per inner epoch, ``rng`` anything with ``permutation(n)`` (a numpy Generator),
+    drawn in the reference's order: the re-included samples, then one permutation of the kept ones per inner epoch.
+
+    The reference keeps ``mask = |A|.sum(1) != 0``, re-includes random dropped samples until the kept count K divides
+    ``num_batches`` (here: lcm(num_batches, updates), the same number whenever an optimizer step holds whole sampling
+    batches, the only layout the reference has), permutes the kept samples and cuts them into ``num_batches`` batches
+    of m = K / num_batches. Here batch b's m samples sit, spread evenly, in positions [b B, (b + 1) B) (B = N /
+    num_batches, a sampling batch) among zero-weight dropped ones, so they fall in the optimizer step the reference's
+    batch b falls in, and weight N / K makes each step's mean of w * term the reference's mean over its kept samples.
+    Nothing kept (every group's rewards equal; the reference fails there on an empty reshape): all weights 0.
+    """
+    adv = np.asarray(advantages)
+    n = adv.shape[0]
+    if num_batches < 1 or updates < 1 or n % num_batches or n % updates:
+        raise ValueError(f"{n} samples do not split into {num_batches} batches and {updates} updates")
+    mask = np.abs(adv.reshape(n, -1)).sum(axis=1) != 0
+    modulus = math.lcm(num_batches, updates)
+    missing = -int(mask.sum()) % modulus
+    if missing:
+        dropped = np.flatnonzero(~mask)  # n is a multiple of the modulus, so there are always enough
+        mask[dropped[np.asarray(rng.permutation(len(dropped)))[:missing]]] = True
+    kept_idx, fill_idx = np.flatnonzero(mask), np.flatnonzero(~mask)
+    k, block = len(kept_idx), n // num_batches
+    m = k // num_batches
+    offsets = (np.arange(m) * block) // m if m else np.zeros(0, dtype=np.int64)
+    free = np.ones(block, dtype=bool)
+    free[offsets] = False
+    orders = np.empty((inner_epochs, n), dtype=np.int64)
+    cur = kept_idx
+    for inner in range(inner_epochs):
+        cur = cur[np.asarray(rng.permutation(k))] if k else cur  # compounds over inner epochs, as the reference
+        fills = iter(fill_idx)
+        for b in range(num_batches):
+            pos = orders[inner, b * block:(b + 1) * block]
+            pos[offsets] = cur[b * m:(b + 1) * m]
+            pos[free] = [next(fills) for _ in range(block - m)]
+    weights = np.zeros(n, dtype=np.float32)
+    if k:
+        weights[kept_idx] = np.float32(n / k)
+    return TrainPlan(orders, weights, k, num_batches)
+
+
+def zero_std_ratio(rewards: np.ndarray, group_ids: Sequence) -> float:
+    """The share of groups whose rewards all equal (std 0), as flow_grpo's calculate_zero_std_ratio logs it."""
+    r = np.asarray(rewards, dtype=np.float64)
+    _, inverse = np.unique(np.asarray(group_ids), return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if r.size == 0:
+        return 0.0
+    stds = np.array([np.std(r[inverse == g]) for g in range(int(inverse.max()) + 1)])
+    return float(np.count_nonzero(stds == 0) / len(stds))

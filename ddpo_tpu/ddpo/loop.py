@@ -56,10 +56,6 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def cat_cond(conds: list[Cond]) -> Cond:
-    return tuple(torch.cat(parts) for parts in zip(*conds))
-
-
 @dataclass
 class SampledEpoch:
     """What sampling an epoch produced: trajectories and conditioning on the device, rewards pending on the host."""
@@ -80,6 +76,8 @@ class EpochSamples:
     step_indices: torch.Tensor  # (N, T)
     cond: Cond                  # each (N, ...)
     advantages: torch.Tensor    # (N,)
+    weights: torch.Tensor       # (N,) loss weight of each sample (GRPO's zero-advantage filter; else 1)
+    orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
 
 
 @dataclass
@@ -157,10 +155,12 @@ def make_micro_step_loss(score_step, loss):
     one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
     terms. A plain function of tensors: the runtime compiles it once."""
 
-    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None):
+    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None):
         x, i, x_prev, c, flat = _flat_step_inputs(cur, nxt, idx, cond, cols)
-        return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(cols.shape[0]),
-                    reference_mean)
+        K = cols.shape[0]
+        # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
+        return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
+                    w.repeat_interleave(K) if w is not None else None)
 
     return micro_step_loss
 
@@ -468,15 +468,22 @@ class Trainer:
         return np.where(bad, np.nan, rewards)
 
     def epoch_samples(self, epoch: int, sampled: SampledEpoch, rewards: np.ndarray) -> EpochSamples:
-        """Advantages from the algorithm (zero for non-finite rewards), beside the trajectories on the device."""
+        """Advantages from the algorithm (zero for non-finite rewards), beside the trajectories on the device, and
+        the algorithm's train plan (order and loss weights: GRPO drops zero-advantage samples as flow_grpo)."""
+        # per-prompt statistics keyed as the references key them: the tokenizer's decoding of the prompt ids
+        key_of = lambda texts: self.family.prompt_keys(texts, self.algorithm.key_tokens)
+        self.algorithm.rekey(key_of)  # a tracker restored from a checkpoint keyed by raw text
+        keys = key_of(sampled.prompts)
         keep = np.isfinite(rewards)
         adv = np.zeros_like(rewards, dtype=np.float32)
         if keep.all():
-            adv = self.algorithm.advantages(sampled.prompts, rewards)
+            adv = self.algorithm.advantages(keys, rewards)
         else:
-            adv[keep] = self.algorithm.advantages([p for p, k in zip(sampled.prompts, keep) if k], rewards[keep])
+            adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep])
         if not np.isfinite(adv).all():
             raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self._saved_state()}")
+        plan = self.algorithm.train_plan(epoch, adv, keys, rewards)
+        weights = plan.weights if plan is not None else np.ones(len(adv), dtype=np.float32)
         # the whole epoch on every process (distributed ranks sampled a slice of each batch; SPMD holds it already)
         rt, trajs = self.rt, sampled.trajectories
         whole = lambda parts: torch.cat([rt.gather_batch(x) for x in parts])
@@ -486,6 +493,8 @@ class Trainer:
             step_indices=whole(t.step_indices for t in trajs),
             cond=tuple(whole(parts) for parts in zip(*sampled.conds)),
             advantages=rt.epoch_layout(torch.as_tensor(adv, dtype=torch.float32).to(rt.device)),
+            weights=rt.epoch_layout(torch.as_tensor(weights, dtype=torch.float32).to(rt.device)),
+            orders=tuple(torch.as_tensor(o).to(rt.device) for o in plan.orders) if plan is not None else None,
         )
 
     def evaluate(self, epoch: int) -> dict:
@@ -524,6 +533,8 @@ class Trainer:
             gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
             # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
             perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
+            if s.orders is not None:  # the algorithm's batches (GRPO: flow_grpo's, zero-advantage samples off)
+                perm = s.orders[inner]
             if self.algorithm.shuffle_timesteps:
                 tperm = torch.argsort(torch.rand((N, T), generator=gen).to(dev), dim=1)
             else:
@@ -538,6 +549,7 @@ class Trainer:
             idx = gat(s.step_indices.index_select(0, perm))
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             adv = s.advantages.index_select(0, perm)
+            w = s.weights.index_select(0, perm)
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
@@ -547,6 +559,7 @@ class Trainer:
                 sel = sel.to(dev)
                 pick = lambda x: x.index_select(0, sel)
                 batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
+                wb = pick(w)
                 for j in range(0, self.train_timesteps, K):
                     # this micro-step's K timesteps, uploaded as data: one graph for every j
                     cols = torch.arange(j, j + K).to(dev)
@@ -556,7 +569,7 @@ class Trainer:
                             ref = self.reference_mean(*batch, cols, uncond)
                     last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
                     with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
-                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref)
+                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb)
                         # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum,
                         # each timestep weighs what it weighs unfused (1 / trained timesteps per update)
                         (loss / (self.window // K)).backward()
@@ -611,6 +624,7 @@ class Trainer:
             out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step, "reward_mean": reward_mean,
                      "reward_std": reward_std, "num_samples": int(rewards.size),
                      **{k: mean(k) for k in self.algorithm.stat_names},
+                     **self.algorithm.epoch_metrics,  # GRPO: kept_fraction, actual_batch_size, zero_std_ratio
                      "host_seconds": round(clock.total("host_seconds"), 4),
                      "host_peak_rss_gib": round(peak_rss_gib(), 3),
                      "device_peak_gib": rt.device_peak_gib(),

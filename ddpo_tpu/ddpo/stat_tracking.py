@@ -54,6 +54,7 @@ class PerPromptStatTracker:
         self.buffer_size = buffer_size
         self.min_count = min_count
         self.stats: dict[str, deque[float]] = {}
+        self.raw_keys = False  # restored from a checkpoint keyed by raw text: rekey() before the next update
 
     def _buffer(self, prompt: str) -> deque[float]:
         buf = self.stats.get(prompt)
@@ -104,6 +105,7 @@ class PerPromptStatTracker:
         return {
             "buffer_size": self.buffer_size,
             "min_count": self.min_count,
+            "keys": "raw" if self.raw_keys else "tokenizer",  # what the stats are keyed by
             "stats": {prompt: [float(x) for x in buf] for prompt, buf in self.stats.items()},
         }
 
@@ -120,6 +122,19 @@ class PerPromptStatTracker:
         for prompt, values in state["stats"].items():
             stats[str(prompt)] = deque((float(v) for v in values), maxlen=self.buffer_size)
         self.stats = stats
+        # checkpoints written before the tokenizer's keys have no "keys" entry: their keys are the raw prompt text
+        self.raw_keys = state.get("keys", "raw") != "tokenizer"
+
+    def rekey(self, key_of) -> None:
+        """Raw-text keys (an older checkpoint) to the tokenizer's: key_of maps a list of texts to their keys.
+        Texts that share a key share a buffer: their rewards in the order of the texts, the newest kept."""
+        if not self.raw_keys:
+            return
+        texts = sorted(self.stats)
+        merged: dict[str, deque[float]] = {}
+        for text, key in zip(texts, key_of(texts) if texts else []):
+            merged.setdefault(key, deque(maxlen=self.buffer_size)).extend(self.stats[text])
+        self.stats, self.raw_keys = merged, False
 
     def __len__(self) -> int:
         return len(self.stats)

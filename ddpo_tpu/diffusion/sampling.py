@@ -26,13 +26,16 @@ class Trajectory:
 
 
 def guided_noise_pred(unet, latents: Tensor, timesteps: Tensor, cond: Tensor, uncond: Tensor | None,
-                      guidance_scale: float) -> Tensor:
-    """UNet epsilon with classifier-free guidance (uncond=None: no guidance)."""
+                      guidance_scale: float, detach_uncond: bool = False) -> Tensor:
+    """UNet epsilon with classifier-free guidance (uncond=None: no guidance). detach_uncond: the same value, but the
+    gradient flows through the conditional half only (guidance_scale x d cond; train.cfg_detach_uncond)."""
     if uncond is None:
         return unet(latents, timesteps, encoder_hidden_states=cond).sample
     out = unet(torch.cat([latents, latents]), torch.cat([timesteps, timesteps]),
                encoder_hidden_states=torch.cat([uncond, cond])).sample
     out_uncond, out_cond = out.chunk(2)
+    if detach_uncond:
+        out_uncond = out_uncond.detach()
     return out_uncond + guidance_scale * (out_cond - out_uncond)
 
 

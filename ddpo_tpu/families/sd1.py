@@ -42,6 +42,10 @@ class SD1Family(ModelFamily):
         ids = self.rt.shard_batch(ids.to(self.rt.device)) if len(prompts) > 1 else ids.to(self.rt.device)
         return (self.text_encoder(ids)[0],)
 
+    def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:
+        """Per-prompt statistics keys as the references make them: the tokenizer's decoding of the prompt's ids."""
+        return decoded_prompts(self.tokenizer, prompts, max_length)
+
     def schedule(self, num_steps: int) -> DDIMTables:
         if num_steps == self.num_steps:
             return self.tables
@@ -64,11 +68,12 @@ class SD1Family(ModelFamily):
 
     def make_score_step(self, autocast):
         unet, tables, s = self.call_denoiser(), self.tables, self.cfg.sample
+        detach = self.cfg.train.cfg_detach_uncond  # train time only: sampling has no gradient
 
         def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
             with autocast() if autocast is not None else contextlib.nullcontext():
                 eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond[0],
-                                        uncond[0] if uncond is not None else None, s.guidance_scale)
+                                        uncond[0] if uncond is not None else None, s.guidance_scale, detach)
             _, log_prob, mean, std = tables.step(eps.float(), idx, x, s.eta, prev_sample=x_prev, full=True)
             return StepScore(log_prob, mean, std)
 
@@ -92,3 +97,13 @@ def adapters_off(model, model_cfg):
         yield
     finally:
         model.enable_adapters()
+
+
+def decoded_prompts(tokenizer, prompts: list[str], max_length: int) -> list[str]:
+    """tokenizer(prompts, padding max_length, truncation) decoded without special tokens: the key ddpo-pytorch
+    (max_length 77) and flow_grpo (256) give a prompt. A CLIP tokenizer lower-cases, normalises whitespace and cuts at
+    max_length tokens, so "A  Cat" and "a cat" are one prompt to their stat trackers."""
+    if not prompts:
+        return []
+    ids = tokenizer(list(prompts), padding="max_length", max_length=max_length, truncation=True).input_ids
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
-from ddpo_tpu.families.sd1 import adapters_off
+from ddpo_tpu.families.sd1 import adapters_off, decoded_prompts
 
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for the T5 part of the prompt (zeros without T5)
 
@@ -59,14 +59,15 @@ class SD3Family(ModelFamily):
             embeds, pooled = self.rt.shard_batch(embeds), self.rt.shard_batch(pooled)
         return embeds, pooled
 
-    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None
-                  ) -> Tensor:
+    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                  detach_uncond: bool = False) -> Tensor:
         from ddpo_tpu.models.sd3 import sd3_velocity
 
         tables = tables or self.tables
         neg = uncond if uncond is not None else (None, None)
         return sd3_velocity(self.call_denoiser(), x.to(self.dtype), tables.timestep_at(idx).to(self.dtype), cond[0],
-                            cond[1], neg[0], neg[1], self.cfg.sample.guidance_scale if uncond is not None else 1.0)
+                            cond[1], neg[0], neg[1], self.cfg.sample.guidance_scale if uncond is not None else 1.0,
+                            detach_uncond)
 
     def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):
         s = self.cfg.sample
@@ -82,17 +83,21 @@ class SD3Family(ModelFamily):
 
         return denoise_step
 
+    def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:
+        """Per-prompt statistics keys as flow_grpo makes them: tokenizers[0] (CLIP-L) decoding the prompt's ids."""
+        return decoded_prompts(self.c.tokenizer, prompts, max_length)
+
     def schedule(self, num_steps: int) -> FlowTables:
         if num_steps == self.num_steps:
             return self.tables
         return FlowTables.from_scheduler(self.c.scheduler, num_steps, self.rt.device)
 
     def make_score_step(self, autocast):
-        s = self.cfg.sample
+        s, detach = self.cfg.sample, self.cfg.train.cfg_detach_uncond  # train time only: sampling has no gradient
 
         def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
             with autocast() if autocast is not None else contextlib.nullcontext():
-                v = self._velocity(x, idx, cond, uncond)
+                v = self._velocity(x, idx, cond, uncond, detach_uncond=detach)
             _, log_prob, mean, std = self.tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type,
                                                       prev_sample=x_prev)
             return StepScore(log_prob, mean, std)

@@ -459,12 +459,15 @@ def sd3_velocity(
     neg_prompt_embeds: Tensor | None = None,
     neg_pooled: Tensor | None = None,
     guidance_scale: float = 1.0,
+    detach_uncond: bool = False,
 ) -> Tensor:
     """The SD3 transformer's velocity, with classifier-free guidance when negative embeddings are given.
 
     As the pipeline (and flow_grpo's ``compute_log_prob``): one forward on ``cat([uncond, cond])``, then
     ``uncond + guidance_scale * (cond - uncond)``. ``timestep`` (B,) is the float ``sigma * 1000``
     (``FlowTables.timestep_at``). Guidance 1 is the conditional velocity: no unconditional half is run.
+    ``detach_uncond``: the unconditional half without gradient (flow_grpo's compute_log_prob at ac4c86e): the same
+    value, gradient ``guidance_scale x d cond``.
     """
     if neg_prompt_embeds is None or guidance_scale == 1.0:
         return transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
@@ -479,6 +482,8 @@ def sd3_velocity(
         return_dict=False,
     )[0]
     uncond, cond = out.chunk(2)
+    if detach_uncond:
+        uncond = uncond.detach()
     return uncond + guidance_scale * (cond - uncond)
 
 

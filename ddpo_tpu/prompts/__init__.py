@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import pathlib
 from importlib import resources
 from typing import Sequence
@@ -217,6 +218,27 @@ class PromptSource:
             return []
         picks = [rng.integers(0, len(part), size=n) for part in self._parts]
         return [" ".join(part[idx[i]] for part, idx in zip(self._parts, picks)) for i in range(n)]
+
+    @property
+    def size(self) -> int:
+        """Entries of the source: the product of its lists' lengths (repeated lines counted)."""
+        return math.prod(len(p) for p in self._parts)
+
+    def sample_distinct(self, n: int, rng: np.random.Generator) -> list[str]:
+        """``n`` prompts at distinct entries of the source (uniformly without replacement), as flow_grpo's
+        DistributedKRepeatSampler takes ``randperm(len(dataset))[:n]``: a repeated line may still come twice."""
+        if n > self.size:
+            raise ValueError(f"prompt source {self.name!r} has {self.size} prompts, fewer than the {n} distinct "
+                             f"ones a sampling batch needs")
+        flat = rng.choice(self.size, size=n, replace=False)
+        out = []
+        for i in np.asarray(flat, dtype=np.int64).tolist():
+            words = []
+            for part in reversed(self._parts):  # mixed radix: the last list varies fastest
+                i, j = divmod(i, len(part))
+                words.append(part[j])
+            out.append(" ".join(reversed(words)))
+        return out
 
     @property
     def vocabulary(self) -> list[str]:
