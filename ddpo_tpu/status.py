@@ -986,6 +986,19 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def plot_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's reward curve (ddpo_tpu/plot.py) from its metrics.jsonl, local or in a bucket."""
+    from ddpo_tpu import plot
+
+    url = str(run_dir).startswith("gs://")
+    run = _read_bucket_run(str(run_dir)) if url else read_run(Path(run_dir), lock_paths=[])
+    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1]
+    if out is None:
+        out = Path(f"{name}-{plot.CURVE_FILE}") if url else Path(run_dir) / plot.CURVE_FILE
+    train, evals = plot.curves(run.metrics.records)
+    return plot.draw(Path(out), train, evals, title=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ddpo-status", description="Where a ddpo_tpu run stands (reads its run dir).")
     p.add_argument("run_dir", help="the run dir (outputs/<run_name>, or gs://BUCKET/PREFIX/<run_name>)")
@@ -999,7 +1012,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_S, metavar="SECONDS",
                    help="with no live lock holder and no heartbeat, a run silent for longer than this (or 1.5x its "
                         f"longest phase) is reported stopped (default {DEFAULT_STALE_S:.0f})")
+    p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                   help="also write the reward curve (mean ± std per epoch, eval rewards) to PNG (default: the run "
+                        "dir's reward_curve.png; for a gs:// run, ./<run_name>-reward_curve.png)")
     args = p.parse_args(argv)
+    if args.plot is not None:
+        try:
+            print(f"reward curve: {plot_curve(args.run_dir, args.plot or None)}")
+        except FileNotFoundError as e:
+            print(f"ddpo-status: {e}", file=sys.stderr)
+            return EXIT_NO_RUN
     try:
         facts = collect(args.run_dir, stale_after=args.stale_after)
     except FileNotFoundError as e:

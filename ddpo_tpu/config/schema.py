@@ -241,13 +241,14 @@ class XlaConfig(_Strict):
 
 
 class LoggerConfig(_Strict):
-    name: Literal["none", "wandb"]
+    name: Literal["none", "wandb", "tensorboard"]
     mode: Literal["online", "offline", "disabled"]
     project: str = Field(min_length=1, max_length=128)
     entity: str | None = Field(min_length=1)
     group: str | None = Field(min_length=1, max_length=128)
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]]  # wandb's own limit is 64 characters a tag
     notes: str | None
+    tensorboard: bool = False  # also write TensorBoard event files (logger=tensorboard does; with wandb: both)
 
 
 class RunConfig(_Strict):
