@@ -199,7 +199,7 @@ class ProgressView:
     train_timesteps: int = 0
     epoch: int | None = None
     epochs_done: int = 0
-    phase: str = "starting"              # starting | sampling | reward | advantages | training | evaluation | checkpoint
+    phase: str = "starting"              # starting, loaded, sampling, reward, advantages, training, checkpoint, ...
     phase_since: float = 0.0
     done: float | None = None
     total: float | None = None
@@ -324,7 +324,8 @@ class ProgressView:
         else:
             what = {"loaded": "model loaded; the first epoch starts", "reward": "waiting for the rewards",
                     "advantages": "advantages", "checkpoint": "evaluation, image grid, metrics, checkpoint",
-                    "next": "the next epoch starts", "finishing": "final weights", "complete": "run complete"}.get(self.phase, self.phase)
+                    "next": "the next epoch starts", "finishing": "final weights", "complete": "run complete",
+                    }.get(self.phase, self.phase)
             out.append(Bar(label, None, None, f"{what}  {clock(elapsed)}"))
         return out
 

@@ -66,10 +66,12 @@ def _finite(x: Any) -> bool:
 W, H = 720, 400
 LEFT, RIGHT, TOP, BOTTOM = 78, 20, 40, 52
 BG, AXIS, GRID, TEXT = (255, 255, 255), (60, 60, 60), (228, 228, 228), (30, 30, 30)
-LINE, BAND, EVAL = (31, 119, 180), (198, 219, 239), (214, 39, 40)
+LINE, BAND, EVAL, CONTROL = (31, 119, 180), (198, 219, 239), (214, 39, 40), (140, 140, 140)
 
 
-def draw(path: Path, train: list[Point], evals: list[Point], title: str = "") -> Path:
+def draw(path: Path, train: list[Point], evals: list[Point], title: str = "",
+         control: list[Point] | None = None) -> Path:
+    """`control`: another run's training means (e.g. a frozen policy), drawn as a grey line for comparison."""
     from PIL import Image, ImageDraw, ImageFont
 
     img = Image.new("RGB", (W, H), BG)
@@ -78,7 +80,8 @@ def draw(path: Path, train: list[Point], evals: list[Point], title: str = "") ->
         font = ImageFont.load_default(size=13)
     except TypeError:  # Pillow < 10.1: the bitmap font, one size
         font = ImageFont.load_default()
-    pts = train + evals
+    control = control or []
+    pts = train + evals + control
     d.text((LEFT, 12), f"{title}: reward per epoch", fill=TEXT, font=font)
     lx = W - RIGHT - 290  # the legend: shapes, not glyphs (the default font has no bullet)
     d.line([(lx, 20), (lx + 18, 20)], fill=LINE, width=2)
@@ -105,7 +108,7 @@ def draw(path: Path, train: list[Point], evals: list[Point], title: str = "") ->
         v = lo + (hi - lo) * i / 4
         y = sy(v)
         d.line([(x0 + 1, y), (x1, y)], fill=GRID)
-        d.text((6, y - 7), f"{v:.4g}", fill=TEXT, font=font)
+        d.text((6, y - 7), f"{v:.3g}", fill=TEXT, font=font)
     for e in sorted({e_lo, e_hi, *(_ticks(e_lo, e_hi))}):
         d.line([(sx(e), y0), (sx(e), y0 + 4)], fill=AXIS)
         d.text((sx(e) - 6, y0 + 8), str(e), fill=TEXT, font=font)
@@ -120,6 +123,10 @@ def draw(path: Path, train: list[Point], evals: list[Point], title: str = "") ->
             if len(train) == 1:
                 d.line([(sx(e), sy(m - s)), (sx(e), sy(m + s))], fill=BAND, width=5)
             d.ellipse([sx(e) - 2, sy(m) - 2, sx(e) + 2, sy(m) + 2], fill=LINE)
+    if len(control) > 1:
+        d.line([(sx(e), sy(m)) for e, m, _ in control], fill=CONTROL, width=2)
+        d.text((sx(control[-1][0]) - 150, sy(control[-1][1]) - 18), "control (frozen policy)", fill=CONTROL,
+               font=font)
     for e, m, s in evals:
         d.line([(sx(e), sy(m - s)), (sx(e), sy(m + s))], fill=EVAL, width=1)
         d.ellipse([sx(e) - 4, sy(m) - 4, sx(e) + 4, sy(m) + 4], outline=EVAL, width=2)
