@@ -17,32 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from rich.tree import Tree
 
 from ddpo_tpu.config.compose import Validated
-
-SECTIONS = ("model", "reward", "sample", "train", "prompts", "tpu_topology", "parity", "xla", "stat_tracking", "logger")
-
-
-def config_tree(tree: dict) -> Tree:
-    root = Tree("config")
-    top = root.add("run")
-    for k, v in tree.items():
-        if not isinstance(v, dict):
-            top.add(f"{k}: {v}")
-    for section in SECTIONS:
-        if section in tree:
-            _add(root.add(f"[bold]{section}[/bold]"), tree[section])
-    return root
-
-
-def _add(node: Tree, value: dict) -> None:
-    for k, v in value.items():
-        if isinstance(v, dict) and v:
-            _add(node.add(str(k)), v)
-        else:
-            node.add(f"{k}: {v}")
-
 
 def parity_table(validated: Validated) -> Table:
     table = Table(title=f"parity: {validated.cfg.parity.name}", show_lines=False)
