@@ -192,6 +192,15 @@ class TrainingProgress(Event, kind="training_progress",
     updates: int
 
 
+class TrainingBatch(Event, kind="training_batch"):
+    """A train batch's timesteps are trained (machines only: the live progress bar; no console line)."""
+
+    epoch: int
+    done: int    # timesteps trained so far this epoch
+    total: int
+    updates: int
+
+
 # --- compiling the graphs (XLA: the first epoch of a training process) ----------------------------------------------
 
 def _ordinal(n: int) -> str:

@@ -435,7 +435,7 @@ def describe(event: ev.Event, num_epochs: int | None) -> tuple[str, str] | None:
         return "reward", f"all {event.of} sampling batches done, gathering rewards"
     if isinstance(event, ev.RewardsGathered):
         return "advantages", "rewards gathered, computing advantages"
-    if isinstance(event, ev.TrainingProgress):
+    if isinstance(event, (ev.TrainingProgress, ev.TrainingBatch)):
         return "training", f"training: {event.done}/{event.total} timesteps, {event.updates} optimizer step(s) done"
     if isinstance(event, ev.PhaseEnd):
         return _AFTER_PHASE.get(event.phase, (event.phase, f"{event.phase} done"))
@@ -545,9 +545,19 @@ def throughput(epochs: list[dict]) -> tuple[float | None, float | None, str | No
     return (samples / total if samples else None), total / len(secs), which
 
 
-def host_time(epochs: list[dict]) -> dict | None:
+def device_is_host(cfg: dict) -> bool:
+    """Whether the run's device is the host CPU's own threads: eager PyTorch on the CPU, or torch.distributed with
+    one CPU process per device. There the main thread runs the model itself, so its CPU time near the wall time says
+    nothing about dispatch overhead; "host-bound" is meant for a host feeding another device (XLA, even XLA on the
+    CPU, whose computations run on the runtime's own threads, or an accelerator). Unknown (an older config): False."""
+    return (_get(cfg, "tpu_topology.accelerator") == "cpu"
+            and _get(cfg, "tpu_topology.execution") in ("eager", "distributed"))
+
+
+def host_time(epochs: list[dict], on_host: bool = False) -> dict | None:
     """The newest epoch's main-thread CPU seconds against wall seconds, per phase: a phase whose host time is near
-    its wall time is bound by tracing and dispatch on the host, not by the devices."""
+    its wall time is bound by tracing and dispatch on the host, not by the devices (unless `on_host`: the device
+    is the host CPU, see device_is_host)."""
     for e in reversed(epochs):
         phases = e.get("phases")
         if not isinstance(phases, dict):
@@ -557,7 +567,7 @@ def host_time(epochs: list[dict]) -> dict | None:
         rows = {k: v for k, v in rows.items() if v[0] is not None and v[1] is not None}
         if rows:
             host, wall = sum(h for h, _ in rows.values()), sum(w for _, w in rows.values())
-            return {"epoch": e.get("epoch"), "host_s": host, "wall_s": wall,
+            return {"epoch": e.get("epoch"), "host_s": host, "wall_s": wall, "device_is_host": on_host,
                     "fraction": host / wall if wall > 0 else None,
                     "phases": {k: {"host_s": h, "wall_s": w} for k, (h, w) in rows.items()}}
     return None
@@ -655,7 +665,7 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> d
 
     current_epoch, phase, phase_detail = locate(attempt, epochs, num_epochs)
     steps_now, steps_per_epoch = optimizer_steps(run.metrics, epochs, current_epoch)
-    progress = _last(attempt, ev.TrainingProgress)
+    progress = _last(attempt, ev.TrainingProgress, ev.TrainingBatch)
     progress = progress if progress is not None and progress.epoch == current_epoch else None
     if progress is not None and steps_now is not None:  # its count can be newer than the step lines
         steps_now = max(steps_now, progress.updates)
@@ -732,7 +742,7 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> d
         "events": [{"time": s.time, **s.event.record()} for s in run.events[-5:]],
         "recent_events": [t for t in (_text(s.event) for s in attempt) if t][-20:],
         "checkpoints": checkpoint_summary(run.checkpoints, run.events),
-        "host_time": host_time(epochs),
+        "host_time": host_time(epochs, device_is_host(cfg)),
         "parity": parity_summary(run.parity),
         "metrics": {"records": len(run.metrics.records), "kinds": run.metrics.kinds,
                     "bad_lines": run.metrics.bad_lines, "truncated_last_line": run.metrics.truncated_last_line},
@@ -914,7 +924,8 @@ def _render_state(facts: dict[str, Any], row) -> None:
         row("host time", f"{ht['fraction']:.0%} of epoch {ht['epoch']} on the main thread "
                          f"({ht['host_s']:.1f} of {ht['wall_s']:.1f} s; "
                          + ", ".join(f"{k} {v['host_s']:.1f}/{v['wall_s']:.1f} s" for k, v in big)
-                         + ("): host-bound" if ht["fraction"] > 0.8 else ")"))
+                         + (")" if not ht.get("device_is_host") else "; the CPU is the device here)")
+                         + (": host-bound" if ht["fraction"] > 0.8 and not ht.get("device_is_host") else ""))
     if facts["eta_s"] is not None:
         left = (facts["num_epochs"] or 0) - facts["epochs_done"]
         row("ETA", f"{_duration(facts['eta_s'])} ({left} epochs x {_duration(facts['epoch_seconds_mean'])}), "
@@ -975,6 +986,19 @@ def _finite(x: Any) -> Any:
     return x
 
 
+def plot_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's reward curve (ddpo_tpu/plot.py) from its metrics.jsonl, local or in a bucket."""
+    from ddpo_tpu import plot
+
+    url = str(run_dir).startswith("gs://")
+    run = _read_bucket_run(str(run_dir)) if url else read_run(Path(run_dir), lock_paths=[])
+    name = str(run_dir).rstrip("/").rsplit("/", 1)[-1]
+    if out is None:
+        out = Path(f"{name}-{plot.CURVE_FILE}") if url else Path(run_dir) / plot.CURVE_FILE
+    train, evals = plot.curves(run.metrics.records)
+    return plot.draw(Path(out), train, evals, title=name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ddpo-status", description="Where a ddpo_tpu run stands (reads its run dir).")
     p.add_argument("run_dir", help="the run dir (outputs/<run_name>, or gs://BUCKET/PREFIX/<run_name>)")
@@ -988,7 +1012,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_S, metavar="SECONDS",
                    help="with no live lock holder and no heartbeat, a run silent for longer than this (or 1.5x its "
                         f"longest phase) is reported stopped (default {DEFAULT_STALE_S:.0f})")
+    p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                   help="also write the reward curve (mean ± std per epoch, eval rewards) to PNG (default: the run "
+                        "dir's reward_curve.png; for a gs:// run, ./<run_name>-reward_curve.png)")
     args = p.parse_args(argv)
+    if args.plot is not None:
+        try:
+            print(f"reward curve: {plot_curve(args.run_dir, args.plot or None)}")
+        except FileNotFoundError as e:
+            print(f"ddpo-status: {e}", file=sys.stderr)
+            return EXIT_NO_RUN
     try:
         facts = collect(args.run_dir, stale_after=args.stale_after)
     except FileNotFoundError as e:

@@ -1,16 +1,23 @@
-"""Experiment tracking on the main process only: wandb (online, offline, disabled) or nothing.
+"""Experiment tracking on the main process only: the reward curve PNG in the run dir (always), wandb (online,
+offline, disabled), TensorBoard event files, or both trackers at once (`logger=wandb logger.tensorboard=true`, or
+`logger=wandb_tensorboard`).
 
-The run id is the trainer's (kept in checkpoints), so a resumed run continues the same wandb run.
+The run id is the trainer's (kept in checkpoints), so a resumed run continues the same wandb run. TensorBoard's
+files go to run_dir/tensorboard/: for an output_root=gs://... run they reach the bucket with the rest of the run dir
+(ddpo_tpu/storage.py's mirror), where `tensorboard --logdir gs://BUCKET/PREFIX` reads them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ddpo_tpu.config.schema import LoggerConfig
+
+TENSORBOARD_DIR = "tensorboard"
 
 
 class Tracker:
@@ -43,6 +50,70 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
+class TensorBoardTracker(Tracker):
+    """Scalars under their flat names (train/loss, reward_mean, phases/sampling/seconds, ...), the epoch's sample
+    grid as one image with its captions as text, and the resolved config as text (at every start of the training
+    process: a resumed run shows the config it resumed with). Flushed at each epoch's record, so the files are
+    complete at the epoch's end (when the bucket copy is made)."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any]):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+        text = json.dumps(config, indent=2, default=str)
+        self.writer.add_text("config", "```\n" + text + "\n```", 0)  # markdown: a code block keeps the layout
+        self.writer.flush()
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        for k, v in _flat(values).items():
+            if isinstance(v, (int, float)) and np.isfinite(v):
+                self.writer.add_scalar(k, v, step)
+        if "epoch" in values:
+            self.writer.flush()
+
+    def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> None:
+        if len(images):
+            self.writer.add_images("samples", np.asarray(images), step, dataformats="NHWC")
+            self.writer.add_text("samples/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+class RewardCurve(Tracker):
+    """reward_curve.png in the run dir, redrawn from metrics.jsonl at each epoch's record (which the loop writes to
+    metrics.jsonl just before it logs it here) and at each evaluation: ~10 ms for a few hundred epochs."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        if "reward_mean" in values or "eval/reward_mean" in values:
+            from ddpo_tpu.plot import write_run_curve
+
+            try:
+                write_run_curve(self.run_dir)
+            except OSError:
+                pass  # a full disk is reported by the writes that matter; a plot is not one of them
+
+
+class Trackers(Tracker):
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
+
+    def log(self, values: dict[str, Any], step: int) -> None:
+        for t in self.trackers:
+            t.log(values, step)
+
+    def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> None:
+        for t in self.trackers:
+            t.log_images(step, images, captions)
+
+    def finish(self) -> None:
+        for t in self.trackers:
+            t.finish()
+
+
 def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in values.items():
@@ -53,8 +124,21 @@ def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def uses_wandb(cfg: LoggerConfig) -> bool:
+    return cfg.name == "wandb" and cfg.mode != "disabled"
+
+
+def uses_tensorboard(cfg: LoggerConfig) -> bool:
+    return cfg.name == "tensorboard" or bool(getattr(cfg, "tensorboard", False))
+
+
 def make_tracker(cfg: LoggerConfig, run_dir: Path, run_id: str, run_name: str, config: dict[str, Any],
                  is_main: bool) -> Tracker:
-    if not is_main or cfg.name == "none" or cfg.mode == "disabled":
+    if not is_main:
         return Tracker()
-    return WandbTracker(cfg, run_dir, run_id, run_name, config)
+    trackers: list[Tracker] = [RewardCurve(run_dir)]
+    if uses_wandb(cfg):
+        trackers.append(WandbTracker(cfg, run_dir, run_id, run_name, config))
+    if uses_tensorboard(cfg):
+        trackers.append(TensorBoardTracker(run_dir, config))
+    return Trackers(trackers)

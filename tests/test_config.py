@@ -98,9 +98,10 @@ def test_suggested_parser():
 
 def test_experiment_list_is_the_tested_one():
     shipped = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
-    # the flow-matching experiments are composed in tests/test_algorithms.py
+    # the flow-matching experiments are composed in tests/test_algorithms.py, digits in tests/test_digits_learns.py
     flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35"]
-    assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", *flow]), "a new experiment needs a compose test here"
+    assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
+        "a new experiment needs a compose test here"
 
 
 @pytest.mark.parametrize("experiment", sorted(PARITY_EXPERIMENTS))
@@ -300,7 +301,8 @@ RULES = [
     ("weighted_unknown_reward", ["reward=weighted", "reward.components=[{name:nope,weight:1}]"],
      "reward.components.0.name", ["no reward of this name goes here", "jpeg_compressibility, "]),
     ("reward_unknown_name", ["reward.name=nope"], "reward.name",
-     ["no reward of this name goes here", "choose one of: jpeg_compressibility, ", ", remote, weighted)"]),
+     ["no reward of this name goes here", "choose one of: jpeg_compressibility, ",
+      ", remote, weighted, digit_classifier)"]),
     ("reward_name_missing", ["~reward.name"], "reward.name", ["required key is missing", "jpeg_compressibility"]),
     ("reward_key_of_another_reward", ["reward=remote", "+reward.mlp_path=/x.pth"], "reward.mlp_path",
      ["unknown key", "valid keys here: backoff_s, batch_size, headers, host_workers, image_format, name, retries"]),

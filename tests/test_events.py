@@ -47,6 +47,7 @@ TEXTS = [
     (ev.RewardsGathered(3, 0.5, 0.25, 2), "[epoch 3] rewards gathered: mean 0.5000 std 0.2500\n"
                                           "[epoch 3] 2 non-finite reward(s): zero advantage for those samples"),
     (ev.TrainingProgress(3, 16, 32, 1), "[epoch 3] training: 16/32 timesteps trained, 1 optimizer step(s) done"),
+    (ev.TrainingBatch(3, 8, 32, 0), None),
     (ev.CompileStart(0, "sampling", 1, 2), "[epoch 0] compiling the sampling graphs, 1st of 2"),
     (ev.CompileProgress(0, "training", 2, 2, 250.0, 6, 40.0),
      "[epoch 0] compiling the training graphs, 2nd of 2, 4 min so far (6 graph(s) compiled)"),
@@ -221,28 +222,29 @@ class _Tty:
     encoding = "utf-8"
 
 
-def test_the_live_line_follows_events_not_output(tmp_path, monkeypatch):
-    from rich.markup import escape
-
+def test_the_live_view_follows_events_not_output(tmp_path, monkeypatch):
+    """On a terminal the bars follow events.jsonl: a line that is no event's text is printed, a line an event stands
+    for (a sampling batch) is drawn instead, and each finished epoch prints one summary line."""
     monkeypatch.setattr(sys, "stdout", _Tty())
     monkeypatch.setattr(process._LiveStatus, "POLL_S", 0.05)
     log = ev.EventLog(tmp_path, echo=lambda *a: None)
     with process._LiveStatus(process.EventFollower(tmp_path / ev.EVENTS_FILE)) as live:
-        assert live.status is not None
+        assert live.progress is not None
         live.show(b"[epoch 9] a console line that is not an event\n")
+        log.emit(ev.RunStart("eager", 3, 0, 8, 2, 8, "layout", False))
         log.emit(ev.PhaseStart(0, "sampling"))
-        log.emit(ev.PhaseEnd(0, "sampling", 1.0, 1.0, 0, 0.0))  # no text: the line keeps the last one that has
+        log.emit(ev.SamplingBatch(0, 1, 2))
+        live.show(b"[epoch 0] sampling batch 1/2 done\n")
+        assert live.view.phase == "sampling" and live.view.done == 1
+        log.emit(ev.EpochDone(0, 0.5, 0.25, 0.01, 0.1, 2, {"sampling": {"seconds": 1.0, "compilations": 0}}))
         deadline = time.monotonic() + 10
-        while live.status.status != escape("[epoch 0] sampling start"):
-            assert time.monotonic() < deadline, live.status.status
-            time.sleep(0.02)
-        log.emit(ev.RewardsGathered(0, 0.5, 0.25, 1))  # two lines of text: the first one
-        while live.status.status != escape("[epoch 0] rewards gathered: mean 0.5000 std 0.2500"):
-            assert time.monotonic() < deadline, live.status.status
+        while live.view.epochs_done != 1:
+            assert time.monotonic() < deadline
             time.sleep(0.02)
     assert not live._thread.is_alive()
-    assert "a console line that is not an event" in "".join(sys.stdout.parts)
-
+    out = "".join(sys.stdout.parts)
+    assert "a console line that is not an event" in out and "sampling batch 1/2 done" not in out
+    assert out.count("reward 0.5000") == 1
 
 
 def test_an_event_kind_is_declared_once_with_its_text():
@@ -291,26 +293,19 @@ def test_a_stage_that_fails_has_no_compile_end(tmp_path):
     assert [r["event"] for r in ev.read_events(tmp_path)] == ["compile_start"]
 
 
-def test_the_live_line_counts_a_compile_up_every_poll(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "stdout", _Tty())
-    live = process._LiveStatus(process.EventFollower(tmp_path / ev.EVENTS_FILE))
-    live.status, live.gone = _Status(), False
-    live.update([ev.PhaseStart(0, "sampling"), ev.CompileStart(0, "sampling", 1, 2)], now=100.0)
-    assert live.status.status == "\\[epoch 0] compiling the sampling graphs, 1st of 2, 0 s so far"
-    live.update([ev.SamplingBatch(0, 1, 2)], now=145.0)  # still compiling: the clock, not the batch
-    assert live.status.status.endswith("1st of 2, 45 s so far")
-    live.update([ev.CompileProgress(0, "sampling", 1, 2, 60.0, 2, 10.0)], now=160.0)
-    live.update([], now=400.0)
-    assert live.status.status.endswith("1st of 2, 5 min so far (2 graph(s) compiled)")
-    live.update([ev.CompileEnd(0, "sampling", 1, 2, 301.0, 3, 20.0)], now=401.0)
-    assert live.status.status.startswith("\\[epoch 0] the sampling graphs are compiled")
+def test_the_live_view_counts_a_compile_up_every_poll():
+    from ddpo_tpu.console import ProgressView
 
-
-class _Status:
-    status = ""
-
-    def update(self, text):
-        self.status = text
+    view = ProgressView()
+    view.feed([ev.RunStart("xla", 2, 0, 8, 2, 8, "layout", True), ev.PhaseStart(0, "sampling"),
+               ev.CompileStart(0, "sampling", 1, 2)], now=100.0)
+    assert "compiling the sampling graphs (1 of 2), 0:00" in view.bars(now=100.0)[-1].info
+    view.feed([ev.SamplingBatch(0, 1, 2)], now=145.0)  # still compiling: the clock, not the batch
+    assert "0:45" in view.bars(now=145.0)[-1].info
+    view.feed([ev.CompileProgress(0, "sampling", 1, 2, 60.0, 2, 10.0)], now=160.0)
+    assert "5:00, 2 graph(s) so far" in view.bars(now=400.0)[-1].info
+    view.feed([ev.CompileEnd(0, "sampling", 1, 2, 301.0, 3, 20.0)], now=401.0)
+    assert view.bars(now=401.0)[-1].info.startswith("sampling  batch 1/2")
 
 
 @pytest.mark.slow  # one XLA run of one epoch

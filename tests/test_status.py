@@ -585,6 +585,27 @@ def test_host_time_per_phase_is_shown(tmp_path, capsys):
     assert "host time" not in run_cli(capsys, old)[1]
 
 
+@pytest.mark.parametrize("accelerator,execution,bound", [
+    ("cpu", "eager", False), ("cpu", "distributed", False),  # the main thread is the device
+    ("cpu", "xla", True), ("cpu", "xla_spmd", True), ("cuda", "distributed", True), ("tpu_v6e", "xla", True),
+])
+def test_host_bound_only_where_host_and_device_differ(tmp_path, capsys, accelerator, execution, bound):
+    run = make_run(tmp_path / "host", done=2, tail=COMPLETE)
+    with open(run / "config.yaml", "a") as f:
+        f.write(f"  execution: {execution}\n")
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("accelerator: cpu",
+                                                                               f"accelerator: {accelerator}"))
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        if r["kind"] == "epoch":
+            for name, p in r["phases"].items():
+                p["host_seconds"] = p["seconds"]  # all of it on the main thread
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = run_cli(capsys, run)[1]
+    assert "on the main thread" in out and ("host-bound" in out) == bound
+    assert status.collect(run, lock_paths=[])["host_time"]["device_is_host"] == (not bound)
+
+
 # --- end to end: the events a real run writes -----------------------------------------------------------------------
 
 @pytest.mark.slow

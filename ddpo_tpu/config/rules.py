@@ -302,7 +302,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
 
 # the sampler and the local builds each model family works with
 FAMILY_SAMPLER = {"sd1": "ddim", "sd3": "flow_sde"}
-FAMILY_BUILDERS = {"sd1": ("tiny", "sd14_topology", "sd14_random"), "sd3": ("tiny_sd3",)}
+FAMILY_BUILDERS = {"sd1": ("tiny", "sd14_topology", "sd14_random", "digits"), "sd3": ("tiny_sd3",)}
 FAMILY_SAMPLER_KEYS = {"ddim": ("eta",), "flow_sde": ("noise_level", "sde_type")}
 
 
@@ -429,7 +429,7 @@ CHECKPOINTED_GIB_PER_EVAL_512 = {
             for k, v in SD3_EAGER_GIB.items()},
 }
 # local builds with 32-64 px images: their activations are negligible
-SMALL_BUILDERS = ("tiny", "sd14_topology", "tiny_sd3")
+SMALL_BUILDERS = ("tiny", "sd14_topology", "tiny_sd3", "digits")
 RESIDENT_GIB = 6.0  # frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (SD 1.x, float32 weights)
 # SD 3.5 Medium's parts in billions of values (the diffusers / transformers classes built with the checkpoint's configs
 # on the meta device): the transformer's weights (split over mesh.fsdp with the training state, families/sd3.py +

@@ -26,7 +26,7 @@ class LoraConfig(_Strict):
 class ModelConfig(_Strict):
     name: str
     family: Literal["sd1", "sd3"]    # ddpo_tpu/families: SD 1.x (UNet, DDIM) or SD 3 (MMDiT, flow matching)
-    builder: Literal["tiny", "sd14_topology", "sd14_random", "tiny_sd3"] | None
+    builder: Literal["tiny", "sd14_topology", "sd14_random", "tiny_sd3", "digits"] | None
     pretrained: str | None
     revision: str | None
     local_files_only: bool
@@ -88,6 +88,12 @@ class RemoteKeys(_Strict):
     headers: dict[str, str] | None = None
 
 
+class DigitClassifierKeys(_Strict):
+    name: Literal["digit_classifier"]
+    target: int | None = Field(default=7, ge=0, le=9)  # P(this digit); null: P(the digit the prompt names)
+    cache_dir: str = Field(default="~/.cache/ddpo_tpu/models", min_length=1)  # where its classifier is built once
+
+
 class _RunReward(_Strict):
     host_workers: int = Field(ge=0, le=64)  # threads scoring a batch while the next one samples (0: inline)
 
@@ -102,6 +108,7 @@ class AestheticConfig(_RunReward, AestheticKeys): ...
 class ClipScoreConfig(_RunReward, ClipScoreKeys): ...
 class PickScoreConfig(_RunReward, PickScoreKeys): ...
 class RemoteConfig(_RunReward, RemoteKeys): ...
+class DigitClassifierConfig(_RunReward, DigitClassifierKeys): ...
 
 
 class JpegCompressibilityComponent(_Component, JpegCompressibilityKeys): ...
@@ -110,12 +117,13 @@ class AestheticComponent(_Component, AestheticKeys): ...
 class ClipScoreComponent(_Component, ClipScoreKeys): ...
 class PickScoreComponent(_Component, PickScoreKeys): ...
 class RemoteComponent(_Component, RemoteKeys): ...
+class DigitClassifierComponent(_Component, DigitClassifierKeys): ...
 
 
 # a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
 RewardComponent = Annotated[
     JpegCompressibilityComponent | JpegIncompressibilityComponent | AestheticComponent | ClipScoreComponent
-    | PickScoreComponent | RemoteComponent,
+    | PickScoreComponent | RemoteComponent | DigitClassifierComponent,
     Field(discriminator="name"),
 ]
 
@@ -127,7 +135,7 @@ class WeightedConfig(_RunReward):
 
 RewardConfig = Annotated[
     JpegCompressibilityConfig | JpegIncompressibilityConfig | AestheticConfig | ClipScoreConfig | PickScoreConfig
-    | RemoteConfig | WeightedConfig,
+    | RemoteConfig | WeightedConfig | DigitClassifierConfig,
     Field(discriminator="name"),
 ]
 
@@ -283,13 +291,14 @@ class XlaConfig(_Strict):
 
 
 class LoggerConfig(_Strict):
-    name: Literal["none", "wandb"]
+    name: Literal["none", "wandb", "tensorboard"]
     mode: Literal["online", "offline", "disabled"]
     project: str = Field(min_length=1, max_length=128)
     entity: str | None = Field(min_length=1)
     group: str | None = Field(min_length=1, max_length=128)
     tags: list[Annotated[str, Field(min_length=1, max_length=64)]]  # wandb's own limit is 64 characters a tag
     notes: str | None
+    tensorboard: bool = False  # also write TensorBoard event files (logger=tensorboard does; with wandb: both)
 
 
 class RunConfig(_Strict):

@@ -584,6 +584,7 @@ class Trainer:
                         said = time.monotonic()
                         self.events.emit(ev.TrainingProgress(epoch, micro, total, len(logs)))
                 self.state.end_batch()
+                self.events.emit(ev.TrainingBatch(epoch, micro, total, len(logs)))
         return logs
 
     def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:
@@ -674,8 +675,10 @@ def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
 
 def run(validated: Validated, run_dir: Path) -> int:
     from ddpo_tpu import storage
+    from ddpo_tpu.console import quiet_third_party
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
 
+    quiet_third_party()  # before the model loads (ddpo_tpu/console.py: what is dropped and why)
     stop = StopRequest()
     rt = make_runtime(validated.cfg)
     events = ev.EventLog(run_dir, rt.is_main)

@@ -10,11 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-from ddpo_tpu.events import (EVENTS_FILE, CompileEnd, CompileProgress, CompileStart, Event, EventLog, WorkerExited,
-                             WorkerStarted, parse)
+from ddpo_tpu.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
 
 WORKER_MODULE = "ddpo_tpu.worker"
 
@@ -167,25 +165,36 @@ class EventFollower:
 
 
 class _LiveStatus:
-    """Pass the training process's lines through; on a terminal, also keep a live status line with the latest
-    event ("[epoch 3] sampling batch 2/8 done"), read from events.jsonl every half second (never from the lines,
-    so rewording a console line changes nothing here; never touching the device or forcing a sync)."""
+    """Pass the training process's lines through. On a terminal, also draw live progress bars (rich) from the events
+    of events.jsonl, read every half second (never from the lines, so rewording a console line changes nothing here;
+    never touching the device or forcing a sync): the run's epochs with elapsed time and ETA, and the current phase
+    with its batches or timesteps, samples/s and ETA, or a compile with its elapsed time (ddpo_tpu/console.py,
+    ProgressView). The lines that those events stand for are then dropped from the console (train.log keeps every
+    line), and each finished epoch gets one summary line. Not on a terminal (CI, nohup, a pod's log), the lines pass
+    through as they are."""
 
     POLL_S = 0.5
 
     def __init__(self, follow: EventFollower):
         self.follow = follow
 
-    compiling: tuple[CompileStart, float, int | None] | None = None  # (its start, when it started, graphs done)
-
     def __enter__(self):
-        self.status, self.gone = None, False
+        from ddpo_tpu.console import LineMatcher, ProgressView
+
+        self.progress, self.gone = None, False
+        self.view, self.matcher = ProgressView(), LineMatcher()
+        self._lock = threading.Lock()  # the follower, the view and the matcher: the poll thread and show()
         if sys.stdout.isatty():
             from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn
 
             self.console = Console(highlight=False)
-            self.status = self.console.status("starting the training process")
-            self.status.start()
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24),
+                                     TextColumn("{task.fields[info]}"), console=self.console, transient=True,
+                                     refresh_per_second=4, redirect_stdout=False, redirect_stderr=False)
+            self._tasks: list = []
+            self.progress.start()
+            self._draw()
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._follow, name="ddpo-live-status", daemon=True)
             self._thread.start()
@@ -193,51 +202,72 @@ class _LiveStatus:
 
     def _follow(self) -> None:
         while not self._stop.wait(self.POLL_S):
-            self.update(self.follow.poll())
+            self._poll()
+            self._draw()
+
+    def _poll(self) -> None:
+        with self._lock:
+            events = self.follow.poll()
+            self.update(events)
+            self.matcher.expect(events)
+            summaries, self.view.summaries = self.view.summaries, []
+        for line in summaries:
+            self._print(line)
 
     def update(self, events: list[Event], now: float | None = None) -> None:
-        """The status line shows the newest event that has a console text (its first line); while a compile is in
-        progress (compile_start, no compile_end yet) it shows the compile with its elapsed time instead, counted
-        here every poll ("compiling the sampling graphs, 1st of 2, 45 s so far")."""
-        now = time.monotonic() if now is None else now
-        texts = [t for t in (e.text() for e in events) if t]
-        for e in events:
-            if isinstance(e, CompileEnd):
-                self.compiling = None
-            elif isinstance(e, CompileProgress):
-                self.compiling = (e, now - e.seconds, e.compilations)
-            elif isinstance(e, CompileStart):
-                self.compiling = (e, now, None)
-        if self.compiling is not None:
-            start, since, done = self.compiling
-            texts.append(start.live(now - since, done))
-        if texts and self.status is not None and not self.gone:
-            from rich.markup import escape
+        self.view.feed(events, now)
 
-            try:
-                self.status.update(escape(texts[-1].splitlines()[0]))  # "[epoch 3]" is not rich markup
-            except (OSError, ValueError):
-                self.gone = True
+    def _draw(self, now: float | None = None) -> None:
+        if self.progress is None or self.gone:
+            return
+        from rich.markup import escape
+
+        with self._lock:
+            bars = self.view.bars(now)
+        try:
+            while len(self._tasks) < len(bars):
+                self._tasks.append(self.progress.add_task("", total=None, info=""))
+            while len(self._tasks) > len(bars):
+                self.progress.remove_task(self._tasks.pop())
+            for task, bar in zip(self._tasks, bars):
+                self.progress.update(task, description=escape(bar.label), completed=bar.done or 0,
+                                     total=bar.total, info=escape(bar.info))
+        except (OSError, ValueError):
+            self.gone = True
+
+    def _print(self, text: str) -> None:
+        try:
+            self.console.print(text, markup=False, soft_wrap=True)  # the terminal wraps it, rich does not
+        except (OSError, ValueError):
+            self.gone = True
 
     def show(self, raw: bytes) -> None:
         """Never raises: a console that is gone (closed terminal, broken pipe) is dropped, train.log goes on."""
         if self.gone:
             return
         try:
-            if self.status is None:
+            if self.progress is None:
                 sys.stdout.buffer.write(raw)
                 sys.stdout.flush()
-            else:
-                self.console.print(raw.decode(errors="replace").rstrip("\n"), markup=False)
+                return
         except (OSError, ValueError):
             self.gone = True
+            return
+        self._poll()  # the event behind this line is in events.jsonl already (written before it is printed)
+        line = raw.decode(errors="replace").rstrip("\n").rstrip("\r")
+        with self._lock:
+            drawn = self.matcher.take(line)
+        if not drawn:
+            self._print(line)
+        self._draw()
 
     def __exit__(self, *exc):
-        if self.status is not None:
+        if self.progress is not None:
             self._stop.set()
             self._thread.join()
+            self._poll()
             try:
-                self.status.stop()
+                self.progress.stop()
             except (OSError, ValueError):
                 pass
         return False

@@ -60,3 +60,40 @@ def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: fl
 
 
 __all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "REPO", "clean_env", "read_metrics", "run_train", "wait_for_event"]
+
+
+def run_in_pty(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
+               columns: int = 120) -> tuple[int, str]:
+    """Run cmd with its stdout and stderr on a pseudo-terminal (what a person's terminal gives it); returns its exit
+    code and everything it wrote, escape sequences included."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                            close_fds=True)
+    os.close(slave)
+    out, end = bytearray(), time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: every writer of the terminal is gone
+                    data = b""
+                if not data:
+                    break
+                out += data
+            elif proc.poll() is not None and not select.select([master], [], [], 0.5)[0]:
+                break
+            assert time.monotonic() < end, f"{cmd} did not end within {timeout} s"
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return proc.wait(), out.decode(errors="replace")
