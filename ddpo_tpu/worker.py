@@ -155,7 +155,7 @@ def main() -> int:
         return 2
     validated = validate(OmegaConf.load(run_dir / "config.yaml"))
     ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.execution == "distributed" else None
-    if ranks is not None:  # a rank under torchrun: the launcher (launch/torchrun.py) holds the locks
+    if ranks is not None:  # a rank under torchrun: the launcher (ddpo_tpu/torchrun.py) holds the locks
         _end_with_parent()
         if ranks[0] != 0:
             _rank_console(run_dir, ranks[0])

@@ -12,7 +12,7 @@ import pytest
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu.config.errors import ConfigError
 from ddpo_tpu.config.rules import changed_keys, parity_relevant
-from ddpo_tpu.launch import torchrun
+from ddpo_tpu import torchrun
 from ddpo_tpu.launch.process import training_command
 from tests.test_bad_input import assert_refused, front_end
 
@@ -71,7 +71,7 @@ def test_an_explicit_process_count_is_checked():
 
 def test_the_torchrun_command():
     one = training_command(compose_and_validate(["+experiment=smoke", "tpu_topology=cpu_dist2"]).cfg)
-    assert one[1:3] == ["-m", "ddpo_tpu.launch.torchrun"] and one[-2:] == ["-m", "ddpo_tpu.worker"]
+    assert one[1:3] == ["-m", "ddpo_tpu.torchrun"] and one[-2:] == ["-m", "ddpo_tpu.worker"]
     assert one[one.index("--nproc-per-node") + 1] == "2" and "--standalone" in one
     assert one[one.index("--max-restarts") + 1] == "0"
     two = training_command(compose_and_validate(

@@ -154,7 +154,7 @@ def runtime_variables(cfg: RunConfig) -> dict[str, str]:
 def torchtpu_variables(cfg: RunConfig) -> dict[str, str]:
     """TorchTPU's variables, read at `import torch` in the training process: loaded only for TPU topologies on the
     distributed execution, its compile cache where the config puts caches. (Multi-host launch variables are
-    TorchTPU's own set_tpu_launch_env's, called by the torchrun wrapper: launch/torchrun.py.)"""
+    TorchTPU's own set_tpu_launch_env's, called by the torchrun wrapper: ddpo_tpu/torchrun.py.)"""
     if not cfg.tpu_topology.torchtpu:
         return {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # an installed torch_tpu without a TPU aborts or claims nothing
     out = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}
@@ -193,6 +193,9 @@ def child_environment(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] 
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if k not in OWNED_VARIABLES}
     env.update(runtime_variables(cfg))
+    if cfg.tpu_topology.execution == "distributed" and cfg.tpu_topology.chips_per_host > 1:
+        # torchrun's own default for several processes a node, given here so it does not print a page about it
+        env.setdefault("OMP_NUM_THREADS", "1")
     env[RUN_DIR_VARIABLE] = str(run_dir)
     return env
 

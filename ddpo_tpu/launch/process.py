@@ -37,12 +37,12 @@ def _terminate_with_parent() -> None:
         pass
 
 
-TORCHRUN_MODULE = "ddpo_tpu.launch.torchrun"
+TORCHRUN_MODULE = "ddpo_tpu.torchrun"
 
 
 def training_command(cfg=None) -> list[str]:
     """The training process's command: the worker itself, or for the distributed execution torchrun (through
-    launch/torchrun.py, which reports its ranks' ends as one line and an exit code) starting one worker per device
+    ddpo_tpu/torchrun.py, which reports its ranks' ends as one line and an exit code) starting one worker per device
     of this node."""
     if cfg is None or cfg.tpu_topology.execution != "distributed":
         return [sys.executable, "-m", WORKER_MODULE]

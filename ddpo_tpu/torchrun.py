@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run_dir = envmod.run_dir_from_environment()
     if run_dir is None:
-        print("ddpo_tpu.launch.torchrun is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
+        print("ddpo_tpu.torchrun is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
     cfg = validate(OmegaConf.load(run_dir / "config.yaml")).cfg
     locks = hold_locks(cfg, run_dir)
