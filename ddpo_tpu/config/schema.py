@@ -244,10 +244,6 @@ class TopologyConfig(_Strict):
         return self.chips if self.execution == "distributed" else self.hosts
 
     @property
-    def processes_per_host(self) -> int:
-        return self.chips_per_host if self.execution == "distributed" else 1
-
-    @property
     def torchtpu(self) -> bool:
         """TPU chips driven by TorchTPU (plain PyTorch, `torch.device("tpu")`) instead of torch_xla."""
         return self.execution == "distributed" and self.accelerator.startswith("tpu")

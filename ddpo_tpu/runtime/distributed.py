@@ -209,12 +209,6 @@ class DistributedRuntime(Runtime):
         return Counters(compilations=int(counters["stats"]["unique_graphs"]), compile_time_s=float(seconds),
                         host_transfers=self._transfers)
 
-    def recompilations(self) -> int:
-        """Frames dynamo compiled again after a guard failed (dynamo's own count)."""
-        from torch._dynamo.utils import counters
-
-        return int(sum(counters["recompiles"].values()))
-
     def device_peak_gib(self) -> float | None:
         if self.device.type == "cpu":
             return None
