@@ -134,11 +134,11 @@ def _rank_console(run_dir: Path, rank: int) -> None:
 def _end_with_parent() -> None:
     """A distributed rank gets SIGTERM when torchrun dies (SIGKILL, OOM killer), as the front end does for its child:
     it checkpoints or stops instead of holding its device as an orphan."""
-    import ctypes
     import signal
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    from ddpo_tpu.launch.process import terminate_with_parent
+
+    terminate_with_parent()
     if os.getppid() == 1:  # torchrun died before the line above
         os.kill(os.getpid(), signal.SIGTERM)
 

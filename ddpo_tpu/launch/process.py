@@ -25,9 +25,10 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoin
 DOCUMENTED = (EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BUSY, EXIT_PREEMPTED)
 
 
-def _terminate_with_parent() -> None:
-    """In the child, before exec: if the front end dies (SIGKILL, a dropped SSH session), the training process gets
-    SIGTERM, so it checkpoints and stops instead of running on as an orphan that holds the accelerator."""
+def terminate_with_parent() -> None:
+    """In the child, before exec (and in each distributed rank, for torchrun): if the parent dies (SIGKILL, a dropped
+    SSH session), this process gets SIGTERM, so it checkpoints and stops instead of running on as an orphan that holds
+    the accelerator."""
     try:
         import ctypes
 
@@ -77,7 +78,7 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, pass_fds=() if handed is None else (handed,),
-                                preexec_fn=_terminate_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=terminate_with_parent if sys.platform.startswith("linux") else None)
     finally:
         if handed is not None:
             os.close(handed)  # the child has its copy; ours is the lock's own descriptor
