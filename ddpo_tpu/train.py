@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated, conf_dir, overridden_keys, validate
-from ddpo_tpu.config.errors import ConfigError
+from ddpo_tpu.problems import ConfigError
 from ddpo_tpu.launch import env as envmod
 from ddpo_tpu.launch import lora_targets, xla_flags
 from ddpo_tpu.launch import process
@@ -186,7 +186,7 @@ def _changed_sweep_point(validated, num: int) -> list[str]:
     send job N into the dir of an earlier, different point and overwrite its config.yaml. Refused by name."""
     from omegaconf import OmegaConf
 
-    from ddpo_tpu.config import rules
+    from ddpo_tpu.config import resume
 
     cfg = validated.cfg
     job_dir = Path(storage.local_root(cfg.output_root)).expanduser() / f"{cfg.run_name}-multirun" / str(num)
@@ -198,9 +198,9 @@ def _changed_sweep_point(validated, num: int) -> list[str]:
     except Exception as e:  # noqa: BLE001 -- any unreadable file is reported the same way
         return [f"run_name={cfg.run_name}: {saved_file} cannot be read ({type(e).__name__}) (use a new run_name "
                 f"for this sweep)"]
-    then = rules.parity_relevant(saved)
-    now = rules.parity_relevant(json.loads(json.dumps(validated.tree, default=str)))
-    changed = rules.changed_keys(then, now)
+    then = resume.resume_relevant(saved)
+    now = resume.resume_relevant(json.loads(json.dumps(validated.tree, default=str)))
+    changed = resume.changed_keys(then, now)
     if not changed:
         return []
     key = changed[0]

@@ -54,7 +54,9 @@ def test_ema_is_swapped_in_and_the_trained_weights_come_back_exactly(rt):
 
 
 def _train_state(rt, ema: bool):
-    cfg = compose_and_validate(["+experiment=smoke", f"train.ema={str(ema).lower()}", "train.ema_every=1"]).cfg
+    # (train.ema_every only with the EMA on: config/enablement.py refuses it otherwise)
+    cfg = compose_and_validate(["+experiment=smoke", f"train.ema={str(ema).lower()}",
+                                *(["train.ema_every=1"] if ema else [])]).cfg
     model = torch.nn.Linear(3, 2)
     return TrainState(model, cfg.train, rt), model
 
@@ -141,7 +143,7 @@ def test_the_ddim_eval_step_with_eta_0_is_diffusers_deterministic_ddim(tmp_path)
 
 
 def test_evaluation_keys_compose_and_are_checked():
-    cfg = compose_and_validate(["+experiment=flow_grpo_smoke", "evaluation.num_steps=12",
+    cfg = compose_and_validate(["+experiment=flow_grpo_smoke", "evaluation.every_n_epochs=1", "evaluation.num_steps=12",
                                 "evaluation.deterministic=true", "train.ema=true"]).cfg
     assert cfg.evaluation.num_steps == 12 and cfg.evaluation.deterministic and cfg.train.ema
     from ddpo_tpu.config.compose import ConfigError

@@ -30,7 +30,8 @@ import torch
 from ddpo_tpu import checkpoint as ckpt
 from ddpo_tpu import events as ev
 from ddpo_tpu.config.compose import Validated
-from ddpo_tpu.config.rules import activation_checkpointing, fused_timesteps, num_train_timesteps
+from ddpo_tpu.config.batch import num_train_timesteps
+from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.ddpo.algorithm import make_algorithm
 from ddpo_tpu.ddpo.state import TrainState

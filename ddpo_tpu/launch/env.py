@@ -22,7 +22,7 @@ OWNED_VARIABLES: dict[str, str] = {
     "DDPO_TPU_SYNC_EVERY_STEP": "xla.sync_every_n_denoising_steps",
     "DDPO_TPU_SYNC_EVERY_BATCH": "xla.sync_every_n_sampling_batches",
     "DDPO_TPU_USE_ACCELERATE_GATHER": "xla.gather (device or host)",
-    "DDPO_TPU_SHUFFLE_TIMESTEPS": "xla.shuffle_timesteps",
+    "DDPO_TPU_SHUFFLE_TIMESTEPS": "algorithm.shuffle_timesteps",
     "XLA_USE_BF16": "train.mixed_precision=bf16 (and model.dtype)",
     "XLA_DOWNCAST_BF16": "train.mixed_precision=bf16 (and model.dtype)",
     "PT_XLA_DEBUG": "xla.debug_level",

@@ -200,7 +200,7 @@ def validated_topology(overrides: list[str], multirun: bool):
     """The front end's validation of every run (every sweep point); returns (topology, output_root). What it checks
     about this machine (libtpu, credentials, locks, earlier job dirs) belongs to the workers and is not checked here:
     each worker's front end checks it before it writes anything."""
-    from ddpo_tpu.config.errors import ConfigError
+    from ddpo_tpu.problems import ConfigError
     from ddpo_tpu.train import compose_points
 
     try:
