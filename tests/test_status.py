@@ -266,11 +266,23 @@ def test_the_staleness_threshold_follows_the_longest_phase():
     assert facts_of(**{**kw, "t_last": NOW - 1600}).rule == "no_activity"
 
 
-def test_derive_is_pure():
-    run = RunFiles(events=stamped(attempt(run_start(), *epoch_events(0, "batch 1")), NOW - 10), metrics=metrics(0))
-    a, b = status.derive(run, now=NOW), status.derive(run, now=NOW)
+def test_derive_is_pure(monkeypatch):
+    """No clock and no files: the same inputs give equal facts, the inputs are left as they were, and neither
+    time.time, open nor os.stat is called (the run dir does not even exist)."""
+    import builtins
+    import copy
+
+    run = RunFiles(run_dir="/no/such/run", events=stamped(attempt(run_start(), *epoch_events(0, "batch 1")), NOW - 10),
+                   metrics=metrics(0))
+    before = copy.deepcopy(run)
+    with monkeypatch.context() as m:
+        for owner, name in ((time, "time"), (builtins, "open"), (os, "stat")):
+            m.setattr(owner, name, lambda *a, _n=name, **k: pytest.fail(f"derive called {_n}"))
+        a, b = status.derive(run, now=NOW), status.derive(run, now=NOW)
+        later = status.derive(run, now=NOW + 5000)
+    assert run == before
     assert a == b and a.now == NOW and a.last_event_age_s == pytest.approx(7.0)  # 4 events, 1 s apart
-    assert status.derive(run, now=NOW + 5000).rule == "no_activity"
+    assert later.rule == "no_activity" and later.last_event_age_s == pytest.approx(5007.0)
 
 
 # --- reading a run dir and the CLI ---------------------------------------------------------------------------------
@@ -448,26 +460,23 @@ def test_lock_of_another_run_is_not_this_run(tmp_path):
     assert facts.state == "stopped" and facts.live_process is None
 
 
-def _heartbeat(run_dir: Path, age: float) -> None:
-    (run_dir / status.HEARTBEAT_FILE).write_text(json.dumps({"time": time.time() - age, "pid": 4242, "hostname": "h",
-                                                             "interval_s": 10.0}))
-
-
 def test_heartbeat_file_and_run_dir_lock(tmp_path):
+    """The heartbeat the training process writes (rundir.Heartbeat) is what status reads: over a minute old with no
+    lock holder reads as dead; a held run dir lock as running; a fresh beat as running."""
     from ddpo_tpu.launch.lock import RunDirLock
-    from ddpo_tpu.rundir import HEARTBEAT_FILE
+    from ddpo_tpu.rundir import Heartbeat
 
-    assert status.HEARTBEAT_FILE == HEARTBEAT_FILE
-    # SIGKILLed mid-epoch 70 s ago, front end killed too: no exit recorded
+    # SIGKILLed mid-epoch, front end killed too: no exit recorded; looked at 70 s after its last beat
     run = make_run(tmp_path / "run", num_epochs=6, done=3, t0=time.time() - 100, tail=epoch_events(3, "training"))
-    age_files(run, 70)
-    _heartbeat(run, age=70)
-    facts = status.collect(run)  # the real probe: run_dir/lock and this host's accelerator lock
-    assert (facts.state, facts.stop_reason) == ("stopped", "dead"), facts.decided_by
+    age_files(run, 0)
+    Heartbeat(run).beat()
+    later = time.time() + 70
+    facts = status.collect(run, now=later)  # the real probe: run_dir/lock and this host's accelerator lock
+    assert (facts.state, facts.stop_reason, facts.rule) == ("stopped", "dead", "heartbeat_dead"), facts.decided_by
+    assert facts.heartbeat_age_s == pytest.approx(70, abs=5) and f"pid {os.getpid()}" in facts.decided_by
     with RunDirLock(run):
-        assert status.collect(run).rule == "lock_holder"
-    _heartbeat(run, age=5)
-    assert status.collect(run).state == "running"
+        assert status.collect(run, now=later).rule == "lock_holder"
+    assert status.collect(run).state == "running"  # the same beat, read now: alive
 
 
 def test_not_started(tmp_path, capsys):
@@ -483,10 +492,7 @@ def test_json_output_parses_and_has_the_fields(tmp_path, capsys):
     code, out, _ = run_cli(capsys, run, "--json")
     assert code == 0
     facts = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    for key in ("run_name", "state", "rule", "decided_by", "num_epochs", "epochs_done", "current_epoch", "phase",
-                "phase_detail", "last_event_time", "samples_per_s", "eta_s", "reward", "reward_curve", "epochs",
-                "last_error", "notes"):
-        assert key in facts
+    assert list(facts) == [f.name for f in dataclasses.fields(status.Facts)]  # every field, by its name
     assert facts["run_name"] == "js" and facts["state"] == "running"
     assert facts["num_epochs"] == 8 and facts["current_epoch"] == 4 and facts["phase"] == "training"
     assert facts["epochs"][0]["reward_mean"] == pytest.approx(0.1)
@@ -536,6 +542,39 @@ def test_torn_lines_and_runs_from_before_events(tmp_path, capsys):
     facts = status.collect(run, lock_paths=[])
     assert facts.epochs_done == 3 and facts.attempts == 0
     assert any("no events.jsonl" in n for n in facts.notes)
+
+
+LAYOUT = {"tensors": 12, "sharded": 8, "bytes_total": 64 << 20, "bytes_per_device": 16 << 20}
+OLD_LAYOUT = {"tensors": 3, "sharded": 0, "bytes_total": 2 << 20, "bytes_per_device": 2 << 20}
+
+
+def _append(path: Path, *records: dict) -> None:
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("where", ["own event", "run_start field", "metrics only", "nowhere"])
+def test_state_layout_from_events_else_metrics(tmp_path, capsys, where):
+    """The trainer records the state layout in events.jsonl (its own event, or a field of run_start); run dirs of
+    older versions have it only as a metrics.jsonl event line. events.jsonl wins where both are."""
+    run = make_run(tmp_path / "lay", done=2, tail=COMPLETE)
+    t = time.time()
+    if where != "nowhere":  # an older layout in metrics.jsonl: read only when events.jsonl has none
+        _append(run / "metrics.jsonl", {"time": t, "kind": "event", "event": "state_layout",
+                                        **(LAYOUT if where == "metrics only" else OLD_LAYOUT)})
+    if where == "own event":
+        _append(run / ev.EVENTS_FILE, {"time": t, "pid": 1, "event": "state_layout", **LAYOUT})
+    if where == "run_start field":
+        _append(run / ev.EVENTS_FILE, {"time": t, "pid": 1, **run_start(2).record(), "state_layout": LAYOUT})
+    facts = status.collect(run, lock_paths=[])
+    if where == "nowhere":
+        assert facts.state_layout is None and "\nlayout " not in run_cli(capsys, run)[1]
+        return
+    source = "metrics.jsonl" if where == "metrics only" else "events.jsonl"
+    assert facts.state_layout == status.Layout(**LAYOUT, source=source)
+    assert not any("does not know" in n for n in facts.notes)  # a layout event is read, not an unknown one
+    out = run_cli(capsys, run)[1]
+    assert f"layout      12 state tensors, 8 sharded: 16.0 MiB per device of 64.0 MiB (from {source})" in out
 
 
 def test_sparkline_width_and_flat_curve():
