@@ -202,14 +202,16 @@ def render_sweep(s: Sweep, console: Any = None) -> None:
     console.print(Text(_counts(s)), soft_wrap=True)
     if s.common:
         console.print(Text("every point: " + " ".join(s.common), style="dim"), soft_wrap=True)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col, justify in (("job", "right"), ("overrides", "left"), ("state", "left"), ("epochs", "right"),
-                         ("last reward", "right"), ("best reward", "right"), ("last event", "right")):
-        table.add_column(col, justify=justify, overflow="fold")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    longest = max((len(o) for p in s.points for o in p.overrides), default=1)
+    table.add_column("job", justify="right", no_wrap=True)
+    table.add_column("overrides", min_width=min(longest, 48), overflow="fold")  # one a line
+    table.add_column("state")
+    for col in ("epochs", "reward", "best", "updated"):  # the last reward mean, the best one, the last event
+        table.add_column(col, justify="right", no_wrap=True)
     for p in s.points:
-        best = "-" if p.reward_best is None else f"{fmt(p.reward_best)} (epoch {p.best_epoch})"
-        table.add_row(str(p.job), " ".join(p.overrides) or "-", Text(p.state_label, style=STATE_STYLE.get(p.state, "")),
-                      _epochs(p), fmt(p.reward_last), best,
+        table.add_row(str(p.job), "\n".join(p.overrides) or "-", Text(p.state_label, style=STATE_STYLE.get(p.state, "")),
+                      _epochs(p), fmt(p.reward_last), fmt(p.reward_best),
                       "-" if p.last_event_age_s is None else ago(p.last_event_age_s))
     console.print(table)
 
