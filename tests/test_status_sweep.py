@@ -79,12 +79,12 @@ def test_cli_table_brief_and_json(tmp_path, capsys):
     sweep = make_sweep(tmp_path)
     code, out, _ = run_cli(capsys, sweep)
     assert code == 0
-    assert "sweep of 3 point(s)" in out and "1 finished, 1 failed, 1 not started" in out
+    assert out.startswith(f"sweep of 3 point(s) (1 finished, 1 failed, 1 not started)  {sweep}\n")
     assert "every point: +experiment=smoke num_epochs=4" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
     assert set(rows) == {"0", "1", "2"}
     assert "train.learning_rate=0.0001" in rows["0"] and "finished" in rows["0"] and "4/4" in rows["0"]
-    assert rows["0"].split()[-5:-3] == ["0.2500", "0.3000"]  # the last reward mean, the best
+    assert rows["0"].split()[-3:-1] == ["0.2500", "0.3000"]  # the last reward mean, the best
     assert "train.learning_rate=0.0003" in rows["1"] and "failed" in rows["1"] and "2/4" in rows["1"]
     assert "not started" in rows["2"]
 
@@ -99,6 +99,18 @@ def test_cli_table_brief_and_json(tmp_path, capsys):
     assert code == 0 and data["sweep_dir"] == str(sweep) and data["common"] == COMMON
     assert [(p["job"], p["state"], p["epochs_done"]) for p in data["points"]] == [(0, "finished", 4), (1, "failed", 2),
                                                                                  (2, "not started", 0)]
+
+
+def test_overrides_are_shown_whole_however_narrow_the_console(tmp_path, capsys, monkeypatch):
+    """A cut or folded override would name another point; brackets are a value, not rich markup."""
+    monkeypatch.setenv("COLUMNS", "60")
+    sweep = make_sweep(tmp_path)
+    lora = "model.lora.target_modules=[to_q,to_k,to_v,to_out.0]"
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([*COMMON, lora, "seed=7"]))
+    out = run_cli(capsys, sweep)[1]
+    lines = out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.split()[:1] == ["1"])
+    assert lora in lines[row] and "failed" in lines[row] and lines[row + 1].split() == ["seed=7"]
 
 
 def test_a_point_dir_is_still_one_run_and_a_dir_of_neither_exits_2(tmp_path, capsys):

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu.status.decide import ago
 from ddpo_tpu.status.facts import DEFAULT_STALE_S, Facts, collect, finite
 from ddpo_tpu.status.read import CONFIG_FILE, bucket_problem, read_config
 from ddpo_tpu.status.render import STATE_STYLE, fmt
@@ -178,6 +177,20 @@ def _bucket_config(fs, path: str) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def short_age(seconds: float | None) -> str:
+    """Time since, in at most 6 characters: 42s, 12m05s, 3h07m, 2d04h."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(round(seconds)))
+    if s < 90:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def _counts(s: Sweep) -> str:
     counts: dict[str, int] = {}
     for p in s.points:
@@ -197,23 +210,22 @@ def render_sweep(s: Sweep, console: Any = None) -> None:
 
     console = console or Console(highlight=False)
     head = Text(f"sweep of {len(s.points)} point(s)", style="bold")
+    head.append(f" ({_counts(s)})")
     head.append(f"  {s.sweep_dir}", style="dim")
     console.print(head, soft_wrap=True)
-    console.print(Text(_counts(s)), soft_wrap=True)
     if s.common:
         console.print(Text("every point: " + " ".join(s.common), style="dim"), soft_wrap=True)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    longest = max((len(o) for p in s.points for o in p.overrides), default=1)
-    table.add_column("job", justify="right", no_wrap=True)
-    table.add_column("overrides", min_width=min(longest, 48), overflow="fold")  # one a line
-    table.add_column("state")
-    for col in ("epochs", "reward", "best", "updated"):  # the last reward mean, the best one, the last event
-        table.add_column(col, justify="right", no_wrap=True)
-    for p in s.points:
-        table.add_row(str(p.job), "\n".join(p.overrides) or "-", Text(p.state_label, style=STATE_STYLE.get(p.state, "")),
-                      _epochs(p), fmt(p.reward_last), fmt(p.reward_best),
-                      "-" if p.last_event_age_s is None else ago(p.last_event_age_s))
-    console.print(table)
+    for col, justify in (("job", "right"), ("overrides", "left"), ("state", "left"), ("epochs", "right"),
+                         ("reward", "right"), ("best", "right"), ("updated", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for p in s.points:  # reward: the last epoch's reward mean; updated: since the last event
+        table.add_row(str(p.job), Text("\n".join(p.overrides) or "-"),  # Text: "[a,b]" is not rich markup
+                      Text(p.state_label, style=STATE_STYLE.get(p.state, "")), _epochs(p), fmt(p.reward_last),
+                      fmt(p.reward_best), short_age(p.last_event_age_s))
+    # whole rows, whatever the console's width: a cut override would name another point (the terminal wraps)
+    Console(file=console.file, width=10_000, highlight=False, force_terminal=console.is_terminal,
+            color_system=console.color_system, no_color=console.no_color).print(table)
 
 
 def render_sweep_brief(s: Sweep, out=None) -> None:
