@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu.status.facts import DEFAULT_STALE_S, Facts, collect, finite
-from ddpo_tpu.status.read import CONFIG_FILE, bucket_problem, read_config
+from ddpo_tpu.status.facts import DEFAULT_STALE_S, Facts, derive, finite
+from ddpo_tpu.status.read import CONFIG_FILE, bucket_problem, read_any
 from ddpo_tpu.status.render import STATE_STYLE, fmt
 
 OVERRIDES_FILE = ".hydra/overrides.yaml"
@@ -118,6 +118,27 @@ def _row(job: int, run_dir: str, overrides: tuple[str, ...], f: Facts | None) ->
                     None if rw is None else rw.best_epoch, f.last_event_age_s)
 
 
+def _point(target: str | Path, now: float | None, stale_after: float,
+           lock_paths: list[Path] | None) -> tuple[Facts | None, dict | None]:
+    """(facts, config) of a job dir, local or in a bucket; (None, None) for one not composed yet (the front end
+    created it, and its lock, before the first job started)."""
+    import time
+
+    try:
+        run = read_any(target, lock_paths)
+    except FileNotFoundError:
+        return None, None
+    return derive(run, time.time() if now is None else now, stale_after), run.cfg
+
+
+def _sweep(where: str, jobs: list[str], targets: list, given: list[list[str] | None], now: float | None,
+           stale_after: float, lock_paths: list[Path] | None) -> Sweep:
+    points = [_point(t, now, stale_after, lock_paths) for t in targets]
+    common, own = point_overrides(given, [cfg for _, cfg in points])
+    return Sweep(where, common, tuple(_row(int(j), str(t), o, f) for j, t, o, (f, _) in zip(jobs, targets, own,
+                                                                                            points)))
+
+
 def summarise(sweep_dir: str | Path, now: float | None = None, stale_after: float = DEFAULT_STALE_S,
               lock_paths: list[Path] | None = None) -> Sweep:
     """Every point of a local sweep dir. Raises FileNotFoundError when it holds no numbered job dir."""
@@ -126,19 +147,13 @@ def summarise(sweep_dir: str | Path, now: float | None = None, stale_after: floa
     if not jobs:
         raise FileNotFoundError(f"{root}: no config.yaml and no numbered job dirs here, so neither a ddpo_tpu run "
                                 "dir nor a sweep dir (outputs/<run_name>-multirun)")
-    facts, configs = [], []
-    for job in jobs:
-        try:
-            facts.append(collect(job, now, stale_after, lock_paths))
-        except FileNotFoundError:  # created (and locked) by the front end, not composed yet
-            facts.append(None)
-        configs.append(read_config(job / CONFIG_FILE, []) if facts[-1] is not None else None)
-    common, own = point_overrides([_read_overrides(j) for j in jobs], configs)
-    return Sweep(str(root), common, tuple(_row(int(j.name), str(j), o, f) for j, o, f in zip(jobs, own, facts)))
+    return _sweep(str(root), [j.name for j in jobs], jobs, [_read_overrides(j) for j in jobs], now, stale_after,
+                  lock_paths)
 
 
 def summarise_bucket(url: str, now: float | None = None, stale_after: float = DEFAULT_STALE_S) -> Sweep:
-    """Every point of a sweep dir in a bucket. Raises FileNotFoundError when it holds no numbered job dir."""
+    """Every point of a sweep dir in a bucket (no .hydra/ there: the points are told apart by their configs).
+    Raises FileNotFoundError when it holds no numbered job dir."""
     from ddpo_tpu import storage
 
     problem = bucket_problem(url)
@@ -155,26 +170,7 @@ def summarise_bucket(url: str, now: float | None = None, stale_after: float = DE
     if not jobs:
         raise FileNotFoundError(f"{url}: no config.yaml and no numbered job dirs there, so neither a ddpo_tpu run "
                                 "dir nor a sweep dir in the bucket")
-    facts = []
-    for n in jobs:
-        try:
-            facts.append(collect(str(base.join(n)), now, stale_after))
-        except FileNotFoundError:
-            facts.append(None)
-    configs = [None if f is None else _bucket_config(fs, base.join(n, CONFIG_FILE).path) for n, f in zip(jobs, facts)]
-    common, own = point_overrides([None] * len(jobs), configs)
-    return Sweep(url.rstrip("/"), common, tuple(_row(int(n), str(base.join(n)), o, f)
-                                                for n, o, f in zip(jobs, own, facts)))
-
-
-def _bucket_config(fs, path: str) -> dict:
-    import yaml
-
-    try:
-        cfg = yaml.safe_load(fs.cat_file(path))
-    except (OSError, yaml.YAMLError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
+    return _sweep(str(base), jobs, [str(base.join(n)) for n in jobs], [None] * len(jobs), now, stale_after, None)
 
 
 def short_age(seconds: float | None) -> str:
