@@ -12,8 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +111,7 @@ class RunDir:
     def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
                         name: str = "epoch") -> Path:
         """A grid of an epoch's first images (uint8, B x H x W x 3) with a caption file of prompts and rewards."""
+        import numpy as np  # here, not at the top: ddpo-status imports HEARTBEAT_FILE without numpy
         from PIL import Image
 
         n = min(len(images), 16)
@@ -142,6 +141,8 @@ class RunDir:
 
 
 def _jsonable(x: Any) -> Any:
+    import numpy as np
+
     if isinstance(x, (np.floating, np.integer)):
         return x.item()
     if isinstance(x, np.ndarray):

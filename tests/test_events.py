@@ -327,8 +327,8 @@ def test_an_xla_run_says_what_it_compiles_while_it_compiles(tmp_path, model_cach
         while proc.poll() is None:
             if (run / ev.EVENTS_FILE).is_file():
                 facts = status.collect(run, lock_paths=[])
-                if facts["compiling"] is not None:
-                    seen.append(facts["phase_detail"])
+                if facts.compiling is not None:
+                    seen.append(facts.phase_detail)
             time.sleep(0.5)
         out = proc.stdout.read()
     finally:
