@@ -170,9 +170,9 @@ def hub_cache_problems(cfg, overrides: list[str] = ()) -> list[str]:
 
 # --- trackers --------------------------------------------------------------------------------------------------------
 
-# what wandb.init refuses before it logs anything (wandb/sdk/wandb_settings.py, validate_project, wandb 0.31)
+# what wandb.init refuses in a project name (wandb/sdk/wandb_settings.py, validate_project, wandb 0.31; its limit of
+# 128 characters is the schema's)
 WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
-WANDB_PROJECT_MAX = 128
 
 
 def tracker_problems(cfg, overrides: list[str] = ()) -> list[str]:
@@ -184,12 +184,15 @@ def tracker_problems(cfg, overrides: list[str] = ()) -> list[str]:
         return []
     out = []
     bad = sorted({c for c in logger.project if c in WANDB_PROJECT_FORBIDDEN})
-    if bad or len(logger.project) > WANDB_PROJECT_MAX:
-        why = (f"contains {' '.join(bad)}, which wandb refuses in a project name" if bad
-               else f"is longer than wandb's {WANDB_PROJECT_MAX} characters")
-        suggestion = "".join("-" if c in WANDB_PROJECT_FORBIDDEN else c for c in logger.project)[:WANDB_PROJECT_MAX]
-        out.append(f"logger.project={logger.project}{origin('logger.project', overrides)}: {why} (set "
-                   f"logger.project={suggestion}; a team or user goes in logger.entity)")
+    if bad:
+        why = f"contains {' '.join(bad)}, which wandb refuses in a project name"
+        owner, _, name = logger.project.partition("/")
+        if bad == ["/"] and owner and name and "/" not in name and logger.entity is None:  # wandb's entity/project
+            fix = f"set logger.entity={owner} logger.project={name}"
+        else:
+            fix = (f"set logger.project={''.join('-' if c in WANDB_PROJECT_FORBIDDEN else c for c in logger.project)}"
+                   f"; a team or user goes in logger.entity")
+        out.append(f"logger.project={logger.project}{origin('logger.project', overrides)}: {why} ({fix})")
     if logger.mode == "online" and envmod.wandb_credentials() is None:
         out.append("logger.mode=online: wandb has no API key (WANDB_API_KEY is unset and ~/.netrc has no "
                    "api.wandb.ai entry) (run `wandb login` or export WANDB_API_KEY=...; or set "
