@@ -65,7 +65,7 @@ def test_hub_model_missing_from_the_local_cache(tmp_path, monkeypatch):
                            f"model.local_files_only=true and the local Hugging Face cache ({cache}) lacks "
                            f"model_index.json")
     include = " ".join(f"--include '{s}/*'" for s in FAMILY_SUBFOLDERS["sd1"])
-    assert f"`hf download {SD14} --include model_index.json {include}" in line
+    assert f"`hf download {SD14} --include model_index.json {include} --exclude '*.bin'" in line
     assert "model.pretrained=DIR" in line and "model.local_files_only=false" in line
 
     # in the cache's layout: found, or named by the folders a partial download lacks (no network either way)
@@ -106,3 +106,13 @@ def test_wandb_names_match_wandbs_own_check():
         except Exception:  # noqa: BLE001 -- wandb's UsageError or pydantic's wrapper of it
             theirs = True
         assert bool(ours) == theirs, project
+
+
+def test_sd35_with_t5_needs_its_encoder_folders_too():
+    cfg = compose_and_validate(["model=sd35_medium", "sampler=flow_sde10", "train.mixed_precision=bf16"]).cfg
+    assert cfg.model.text_encoder_3
+    folders = machine.model_folders(cfg.model)
+    assert folders[-2:] == ("text_encoder_3", "tokenizer_3") and set(FAMILY_SUBFOLDERS["sd3"]) <= set(folders)
+    command = machine.download_command(cfg.model, local_dir="/data/sd35m")
+    assert "--include 'text_encoder_3/*' --include 'tokenizer_3/*'" in command
+    assert command.endswith("--local-dir /data/sd35m")

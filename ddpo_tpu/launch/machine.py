@@ -129,14 +129,26 @@ def is_hub_id(pretrained: str) -> bool:
     return True
 
 
-def download_command(pretrained: str, family: str, revision: str | None = None, local_dir: str | None = None) -> str:
-    """The `hf download` that fetches exactly what the family's loader reads (model_index.json and its subfolders)."""
+# the weights diffusers loads from a repo that also holds others: safetensors (not .bin), full precision (not the fp16
+# or non-EMA variants), no single-file checkpoints at the root
+DOWNLOAD_EXCLUDES = ("*.bin", "*fp16*", "*non_ema*", "*.ckpt")
+
+
+def model_folders(model) -> tuple[str, ...]:
+    """The subfolders of a diffusers checkpoint the model's loader reads (SD 3 with T5: its encoder too)."""
     from ddpo_tpu.config.rules import FAMILY_SUBFOLDERS
 
-    parts = ["hf download", pretrained, "--include model_index.json"]
-    parts += [f"--include '{s}/*'" for s in FAMILY_SUBFOLDERS[family]]
-    if revision:
-        parts.append(f"--revision {revision}")
+    t5 = ("text_encoder_3", "tokenizer_3") if getattr(model, "text_encoder_3", False) else ()
+    return tuple(FAMILY_SUBFOLDERS[model.family]) + t5
+
+
+def download_command(model, local_dir: str | None = None) -> str:
+    """The `hf download` that fetches what the model's loader reads (model_index.json and its subfolders), no more."""
+    parts = ["hf download", model.pretrained, "--include model_index.json"]
+    parts += [f"--include '{s}/*'" for s in model_folders(model)]
+    parts += [f"--exclude '{x}'" for x in DOWNLOAD_EXCLUDES]
+    if model.revision:
+        parts.append(f"--revision {model.revision}")
     if local_dir:
         parts.append(f"--local-dir {local_dir}")
     return " ".join(parts)
@@ -151,20 +163,18 @@ def hub_cache_problems(cfg, overrides: list[str] = ()) -> list[str]:
         return []
     from huggingface_hub import constants, try_to_load_from_cache
 
-    from ddpo_tpu.config.rules import FAMILY_SUBFOLDERS
-
     found = try_to_load_from_cache(m.pretrained, "model_index.json", revision=m.revision)
     missing = ["model_index.json"]
     if isinstance(found, str):
         snapshot = Path(found).parent
-        missing = [f"{s}/" for s in FAMILY_SUBFOLDERS[m.family] if not (snapshot / s).is_dir()]
+        missing = [f"{s}/" for s in model_folders(m) if not (snapshot / s).is_dir()]
     if not missing:
         return []
     rev = f" (model.revision={m.revision})" if m.revision else ""
     where = origin("model.pretrained", overrides)
     return [f"model.pretrained={m.pretrained}{where}: model.local_files_only=true and the local Hugging Face cache "
             f"({constants.HF_HUB_CACHE}) lacks {', '.join(missing)}{rev} (download it once: "
-            f"`{download_command(m.pretrained, m.family, m.revision)}`; or point model.pretrained=DIR at a local "
+            f"`{download_command(m)}`; or point model.pretrained=DIR at a local "
             f"copy; or set model.local_files_only=false to download at start)"]
 
 
