@@ -338,10 +338,9 @@ FAKE_TRAIN = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def workdir(tmp_path):
+def worker_dir(tmp_path: Path) -> Path:
     """WORKDIR on a worker: .venv/bin/python (this Python, with its packages) and a ddpo_tpu package that `-m` finds
-    first (cwd) whose train module is the stand-in and whose other modules are the real ones."""
+    first (cwd) whose modules are this checkout's."""
     wd = tmp_path / "work dir"  # a space, so the cd is quoted
     (wd / ".venv" / "bin").mkdir(parents=True)
     python = wd / ".venv" / "bin" / "python"
@@ -349,6 +348,13 @@ def workdir(tmp_path):
     python.chmod(0o755)
     (wd / "ddpo_tpu").mkdir()
     (wd / "ddpo_tpu" / "__init__.py").write_text(f"__path__.append({str(REPO / 'ddpo_tpu')!r})\n")
+    return wd
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A worker's WORKDIR whose train module is the stand-in (the other modules are the real ones)."""
+    wd = worker_dir(tmp_path)
     (wd / "ddpo_tpu" / "train.py").write_text(FAKE_TRAIN)
     yield wd
     pid_file = wd / "train.pid"
@@ -490,15 +496,8 @@ def test_worker_side_paths_are_left_to_the_workers(capsys):
 
 @pytest.fixture
 def real_workdir(tmp_path):
-    """WORKDIR on a worker whose ddpo_tpu is this checkout's, front end included."""
-    wd = tmp_path / "work dir"
-    (wd / ".venv" / "bin").mkdir(parents=True)
-    python = wd / ".venv" / "bin" / "python"
-    python.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
-    python.chmod(0o755)
-    (wd / "ddpo_tpu").mkdir()
-    (wd / "ddpo_tpu" / "__init__.py").write_text(f"__path__.append({str(REPO / 'ddpo_tpu')!r})\n")
-    return wd
+    """A worker's WORKDIR whose ddpo_tpu is this checkout's, front end included."""
+    return worker_dir(tmp_path)
 
 
 def test_the_workers_check_runs_the_front_ends_check(real_workdir):
