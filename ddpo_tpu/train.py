@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     check_only = any(a in CHECK_FLAGS for a in argv)
     argv = [a for a in argv if a not in CHECK_FLAGS]
     points = preflight(argv, check_only)
-    if check_only:
+    if check_only and points:  # (with --cfg or --info there are none: Hydra shows what was asked, runs nothing)
         print_check(points)
         return
 

@@ -116,3 +116,17 @@ def test_sd35_with_t5_needs_its_encoder_folders_too():
     command = machine.download_command(cfg.model, local_dir="/data/sd35m")
     assert "--include 'text_encoder_3/*' --include 'tokenizer_3/*'" in command
     assert command.endswith("--local-dir /data/sd35m")
+
+
+def test_the_machine_checks_import_no_torch(tmp_path):
+    code = ("import sys\n"
+            "from ddpo_tpu.config.compose import compose_and_validate\n"
+            "from ddpo_tpu.launch import machine\n"
+            "cfg = compose_and_validate(['model=sd14', 'model.local_files_only=true', 'logger=wandb',\n"
+            "                            'logger.mode=offline', 'logger.project=a/b']).cfg\n"
+            "assert len(machine.problems(cfg, [])) == 2\n"
+            "print([m for m in ('torch', 'diffusers', 'transformers', 'wandb') if m in sys.modules])\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(HF_HUB_CACHE=str(tmp_path)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
