@@ -12,9 +12,9 @@ the training command on EVERY worker: launched on worker 0 only, a v6e-16 run se
 runtime aborts: tpu_topology.processes does not match). This launcher
 1. composes and validates the config of every run here, with the front end's own check (ddpo_tpu.launch.sweep);
    an invalid config prints one line per problem and exits 2 without touching the TPU. What only the workers can
-   know is not judged here: the paths of WORKER_PATH_KEYS (a local model.pretrained, prompts.file, reward.mlp_path,
-   resume=PATH, xla.compilation_cache_dir) and the workers' machine (xla.flags names against their XLA, libtpu, the
-   Hugging Face cache, credentials, a busy TPU),
+   know is not judged here: the paths of launch/sweep.py WORKER_PATH_KEYS (a local model.pretrained, prompts.file,
+   reward.mlp_path, resume=PATH, xla.compilation_cache_dir) and the workers' machine (xla.flags names against their
+   XLA, libtpu, the Hugging Face cache, credentials, a busy TPU),
 2. reads tpu_topology.hosts from it: multi-host topologies run on --worker=all (one process per worker), single-host
    ones on --worker=0 only,
 3. checks on those workers first, `VENV/bin/python -m ddpo_tpu.train --check OVERRIDES` (the front end's whole
