@@ -35,10 +35,11 @@ def refused(cwd: Path, *args: str, **env: str) -> tuple[list[str], float]:
 
 
 @pytest.mark.skipif(machine.nvidia_gpus() > 0, reason="this machine has a GPU")
-def test_cuda_without_a_gpu(tmp_path):
-    errors, _ = refused(tmp_path, "+experiment=smoke", "tpu_topology=cuda")
-    assert errors == ["error: tpu_topology=cuda: no NVIDIA GPU is visible on this machine (no driver, or "
-                      "CUDA_VISIBLE_DEVICES hides them) (run on a GPU machine, or tpu_topology=eager_cpu here)"]
+@pytest.mark.parametrize("topology,here", [("cuda", "eager_cpu"), ("gpu-1", "cpu_dist2")])  # eager, distributed
+def test_cuda_without_a_gpu(tmp_path, topology, here):
+    errors, _ = refused(tmp_path, "+experiment=smoke", f"tpu_topology={topology}")
+    assert errors == [f"error: tpu_topology={topology}: no NVIDIA GPU is visible on this machine (no driver, or "
+                      f"CUDA_VISIBLE_DEVICES hides them) (run on a GPU machine, or tpu_topology={here} here)"]
 
 
 def hub_snapshot(cache: Path, repo: str, folders: tuple[str, ...]) -> Path:
