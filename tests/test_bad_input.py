@@ -238,7 +238,7 @@ def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path):
 
 
 def test_same_sweep_again_passes_the_job_dir_check(tmp_path):
-    from ddpo_tpu.train import _changed_sweep_point
+    from ddpo_tpu.launch.sweep import changed_sweep_point as _changed_sweep_point
 
     _saved_job(tmp_path, 0, "train.learning_rate=0.001")
     again = compose_and_validate(["+experiment=smoke", f"output_root={tmp_path}/out", "train.learning_rate=0.001",
