@@ -98,9 +98,9 @@ def test_parity_experiment_validates_on_v6e_8(experiment):
     assert cfg.tpu_topology.name == "v6e-8" and cfg.tpu_topology.replicas == 8
     assert cfg.tpu_topology.execution == "xla_spmd" and cfg.tpu_topology.pjrt_device == "TPU"
     assert cfg.parity.name == parity and cfg.reward.name == reward
-    assert cfg.model.pretrained == "CompVis/stable-diffusion-v1-4" and cfg.model.lora.enabled
-    assert cfg.sample.num_steps == 50 and cfg.sample.eta == 1.0 and cfg.sample.guidance_scale == 5.0
-    assert cfg.run_name == experiment
+    # the reference's values are the parity group's pins: each a report row, and every row is ok below
+    pinned = {r["constraint"] for r in v.report if r["target"] is not None}
+    assert {"sample.num_steps", "sample.eta", "sample.guidance_scale"} <= pinned, pinned
     assert row(v, "samples per epoch")["effective"] == samples
     assert row(v, "total train batch")["effective"] == train_batch
     bad = [r for r in v.report if not r["ok"]]
