@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpo_tpu.events import append_line  # torch- and numpy-free: ddpo-status imports this module
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,6 +46,7 @@ class Heartbeat:
         self.path = Path(run_dir) / HEARTBEAT_FILE
         self.interval = interval
         self._info = {"pid": os.getpid(), "hostname": socket.gethostname(), "interval_s": interval}
+        self.error: OSError | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpo-heartbeat", daemon=True)
 
@@ -51,8 +54,9 @@ class Heartbeat:
         data = json.dumps({**self._info, "time": round(time.time(), 3)}) + "\n"
         try:
             atomic_write_bytes(self.path, data.encode())
-        except OSError:
-            pass  # a full or read-only disk is reported by the writes that matter, not by the heartbeat
+            self.error = None
+        except OSError as e:  # a thread cannot end the run: the trainer's next write to the same disk fails and
+            self.error = e    # says so in its one line; `error` is the last refusal, for whoever asks
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -85,13 +89,15 @@ class RunDir:
             self.mirror.close()
             self.mirror.check()
 
+    @property
+    def bucket_failed(self) -> bool:
+        """The bucket copy gave up (storage.Mirror): the run stops after a local checkpoint, and close() says why."""
+        return self.mirror is not None and self.mirror.error is not None
+
     def log(self, record: dict[str, Any]) -> None:
+        """One metrics.jsonl line (a refused write raises OSError naming the file: the trainer's one error line)."""
         record = {"time": round(time.time(), 3), **record}
-        line = json.dumps(record, default=_jsonable) + "\n"
-        with open(self.metrics_path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.metrics_path, json.dumps(record, default=_jsonable) + "\n", fsync=True)
 
     def truncate_after_epoch(self, epoch: int) -> None:
         """Drop records of epochs after `epoch` (work a killed run did past its last checkpoint), atomically, so

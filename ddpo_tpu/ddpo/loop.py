@@ -682,10 +682,13 @@ def run(validated: Validated, run_dir: Path) -> int:
     quiet_third_party()  # before the model loads (ddpo_tpu/console.py: what is dropped and why)
     stop = StopRequest()
     rt = make_runtime(validated.cfg)
-    events = ev.EventLog(run_dir, rt.is_main)
+    events = ev.EventLog(run_dir, rt.is_main, raise_errors=True)  # a refused write ends the run in one line
     url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
     # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/storage.py)
-    mirror = storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit) if url is not None and rt.is_main else None
+    # an upload that gives up (storage_timeout_s) stops the run at the next safe point, after a local checkpoint
+    mirror = (storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit, timeout_s=validated.cfg.storage_timeout_s,
+                             on_give_up=lambda: setattr(stop, "requested", True)) if url is not None and rt.is_main
+              else None)
     out = RunDir(run_dir, mirror)
     try:
         code = _run(validated, rt, out, stop, events)
@@ -722,7 +725,8 @@ def _run(validated: Validated, rt, out: RunDir, stop: StopRequest, events: ev.Ev
             return 0
         trainer.fit()
     except Preempted as e:
-        events.emit(ev.Preempted(trainer.last_saved_epoch, trainer.global_step, str(e)))
+        if not out.bucket_failed:  # a bucket that gave up stopped it: run() reports that, in one line
+            events.emit(ev.Preempted(trainer.last_saved_epoch, trainer.global_step, str(e)))
         return EXIT_PREEMPTED
     except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError, storage.StorageError) as e:
         events.emit(ev.Failed(str(e)))
