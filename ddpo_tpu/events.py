@@ -7,8 +7,9 @@ front end's live status line, the pod launcher, the tests) reads the events file
 line can be reworded without breaking anything.
 
 `events.jsonl` is append-only across attempts of a run (a resumed run appends; `run_start` opens each attempt); a
-line cut short by a kill is ignored by `read_events`, and the next append starts on a fresh line (`append_line`). metrics.jsonl stays the record of the numbers (one line per
-optimizer step, epoch and evaluation, each epoch once); this file is the record of what happened.
+line cut short by a kill is ignored by `read_events`, and the next append starts on a fresh line (`append_line`).
+metrics.jsonl stays the record of the numbers (one line per optimizer step, epoch and evaluation, each epoch once);
+this file is the record of what happened.
 """
 
 from __future__ import annotations
@@ -382,5 +383,5 @@ def _jsonable(x: Any) -> Any:
 
 
 __all__ = [name for name, obj in list(globals().items())
-           if isinstance(obj, type) and issubclass(obj, Event)] + ["EVENTS_FILE", "EventLog", "append_line", "read_events",
-                                                                       "parse"]
+           if isinstance(obj, type) and issubclass(obj, Event)] + ["EVENTS_FILE", "EventLog", "append_line",
+                                                                       "read_events", "parse"]

@@ -53,7 +53,7 @@ _CKPT = re.compile(r"^epoch_(\d{4,})$")
 LIVE_FILES = ("events.jsonl", "heartbeat.json", "metrics.jsonl", "train.log")
 LIVE_SYNC_S = 30.0
 QUEUE_SIZE = 3                   # tasks: an epoch's files and checkpoint queued behind the one in flight
-CHECK_TIMEOUT_S = 15.0           # the start's probe: a machine that cannot reach the bucket is told at once
+CHECK_TIMEOUT_S = 8.0            # the start's probe: a machine that cannot reach the bucket is told at once
 SKIP_NAMES = {"lock"}            # local-only: the run dir's lock (per host)
 INSTALL_FIX = "pip install gcsfs==2026.10.1, or bash scripts/setup.sh (requirements.txt pins it)"
 

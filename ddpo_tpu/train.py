@@ -207,7 +207,11 @@ def _job(cfg) -> None:
     writer = envmod.tpu_worker_id() in (None, 0)  # on a pod only worker 0 writes the bucket's shared files
     if url is not None:  # the bucket decides where the run continues (a fresh VM has nothing here)
         try:
-            storage.restore(run_dir, url, say=lambda line: print(line, flush=True))
+            storage.restore(run_dir, url, say=lambda line: print(line, flush=True),
+                            timeout_s=validated.cfg.storage_timeout_s)
+        except storage.StorageError as e:  # unreachable or refused, named (ddpo_tpu/storage_faults.py)
+            print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
+            sys.exit(process.EXIT_FAILED)
         except Exception as e:  # noqa: BLE001 -- network, permission: one line, and the run does not start
             print(f"error: output_root={validated.cfg.output_root}: cannot read {url} ({type(e).__name__}: "
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
@@ -218,14 +222,16 @@ def _job(cfg) -> None:
     child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
     (run_dir / "env.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
     if url is not None and writer:
-        storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"])
+        storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"], validated.cfg.storage_timeout_s)
     print_start(validated, run_dir)
     code = process.run_training(child_env, run_dir / "train.log", lock, process.training_command(validated.cfg))
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
-        try:
-            storage.upload_files(run_dir, url, ["events.jsonl", "train.log"])
+        try:  # after a failed run (the bucket may be what failed) a short try, and its line was said already
+            storage.upload_files(run_dir, url, ["events.jsonl", "train.log"], timeout_s=storage.CHECK_TIMEOUT_S
+                                 if code != process.EXIT_OK else validated.cfg.storage_timeout_s)
         except storage.StorageError as e:
-            print(f"error: {e}", file=sys.stderr)
+            if code == process.EXIT_OK:
+                print(f"error: {e}", file=sys.stderr)
     _unlock_run_dir(run_dir)  # this run dir is done with (a sweep goes on to the next job's)
     _last_code.append(code)
     if code == process.EXIT_PREEMPTED:  # not a failure; a sweep stops here too (the same command continues it)
