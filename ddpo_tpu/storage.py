@@ -204,12 +204,12 @@ def upload_checkpoint(fs, url: Url, name: str, files: dict[str, bytes], epoch: i
         retry(f"upload {target}", lambda t: fs.pipe_file(target.path, data, timeout=t), timeout_s)
 
 
-def delete_checkpoint(fs, url: Url, name: str) -> None:
+def delete_checkpoint(fs, url: Url, name: str, timeout: float | None = None) -> None:
     """The manifest first (the checkpoint stops being complete in one step), then its files."""
     base = url.join(CHECKPOINTS, name)
     for path, kw in ((base.join(MANIFEST).path, {}), (base.path, {"recursive": True})):
         try:
-            fs.rm(path, **kw)
+            fs.rm(path, timeout=timeout, **kw)
         except FileNotFoundError:  # gone already: what deleting wants
             continue
 
@@ -455,7 +455,7 @@ class Mirror:
         self.uploaded_bytes += sum(len(d) for d in files.values())
         for doomed in rotation(list_checkpoints(self.fs, self.url, self.timeout_s), self.limit):
             retry(f"delete {self.url.join(CHECKPOINTS, doomed)}",
-                   lambda t: delete_checkpoint(self.fs, self.url, doomed), self.timeout_s, self._sleep)
+                   lambda t: delete_checkpoint(self.fs, self.url, doomed, t), self.timeout_s, self._sleep)
 
 
 # --- reading a bucket run dir (ddpo-status) --------------------------------------------------------------------------
