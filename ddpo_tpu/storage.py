@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpo_tpu.storage_faults import FAILED, StorageError, default_timeout_s, quiet_gcsfs, retry
+from ddpo_tpu.storage_faults import (FAILED, StorageError, default_timeout_s, gcsfs_missing, quiet_gcsfs, retry,
+                                     unresolvable)
 from ddpo_tpu.storage_url import SCHEME, Url, is_url, local_root, parse, remote_run_dir, url_problem  # noqa: F401
 
 MANIFEST = "MANIFEST.json"
@@ -59,12 +60,6 @@ INSTALL_FIX = "pip install gcsfs==2026.10.1, or bash scripts/setup.sh (requireme
 
 
 # --- the bucket (fsspec + gcsfs) ----------------------------------------------------------------------------------
-
-def gcsfs_missing() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("gcsfs") is None
-
 
 def filesystem():
     """The gs:// filesystem (fsspec caches the instance). Credentials: gcsfs's default chain, or none for an
@@ -90,6 +85,8 @@ def check_writable(value: str, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[str,
     if gcsfs_missing():
         return "gcsfs is not installed (needed for gs:// output roots)", INSTALL_FIX
     url = parse(value)
+    if (dns := unresolvable()) is not None:  # said at once, not after the retries' deadline
+        return dns
     try:
         fs = filesystem()
         fs.invalidate_cache()

@@ -19,6 +19,37 @@ def default_timeout_s() -> float:
     return float(RunConfig.model_fields["storage_timeout_s"].default)
 
 
+def gcsfs_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gcsfs") is None
+
+
+def endpoint() -> str:
+    """Where the bucket client sends its requests: Cloud Storage, or the emulator STORAGE_EMULATOR_HOST names."""
+    from ddpo_tpu.launch.env import storage_emulator_host
+
+    host = storage_emulator_host() or "https://storage.googleapis.com"
+    return host if "://" in host else f"http://{host}"
+
+
+def unresolvable() -> tuple[str, str] | None:
+    """(reason, fix) when this machine's DNS cannot resolve the endpoint's host (a definite answer, so no retries)."""
+    import socket
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(endpoint())
+    try:
+        socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    except socket.gaierror as e:
+        return (f"Cloud Storage is unreachable from this machine: its DNS cannot resolve {parts.hostname} "
+                f"({e.strerror})", "check this machine's network and DNS (e.g. /etc/resolv.conf), then run the same "
+                "command again")
+    except (OSError, UnicodeError):
+        return None  # anything else: the requests themselves will say
+    return None
+
+
 class StorageError(RuntimeError):
     """The bucket refused or lost a request a resume needs: `reason` and `fix`, `kind` one of UNREACHABLE (DNS,
     connection, timeouts, 5xx: retried up to the deadline), DENIED (permission, credentials) or FAILED."""
@@ -84,10 +115,7 @@ def _detail(e: BaseException) -> str:
 def _error(what: str, e: BaseException, waited: float) -> StorageError:
     kind = classify(e)
     if kind == UNREACHABLE:
-        from ddpo_tpu.launch.env import storage_emulator_host
-
-        host = storage_emulator_host() or "storage.googleapis.com"
-        return StorageError(f"{what}: Cloud Storage ({host}) is unreachable from this machine ({_detail(e)}; "
+        return StorageError(f"{what}: Cloud Storage ({endpoint()}) is unreachable from this machine ({_detail(e)}; "
                             f"retried for {waited:.0f} s)",
                             "check this machine's network and DNS, and the Cloud Storage status; storage_timeout_s="
                             "SECONDS sets how long an outage is waited out", UNREACHABLE)

@@ -222,7 +222,12 @@ def _job(cfg) -> None:
     child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
     (run_dir / "env.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
     if url is not None and writer:
-        storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"], validated.cfg.storage_timeout_s)
+        try:
+            storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"],
+                                 validated.cfg.storage_timeout_s)
+        except storage.StorageError as e:  # the bucket went away since the check: one line, nothing started
+            print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
+            sys.exit(process.EXIT_FAILED)
     print_start(validated, run_dir)
     code = process.run_training(child_env, run_dir / "train.log", lock, process.training_command(validated.cfg))
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines

@@ -68,6 +68,19 @@ def test_an_unreachable_bucket_and_a_refusing_one_get_distinct_lines_quickly(mon
     assert "unreachable" in reason and "gs://bkt" in reason and "network" in fix
     assert "permission" not in reason + fix
 
+    import socket
+
+    def no_dns(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    with monkeypatch.context() as m:  # a machine whose DNS cannot resolve the endpoint: said at once, as DNS
+        m.setenv("STORAGE_EMULATOR_HOST", "http://gcs.example.invalid:4443")
+        m.setattr(socket, "getaddrinfo", no_dns)
+        t0 = time.monotonic()
+        reason, fix = storage.check_writable("gs://bkt/runs", timeout_s=30)
+        assert time.monotonic() - t0 < 1
+    assert "unreachable" in reason and "DNS cannot resolve gcs.example.invalid" in reason and "DNS" in fix
+
     refusing = Refusing()
     try:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", refusing.url)
