@@ -32,6 +32,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_INTERVAL_S = 10.0
+# run dir -> the write its heartbeat thread was last refused (cleared by a beat that lands); a thread cannot end the
+# run, so the trainer's next metrics line raises it (RunDir.log) and the run ends in its one `error:` line
+_HEARTBEAT_REFUSED: dict[Path, OSError] = {}
 
 
 class Heartbeat:
@@ -46,7 +49,6 @@ class Heartbeat:
         self.path = Path(run_dir) / HEARTBEAT_FILE
         self.interval = interval
         self._info = {"pid": os.getpid(), "hostname": socket.gethostname(), "interval_s": interval}
-        self.error: OSError | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpo-heartbeat", daemon=True)
 
@@ -54,9 +56,9 @@ class Heartbeat:
         data = json.dumps({**self._info, "time": round(time.time(), 3)}) + "\n"
         try:
             atomic_write_bytes(self.path, data.encode())
-            self.error = None
-        except OSError as e:  # a thread cannot end the run: the trainer's next write to the same disk fails and
-            self.error = e    # says so in its one line; `error` is the last refusal, for whoever asks
+            _HEARTBEAT_REFUSED.pop(self.path.parent.absolute(), None)
+        except OSError as e:
+            _HEARTBEAT_REFUSED[self.path.parent.absolute()] = OSError(e.errno, e.strerror, str(self.path))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -95,7 +97,11 @@ class RunDir:
         return self.mirror is not None and self.mirror.error is not None
 
     def log(self, record: dict[str, Any]) -> None:
-        """One metrics.jsonl line (a refused write raises OSError naming the file: the trainer's one error line)."""
+        """One metrics.jsonl line. A refused write raises OSError naming the file, and so does a heartbeat the disk
+        refused since its last beat that landed: the trainer turns either into its one error line."""
+        refused = _HEARTBEAT_REFUSED.pop(self.path.absolute(), None)
+        if refused is not None:
+            raise refused
         record = {"time": round(time.time(), 3), **record}
         append_line(self.metrics_path, json.dumps(record, default=_jsonable) + "\n", fsync=True)
 

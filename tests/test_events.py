@@ -404,3 +404,31 @@ def test_an_xla_run_says_what_it_compiles_while_it_compiles(tmp_path, model_cach
     assert all(r["compilations"] > 0 and 0 < r["compile_seconds"] <= r["seconds"] for r in ends), ends
     assert ev.CompileStart(0, "sampling", 1, 2).text() in out and ev.parse(ends[-1]).text() in out
     assert seen and all(("sampling" in d) != ("training" in d) for d in seen), seen  # the stage compiling
+
+
+def test_a_refused_heartbeat_ends_the_trainer_at_its_next_metrics_line(tmp_path, monkeypatch):
+    """The heartbeat is written from a thread, which cannot end the run: a beat the disk refuses is raised by the
+    trainer's next metrics line, naming heartbeat.json (the trainer's one `error:` line); a beat that lands clears it."""
+    import errno
+
+    from ddpo_tpu import rundir
+
+    out = rundir.RunDir(tmp_path)
+    beat = rundir.Heartbeat(tmp_path)
+    real = rundir.atomic_write_bytes
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir, "atomic_write_bytes", full)
+    beat.beat()
+    monkeypatch.setattr(rundir, "atomic_write_bytes", real)
+    with pytest.raises(OSError) as got:
+        out.log({"kind": "step", "epoch": 0})
+    assert got.value.errno == errno.ENOSPC and got.value.filename == str(tmp_path / rundir.HEARTBEAT_FILE)
+    monkeypatch.setattr(rundir, "atomic_write_bytes", full)
+    beat.beat()
+    monkeypatch.setattr(rundir, "atomic_write_bytes", real)
+    beat.beat()  # the disk has room again: nothing to report
+    out.log({"kind": "step", "epoch": 0})
+    assert len(out.metrics_path.read_text().splitlines()) == 1
