@@ -408,7 +408,8 @@ def test_an_xla_run_says_what_it_compiles_while_it_compiles(tmp_path, model_cach
 
 def test_a_refused_heartbeat_ends_the_trainer_at_its_next_metrics_line(tmp_path, monkeypatch):
     """The heartbeat is written from a thread, which cannot end the run: a beat the disk refuses is raised by the
-    trainer's next metrics line, naming heartbeat.json (the trainer's one `error:` line); a beat that lands clears it."""
+    trainer's next metrics line, naming heartbeat.json (the trainer's one `error:` line); a beat that lands clears
+    it."""
     import errno
 
     from ddpo_tpu import rundir
