@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from ddpo_tpu import storage
+from ddpo_tpu import storage_url
 from ddpo_tpu.catalog.algorithms import owner_of
 from ddpo_tpu.config import rules
 from ddpo_tpu.config.batch import MISSING, lookup
@@ -24,7 +24,7 @@ from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import ConfigError, Fix, Problem
 
 # hydra.run.dir / hydra.sweep.dir (conf/config.yaml): a local output_root as it is, a gs:// one's local staging dir
-OmegaConf.register_new_resolver("ddpo_local_root", storage.local_root, replace=True)
+OmegaConf.register_new_resolver("ddpo_local_root", storage_url.local_root, replace=True)
 
 
 def conf_dir() -> Path:

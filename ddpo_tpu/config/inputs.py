@@ -103,7 +103,7 @@ def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
 
 
 def storage_url_problem(value: str) -> tuple[str, str] | None:
-    from ddpo_tpu.storage import url_problem
+    from ddpo_tpu.storage_url import url_problem
 
     return url_problem(value)
 

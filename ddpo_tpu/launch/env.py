@@ -13,9 +13,10 @@ import os
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
-from ddpo_tpu.config.schema import RunConfig
+if TYPE_CHECKING:  # types only: this module stands on the bottom floor (storage_url reads cache_root from it)
+    from ddpo_tpu.config.schema import RunConfig
 
 # legacy or owned variable -> the config key that replaces it
 OWNED_VARIABLES: dict[str, str] = {
