@@ -13,6 +13,7 @@ per step at the parity batch sizes against SD 1.4's FLOPs on a v6e chip (step_es
 --checkpointing: the eager probes with and without gradient checkpointing and SD 1.4's topology compiled on XLA CPU
 (checkpointing: sd14_activations, sd3_activations, xla_checkpointing).
 --lazy-checkpointing: what XLA CPU's compiler does with the lazy path's checkpoint barriers (lazy_checkpointing).
+--sd3-parameters: SD 3.5 Medium's parts in billions of values, built on the meta device (sd3_parameters).
 
     python scripts/bench.py                  # parts 1 and 2 (about 35 minutes on 2 CPU cores)
     python scripts/bench.py --steps 10 --backends eager_cpu cpu --no-pipeline
@@ -22,6 +23,7 @@ per step at the parity batch sizes against SD 1.4's FLOPs on a v6e chip (step_es
     python scripts/bench.py --sd3-activations --precisions float32   # about 15 minutes, ~3 GiB (bf16: slow here)
     python scripts/bench.py --checkpointing  # about 30 minutes, ~14 GiB
     python scripts/bench.py --lazy-checkpointing  # about 5 minutes
+    python scripts/bench.py --sd3-parameters      # seconds
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import runner  # noqa: E402
 from benchmarks.probes import (checkpointing, full_width, host_overhead, lazy_checkpointing, pipeline,  # noqa: E402
-                               sd3_activations, step_estimate, training_runs)
+                               sd3_activations, sd3_parameters, step_estimate, training_runs)
 
 # flag -> (help, the probes it runs, in order); the first flag given wins, as before
 MODES = {
@@ -47,6 +49,7 @@ MODES = {
     "--host-overhead": ("only the host-overhead benchmark at SD 1.4's topology (model=sd14_topology)",
                         [host_overhead, step_estimate]),
     "--full-width": ("only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU", [full_width]),
+    "--sd3-parameters": ("only SD 3.5 Medium's parameter counts (meta device, seconds)", [sd3_parameters]),
 }
 DEFAULT = [training_runs, pipeline]
 PROBES = list(dict.fromkeys([*DEFAULT, *(m for _, probes in MODES.values() for m in probes)]))

@@ -70,6 +70,7 @@ def test_the_commands_the_docs_quote_still_parse():
     ("--sd3-activations --precisions float32", ["sd3_activations"]),
     ("--checkpointing", ["checkpointing"]),
     ("--lazy-checkpointing", ["lazy_checkpointing"]),
+    ("--sd3-parameters", ["sd3_parameters"]),
 ])
 def test_bench_py_runs_the_probes_its_flags_name(command, expected):
     assert [p.__name__.rsplit(".", 1)[1] for p in bench.selected(bench.parse(command.split()))] == expected
@@ -118,9 +119,41 @@ def test_no_append_prints_and_writes_nothing(tmp_path, capsys):
     assert not out.exists() and "`cmd`" in capsys.readouterr().out
 
 
+def table_rows(text: str) -> list[dict]:
+    """The rows of the first Markdown table in text, as dicts of strings."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| ") and lines[i + 1].startswith("|---"))
+    cells = lambda line: [c.strip() for c in line.strip()[1:-1].split("|")]
+    cols, rows = cells(lines[start]), []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(cols, cells(line))))
+    return rows
+
+
+def test_the_cheapest_probe_through_bench_py_into_a_results_file(tmp_path, capsys):
+    """scripts/bench.py --sd3-parameters (SD 3.5 Medium built on the meta device: seconds) writes a section to the
+    given file (never the real one) whose figures are the memory model's SD35_MEDIUM_BILLIONS."""
+    from ddpo_tpu.config.rules import SD35_MEDIUM_BILLIONS
+
+    out = tmp_path / "RESULTS.md"
+    bench.main(["--sd3-parameters", "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith(runner.RESULTS_HEADER) and text.count("\n## ") == 1
+    assert HEADING.match("## " + text.split("\n## ")[1].splitlines()[0])
+    assert f"`python scripts/bench.py --sd3-parameters --out {out}`" in text
+    (row,) = table_rows(text)
+    got = {k: float(v) for k, v in row.items()}
+    assert got["clip_l"] + got["clip_g"] == pytest.approx(SD35_MEDIUM_BILLIONS["clips"], abs=1.5e-3)
+    for part in ("transformer", "pos_embed", "t5", "vae"):  # both rounded to 3 decimals (pos_embed 0.2265)
+        assert got[part] == pytest.approx(SD35_MEDIUM_BILLIONS[part], abs=1.5e-3), part
+    assert text[len(runner.RESULTS_HEADER):] in capsys.readouterr().out  # printed as appended
+
+
 @pytest.mark.slow
 @pytest.mark.xla
-def test_the_cheapest_probe_end_to_end(tmp_path):
+def test_the_cheapest_child_probe_end_to_end(tmp_path):
     """scripts/bench.py --lazy-checkpointing on the 4-attention-block model only: two probes, each in a fresh
     process of its own (`python -m benchmarks.probes.lazy_checkpointing --child ...`) on XLA CPU; the section lands in
     the given results file with the rows the graphs imply (one barrier per checkpointed block before optimisation)."""
@@ -131,8 +164,7 @@ def test_the_cheapest_probe_end_to_end(tmp_path):
     text = out.read_text()
     assert text.startswith(runner.RESULTS_HEADER) and text.count("\n## ") == 1
     assert "`python scripts/bench.py --lazy-checkpointing --models blocks --out " in text
-    rows = [line for line in text.splitlines() if line.startswith("| blocks |")]
-    cols = [c.strip() for c in text.splitlines()[text.splitlines().index(rows[0]) - 2].strip("|").split("|")]
-    parsed = [dict(zip(cols, (c.strip() for c in r.strip("|").split("|")))) for r in rows]
-    assert [(r["checkpointed"], r["barriers_before_opt"]) for r in parsed] == [("False", "0"), ("True", "4")]
+    rows = table_rows(text)
+    assert [(r["model"], r["checkpointed"], r["barriers_before_opt"]) for r in rows] == [
+        ("blocks", "False", "0"), ("blocks", "True", "4")]
     assert "Machine load" in text

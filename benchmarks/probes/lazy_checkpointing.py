@@ -76,7 +76,8 @@ def lazy_probe(model: str, checkpointed: bool, dump: str) -> dict:
     count = lambda text, op: len(re.findall(rf"\b{op}\(", text))
     peak = re.search(r"peak usage: ([\d ]+) bytes", largest("after_optimizations-buffer-assignment.txt").read_text())
     return {"model": model, "checkpointed": checkpointed,
-            "barriers_before_opt": count(before, "opt-barrier"), "exponentials_before_opt": count(before, "exponential"),
+            "barriers_before_opt": count(before, "opt-barrier"),
+            "exponentials_before_opt": count(before, "exponential"),
             "barriers_after_opt": count(after, "opt-barrier"), "exponentials_after_opt": count(after, "exponential"),
             "buffer_peak_mib": round(int(peak.group(1).replace(" ", "")) / 2**20, 1)}
 

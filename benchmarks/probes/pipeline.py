@@ -92,7 +92,8 @@ def point(topo: str, steps: int, overrides: list[str] = ()) -> dict:
     try:
         return runner.run_child(__spec__.name, env, steps=steps, topo=topo, overrides=list(overrides))
     except runner.ChildFailed as e:
-        return runner.progress({"backend": topo, "steps": steps, "error": " ".join(str(e)[-800:].split()).replace("|", "/")})
+        error = " ".join(str(e)[-800:].split()).replace("|", "/")
+        return runner.progress({"backend": topo, "steps": steps, "error": error})
 
 
 def run(args, report: runner.Report) -> None:

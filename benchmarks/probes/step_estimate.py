@@ -23,7 +23,8 @@ V6E_PEAK_FLOPS = 918e12  # bf16, per chip
 
 
 def add_arguments(ap) -> None:
-    runner.add_shared(ap, "--ks", type=int, nargs="+", default=[1, 2, 5], help="fused timesteps for the parity estimate")
+    runner.add_shared(ap, "--ks", type=int, nargs="+", default=[1, 2, 5],
+                      help="fused timesteps for the parity estimate")
     runner.add_shared(ap, "--checkpointed", action="store_true",
                       help="the per-step estimate with activation checkpointing (dynamo only)")
 
