@@ -168,3 +168,14 @@ def test_the_cheapest_child_probe_end_to_end(tmp_path):
     assert [(r["model"], r["checkpointed"], r["barriers_before_opt"]) for r in rows] == [
         ("blocks", "False", "0"), ("blocks", "True", "4")]
     assert "Machine load" in text
+
+
+def test_the_derived_attention_scores_are_the_memory_models():
+    """The softmaxes XLA keeps, as the probes derive them (SD 1.4: token counts read off a meta-device forward of
+    the UNet), are the figures the HBM rule adds."""
+    from ddpo_tpu.config.rules import ATTENTION_SCORES_GIB_512, SD3_ATTENTION_SCORES_GIB_512
+
+    from benchmarks.probes import sd3_activations, sd14_activations
+
+    assert sd14_activations.attention_scores_gib() == pytest.approx(ATTENTION_SCORES_GIB_512, abs=0.05)
+    assert sd3_activations.attention_scores_gib() == pytest.approx(SD3_ATTENTION_SCORES_GIB_512, rel=1e-9)
