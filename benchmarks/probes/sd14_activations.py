@@ -4,8 +4,8 @@ build: 860M parameters, random weights), 512 px (64x64 latents), LoRA as model=s
 projections), float32, per process; batch 1 and 2, so batch 2 - batch 1 is one sample's share.
 
 Memory-model constants (ddpo_tpu/config/rules.py): ATTENTION_SCORES_GIB_512 (2.7, derived, not measured:
-attention_scores_gib(), the softmaxes XLA keeps for the backward over the UNet's self-attentions); SD1_CKPT_EAGER_RATIO (0.28 = 0.43 / 1.53 GiB per sample, peak
-RSS, checkpointed / not). SD1_EAGER_GIB (2.3 float32; 1.2 bf16, assumed half) is an earlier measurement of the same
+attention_scores_gib(), the softmaxes XLA keeps for the backward over the UNet's self-attentions);
+SD1_CKPT_EAGER_RATIO (0.28 = 0.43 / 1.53 GiB per sample, peak RSS, checkpointed / not). SD1_EAGER_GIB (2.3 float32; 1.2 bf16, assumed half) is an earlier measurement of the same
 build (peak RSS at batch 1 and 2: +1.9 and +4.5 GiB, docs/performance.md) that no probe here repeats as such; this
 probe's checkpointed=False rows are the nearest (1.53 per sample with a warm-up call and the peak reset before the
 step).
