@@ -3,7 +3,7 @@ process (`python -m benchmarks.probes.NAME --child JSON`: a module function, its
 run as a user runs it, the process's resident memory, the table printer, and the report that appends a dated section
 (machine, command, load before and after) to benchmarks/RESULTS.md.
 
-A probe module has a docstring (what it measures; which memory-model constants of ddpo_tpu/config/rules.py it is the
+A probe module has a docstring (what it measures; which memory-model constants of ddpo_tpu/catalog/families.py it is the
 source of), `add_arguments(parser)`, `run(args, report)`, and, when it needs a process of its own, `CHILD` (the
 function `--child` calls). `main(module)` runs one on its own; scripts/bench.py runs them under today's flags.
 """

@@ -10,6 +10,8 @@ diffusers' StableDiffusionPipeline (pipeline).
 per step at the parity batch sizes against SD 1.4's FLOPs on a v6e chip (step_estimate).
 --full-width: one epoch of model=sd14_random on eager and XLA CPU (full_width).
 --sd3-activations: SD 3.5 Medium's transformer at full width, 2-3 layers, eager CPU (sd3_activations).
+--sd14-activations: SD 1.4's UNet at full width, eager CPU, with and without checkpointing, and the attention scores
+XLA keeps, derived (sd14_activations).
 --checkpointing: the eager probes with and without gradient checkpointing and SD 1.4's topology compiled on XLA CPU
 (checkpointing: sd14_activations, sd3_activations, xla_checkpointing).
 --lazy-checkpointing: what XLA CPU's compiler does with the lazy path's checkpoint barriers (lazy_checkpointing).
@@ -21,6 +23,7 @@ per step at the parity batch sizes against SD 1.4's FLOPs on a v6e chip (step_es
     python scripts/bench.py --host-overhead --variants   # only the per-step estimate (about 12 minutes)
     python scripts/bench.py --full-width     # about 20 minutes, ~10 GiB of memory
     python scripts/bench.py --sd3-activations --precisions float32   # about 15 minutes, ~3 GiB (bf16: slow here)
+    python scripts/bench.py --sd14-activations  # 4 full-width processes, one at a time
     python scripts/bench.py --checkpointing  # about 30 minutes, ~14 GiB
     python scripts/bench.py --lazy-checkpointing  # about 5 minutes
     python scripts/bench.py --sd3-parameters      # seconds
@@ -36,12 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import runner  # noqa: E402
 from benchmarks.probes import (checkpointing, full_width, host_overhead, lazy_checkpointing, pipeline,  # noqa: E402
-                               sd3_activations, sd3_parameters, step_estimate, training_runs)
+                               sd3_activations, sd3_parameters, sd14_activations, step_estimate, training_runs)
 
 # flag -> (help, the probes it runs, in order); the first flag given wins, as before
 MODES = {
     "--sd3-activations": ("only the SD 3.5 Medium training-activation probes (full width, 2-3 layers, eager CPU)",
                           [sd3_activations]),
+    "--sd14-activations": ("only SD 1.4's UNet training-activation probes (full width, eager CPU, with and without "
+                           "checkpointing)", [sd14_activations]),
     "--checkpointing": ("only the activation checkpointing probes (SD 1.4 and SD 3.5 Medium eager, SD 1.4's topology "
                         "on XLA CPU, with and without)", [checkpointing]),
     "--lazy-checkpointing": ("only the lazy path's checkpointing probes (HLO dumps of XLA CPU, with and without)",

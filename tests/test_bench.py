@@ -39,7 +39,7 @@ def test_each_probe_imports_says_what_it_measured_and_parses_its_help(probe, cap
 def test_the_probes_are_all_reachable_from_a_script():
     """Every probe runs under some command of scripts/bench.py, bench_accelerator.py or bench_bucket.py."""
     fronted = {p.__name__ for p in bench.PROBES} | {"benchmarks.probes.accelerator", "benchmarks.probes.bucket"}
-    fronted |= {"benchmarks.probes.sd14_activations", "benchmarks.probes.xla_checkpointing"}  # in --checkpointing
+    fronted |= {"benchmarks.probes.xla_checkpointing"}  # in --checkpointing
     assert {p.__name__ for p in PROBES} == fronted
 
 
@@ -71,6 +71,7 @@ def test_the_commands_the_docs_quote_still_parse():
     ("--checkpointing", ["checkpointing"]),
     ("--lazy-checkpointing", ["lazy_checkpointing"]),
     ("--sd3-parameters", ["sd3_parameters"]),
+    ("--sd14-activations --batches 1", ["sd14_activations"]),
 ])
 def test_bench_py_runs_the_probes_its_flags_name(command, expected):
     assert [p.__name__.rsplit(".", 1)[1] for p in bench.selected(bench.parse(command.split()))] == expected
@@ -135,7 +136,7 @@ def table_rows(text: str) -> list[dict]:
 def test_the_cheapest_probe_through_bench_py_into_a_results_file(tmp_path, capsys):
     """scripts/bench.py --sd3-parameters (SD 3.5 Medium built on the meta device: seconds) writes a section to the
     given file (never the real one) whose figures are the memory model's SD35_MEDIUM_BILLIONS."""
-    from ddpo_tpu.config.rules import SD35_MEDIUM_BILLIONS
+    from ddpo_tpu.catalog.families import SD35_MEDIUM_BILLIONS
 
     out = tmp_path / "RESULTS.md"
     bench.main(["--sd3-parameters", "--out", str(out)])
@@ -173,9 +174,9 @@ def test_the_cheapest_child_probe_end_to_end(tmp_path):
 def test_the_derived_attention_scores_are_the_memory_models():
     """The softmaxes XLA keeps, as the probes derive them (SD 1.4: token counts read off a meta-device forward of
     the UNet), are the figures the HBM rule adds."""
-    from ddpo_tpu.config.rules import ATTENTION_SCORES_GIB_512, SD3_ATTENTION_SCORES_GIB_512
+    from ddpo_tpu.catalog.families import SD1_ATTENTION_SCORES_GIB_512, SD3_ATTENTION_SCORES_GIB_512
 
     from benchmarks.probes import sd3_activations, sd14_activations
 
-    assert sd14_activations.attention_scores_gib() == pytest.approx(ATTENTION_SCORES_GIB_512, abs=0.05)
+    assert sd14_activations.attention_scores_gib() == pytest.approx(SD1_ATTENTION_SCORES_GIB_512, abs=0.05)
     assert sd3_activations.attention_scores_gib() == pytest.approx(SD3_ATTENTION_SCORES_GIB_512, rel=1e-9)

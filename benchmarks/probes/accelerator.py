@@ -9,7 +9,8 @@ figures were counted with torch.utils.flop_counter on the meta device (BRIEF §5
 x tokens (2.24e9 x (1024 + 333) x 2), an estimate that leaves attention's quadratic term out.
 
 Memory-model constants: none measured yet. Its peak_device_gib (the chip's allocator peak) is the check the memory
-model's estimates (ACTIVATION_GIB_PER_EVAL_512, CHECKPOINTED_GIB_PER_EVAL_512, RESIDENT_GIB, SD3_STATE_GIB) wait for.
+model's estimates (ddpo_tpu/catalog/families.py: each family's activation_gib_per_eval_512,
+checkpointed_gib_per_eval_512, resident_gib; SD1_RESIDENT_GIB, SD3_STATE_GIB) wait for.
 
     # 8 GPUs, ddpo-pytorch's compressibility shape on SD 1.4 with random weights (no download needed)
     python scripts/bench_accelerator.py --model sd14 -- +experiment=compressibility_parity model=sd14_random \\

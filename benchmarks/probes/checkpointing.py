@@ -4,7 +4,7 @@ CPU at full width (SD 1.4's UNet: benchmarks/probes/sd14_activations.py; SD 3.5 
 checkpointed: sd3_activations.py, its unchecked rows are --sd3-activations) per sample, and XLA CPU on SD 1.4's
 topology at 4096 tokens (xla_checkpointing.py), where the attention scores XLA keeps show.
 
-Memory-model constants (ddpo_tpu/config/rules.py), the HBM rule's checkpointed figures CHECKPOINTED_GIB_PER_EVAL_512:
+Memory-model constants (ddpo_tpu/catalog/families.py), the families' checkpointed_gib_per_eval_512:
 SD1_CKPT_EAGER_RATIO (0.28 = 0.43 / 1.53, the per-sample table's SD 1.4 rows), SD3_CKPT_EAGER_RATIO (0.26 = 0.75 /
 2.9, its SD 3.5 row over SD3_EAGER_GIB from --sd3-activations), CKPT_XLA_SCORES_RATIO (0.51, the XLA table: peak RSS
 above the ~1.9 GiB baseline, 5.6 / 11.0).

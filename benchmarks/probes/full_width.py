@@ -3,8 +3,8 @@
 long, and the training process's peak resident memory (on XLA CPU it holds the device buffers too).
 
 Memory-model constants: none directly. Its OOM on XLA CPU (float32 and bf16) is the evidence behind
-ATTENTION_SCORES_GIB_512 (the softmaxes XLA keeps, a derived figure); its eager peak RSS (11.6 GiB) sits beside
-SD1_EAGER_GIB.
+SD1_ATTENTION_SCORES_GIB_512 (the softmaxes XLA keeps, a derived figure); its eager peak RSS (11.6 GiB) sits beside
+SD1_EAGER_GIB (ddpo_tpu/catalog/families.py).
 
     python scripts/bench.py --full-width     # about 20 minutes, ~10 GiB of memory
     python scripts/bench.py --full-width --backends cpu --overrides train.mixed_precision=bf16

@@ -3,15 +3,15 @@ scripts/bench.py --checkpointing`): one forward + backward of SD 1.4's UNet at f
 build: 860M parameters, random weights), 512 px (64x64 latents), LoRA as model=sd14 (rank 4 on the attention
 projections), float32, per process; batch 1 and 2, so batch 2 - batch 1 is one sample's share.
 
-Memory-model constants (ddpo_tpu/config/rules.py): ATTENTION_SCORES_GIB_512 (2.7, derived, not measured:
+Memory-model constants (ddpo_tpu/catalog/families.py): SD1_ATTENTION_SCORES_GIB_512 (2.7, derived, not measured:
 attention_scores_gib(), the softmaxes XLA keeps for the backward over the UNet's self-attentions);
-SD1_CKPT_EAGER_RATIO (0.28 = 0.43 / 1.53 GiB per sample, peak RSS, checkpointed / not). SD1_EAGER_GIB (2.3 float32; 1.2 bf16, assumed half) is an earlier measurement of the same
-build (peak RSS at batch 1 and 2: +1.9 and +4.5 GiB, docs/performance.md) that no probe here repeats as such; this
-probe's checkpointed=False rows are the nearest (1.53 per sample with a warm-up call and the peak reset before the
-step).
+SD1_CKPT_EAGER_RATIO (0.28 = 0.43 / 1.53 GiB per sample, peak RSS, checkpointed / not). SD1_EAGER_GIB (2.3
+float32; 1.2 bf16, assumed half) is an earlier measurement of the same build (peak RSS at batch 1 and 2: +1.9 and
++4.5 GiB, docs/performance.md) that no probe here repeats as such; this probe's checkpointed=False rows are the
+nearest (1.53 per sample, with a warm-up call and the peak reset before the step).
 
-    python scripts/bench.py --checkpointing            # with the SD 3.5 and XLA probes, about 30 minutes, ~14 GiB
-    python -m benchmarks.probes.sd14_activations --batches 1 2
+    python scripts/bench.py --sd14-activations     # 4 full-width processes, one at a time
+    python scripts/bench.py --checkpointing        # with the SD 3.5 and XLA probes, about 30 minutes, ~14 GiB
 """
 
 from __future__ import annotations

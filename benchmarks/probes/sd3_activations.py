@@ -3,7 +3,7 @@ and 512 px, 2 and 3 layers deep with and without dual attention, one forward + b
 what the backward keeps per sample and layer (saved bytes and peak RSS), extrapolated to 24 layers, plus the
 attention softmaxes XLA keeps (derived, not measured).
 
-Memory-model constants (ddpo_tpu/config/rules.py): SD3_EAGER_GIB["no"] (2.9: the float32 "24_layers_eager" figure;
+Memory-model constants (ddpo_tpu/catalog/families.py): SD3_EAGER_GIB["no"] (2.9: the float32 "24_layers_eager" figure;
 its "bf16" 2.1 is float32's x 0.74 from an earlier 1-layer pass, RESULTS.md 2026-11-23 14:16) and
 SD3_ATTENTION_SCORES_GIB_512 (4.37: the "+ XLA attention scores" column, arithmetic in attention_scores_gib()).
 With checkpointed=True (benchmarks/probes/checkpointing.py) the same probe gives SD3_CKPT_EAGER_RATIO.

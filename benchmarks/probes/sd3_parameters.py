@@ -3,8 +3,9 @@ transformers classes built with the checkpoint's configs on the meta device (no 
 transformer's weights, its positional table (a buffer, whole on every chip), CLIP-L and CLIP-G, T5-XXL's encoder and
 the VAE.
 
-Memory-model constants (ddpo_tpu/config/rules.py): SD35_MEDIUM_BILLIONS (every entry), which resident_gib() turns
-into the GiB a chip holds for SD 3.5 besides the activations.
+Memory-model constants (ddpo_tpu/catalog/families.py): SD35_MEDIUM_BILLIONS (every entry; pos_embed 0.2265, which
+the catalog rounds to 0.227), which the SD 3 family's resident_gib turns into the GiB a chip holds besides the
+activations.
 
     python scripts/bench.py --sd3-parameters
     python -m benchmarks.probes.sd3_parameters --no-append

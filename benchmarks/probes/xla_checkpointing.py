@@ -5,7 +5,7 @@ micro-step runs) of SD 1.4's UNet topology at narrow widths (model=sd14_topology
 runtime, LoRA-like trainable to_q projections; two calls (the second replays). The process's peak resident memory
 holds XLA's buffers: what the compiled backward keeps, which the eager probes cannot see.
 
-Memory-model constants (ddpo_tpu/config/rules.py): CKPT_XLA_SCORES_RATIO (0.51: peak RSS above the process's
+Memory-model constants (ddpo_tpu/catalog/families.py): CKPT_XLA_SCORES_RATIO (0.51: peak RSS above the process's
 ~1.9 GiB baseline at 4096 tokens, 11.0 -> 5.6 GiB, checkpointed / not).
 
     python scripts/bench.py --checkpointing
