@@ -73,7 +73,8 @@ def all_builders() -> tuple[str, ...]:
 # 8 heads x S^2 x 4 bytes (softmax runs in float32 under autocast) over SD 1.4's 16 self-attentions (5 each at 4096,
 # 1024 and 256 tokens, 1 at 64) = 2.7 GiB. On XLA CPU one training evaluation at full width did not fit in 24 GiB in
 # either precision (benchmarks/RESULTS.md). An estimate for the HBM rule, not a TPU figure.
-# Measured by: python scripts/bench.py --activations (eager part).
+# Measured by: python scripts/bench.py --sd14-activations (the eager part, unchecked rows: 1.53 GiB per sample
+# today, below the 2.3 kept here from the first measurement; the bf16 1.2 is half of it, not measured).
 SD1_ATTENTION_SCORES_GIB_512 = 2.7
 SD1_EAGER_GIB = {"no": 2.3, "bf16": 1.2}
 # With activation checkpointing (diffusers' gradient checkpointing: every block keeps only its input and the backward
@@ -83,7 +84,8 @@ SD1_EAGER_GIB = {"no": 2.3, "bf16": 1.2}
 # backward then holds at once is XLA's schedule: on XLA CPU the peak RSS of one compiled forward + backward of SD
 # 1.4's topology at 4096 tokens fell from 11.0 to 5.6 GiB above its baseline (x 0.51).
 SD1_CKPT_EAGER_RATIO, CKPT_XLA_SCORES_RATIO = 0.28, 0.51
-SD1_RESIDENT_GIB = 6.0  # frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (float32 weights)
+# frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (float32 weights): an estimate, no probe
+SD1_RESIDENT_GIB = 6.0
 # A full UNet fine-tune: 860M weights x (weight, gradient, 2 AdamW moments) x 4 bytes = 12.8 GiB, split by fsdp,
 # plus ~3 GiB that stays whole (VAE, text encoder, 1-D tensors, activations of a small batch)
 SD1_FULL_STATE_GIB, SD1_FULL_WHOLE_GIB = 12.8, 3.0
@@ -127,7 +129,8 @@ SD3_EAGER_GIB = {"no": 2.9, "bf16": 2.1}
 SD3_CKPT_EAGER_RATIO = 0.26
 # SD 3.5 Medium's parts in billions of values (the diffusers / transformers classes built with the checkpoint's configs
 # on the meta device): the transformer's weights (split over mesh.fsdp with the training state) and its positional
-# table (a buffer, whole on every chip); CLIP-L and CLIP-G; T5-XXL's encoder (model.text_encoder_3); the VAE (float32)
+# table (a buffer, whole on every chip); CLIP-L and CLIP-G; T5-XXL's encoder (model.text_encoder_3); the VAE (float32).
+# Measured by: python scripts/bench.py --sd3-parameters
 SD35_MEDIUM_BILLIONS = {"transformer": 2.243, "pos_embed": 0.227, "clips": 0.124 + 0.695, "t5": 4.762, "vae": 0.084}
 # plus LoRA's 18.8M values x (weight, gradient, 2 AdamW moments, EMA) in float32 (0.35 GiB), an epoch's trajectories
 # and prompt embeddings (0.6 GiB at flow_grpo's 144 samples a chip) and ~1 GiB for the runtime and fragmentation
