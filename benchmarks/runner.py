@@ -33,7 +33,7 @@ BUSY_LOAD = 1.0
 def clean_env(**extra: str) -> dict[str, str]:
     """os.environ without the variables ddpo_tpu owns (and HYDRA_FULL_ERROR), the repo first on PYTHONPATH, plus
     extra: what a training process or a probe's child starts from."""
-    from ddpo_tpu.launch.env import OWNED_VARIABLES
+    from ddpo_tpu.env import OWNED_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

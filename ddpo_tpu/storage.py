@@ -69,7 +69,7 @@ def filesystem():
     # which an emulator does not serve (60 s timeouts per bucket) and plain buckets do not need
     from gcsfs.core import GCSFileSystem
 
-    from ddpo_tpu.launch.env import storage_emulator_host
+    from ddpo_tpu.env import storage_emulator_host
 
     quiet_gcsfs()
     return GCSFileSystem(token="anon" if storage_emulator_host() else None)
@@ -269,7 +269,7 @@ def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: N
             writer: bool | None = None) -> Restored:
     """Make the local run dir continue from the newest verified checkpoint of either copy (the module docstring).
     `writer`: this host uploads (default: worker 0 of a pod, or a single VM); others take the bucket's newest."""
-    from ddpo_tpu.launch.env import tpu_worker_id
+    from ddpo_tpu.env import tpu_worker_id
 
     timeout_s = timeout_s or default_timeout_s()
     writer = tpu_worker_id() in (None, 0) if writer is None else writer

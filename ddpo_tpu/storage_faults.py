@@ -27,7 +27,7 @@ def gcsfs_missing() -> bool:
 
 def endpoint() -> str:
     """Where the bucket client sends its requests: Cloud Storage, or the emulator STORAGE_EMULATOR_HOST names."""
-    from ddpo_tpu.launch.env import storage_emulator_host
+    from ddpo_tpu.env import storage_emulator_host
 
     host = storage_emulator_host() or "https://storage.googleapis.com"
     return host if "://" in host else f"http://{host}"

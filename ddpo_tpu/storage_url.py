@@ -73,7 +73,7 @@ def local_root(output_root: str) -> str:
     URL (also Hydra's `hydra.run.dir` root, through the `ddpo_local_root` resolver)."""
     if not is_url(output_root) or url_problem(output_root) is not None:
         return output_root
-    from ddpo_tpu.launch.env import cache_root  # the one module that reads the environment
+    from ddpo_tpu.env import cache_root  # the one module that reads the environment
 
     url = parse(output_root)
     return str(cache_root() / "runs" / url.bucket / url.prefix if url.prefix else cache_root() / "runs" / url.bucket)

@@ -2,7 +2,7 @@
 `ddpo-train`); `--help` says what to run first.
 
 The front end never imports torch. It
-1. refuses environment variables that the config owns (launch/env.py),
+1. refuses environment variables that the config owns (env.py),
 2. composes and validates the config of every run (every point of a sweep, launch/sweep.py) and checks what the runs
    need from this machine (launch/machine.py, the output roots, the locks) before anything is written or started;
    `--check` stops here and prints each run's decisions,
@@ -20,9 +20,10 @@ from pathlib import Path
 from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
 from ddpo_tpu.problems import ConfigError
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 from ddpo_tpu.launch import machine, process, xla_flags
 from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
+from ddpo_tpu.launch.lock import accelerator_lock_path
 
 CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this machine; print the decisions; write nothing
 
@@ -95,7 +96,7 @@ def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
         _fail(errors)
     _fail_on_output_roots({p.validated.cfg.output_root for p in points})
     _fail_on_this_machine(points)
-    _fail_on_busy_accelerators({envmod.accelerator_lock_path(p.validated.cfg) for p in points})
+    _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points})
     if not check_only:
         # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
         # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is

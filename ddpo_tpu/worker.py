@@ -95,11 +95,11 @@ def hold_locks(cfg, run_dir: Path):
     """Take the run dir's lock (adopting the one the front end handed over) and the accelerator's, held until this
     process ends; the list of locks, or None after printing why they are busy. Taken before torch is imported, so a
     refusal comes within seconds: one writer per run dir on every accelerator, one run per device."""
-    from ddpo_tpu.launch import env as envmod
-    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock
+    from ddpo_tpu import env as envmod
+    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock, accelerator_lock_path
 
     locks = [RunDirLock(run_dir)]
-    path = envmod.accelerator_lock_path(cfg)
+    path = accelerator_lock_path(cfg)
     if path is not None:
         locks.append(AcceleratorLock(path, run_dir))
     handed = envmod.run_dir_lock_fd_from_environment()
@@ -147,7 +147,7 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from ddpo_tpu.config.compose import validate
-    from ddpo_tpu.launch import env as envmod
+    from ddpo_tpu import env as envmod
 
     run_dir = envmod.run_dir_from_environment()
     if run_dir is None:

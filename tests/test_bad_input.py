@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from tests.helpers import clean_env
 from ddpo_tpu.catalog import family
 from ddpo_tpu.config.compose import compose_and_validate
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 20  # a refusal takes about a second; a case that got through would start training

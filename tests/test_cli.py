@@ -16,7 +16,7 @@ import yaml
 
 from ddpo_tpu.config.compose import conf_dir
 from tests.helpers import clean_env
-from ddpo_tpu.launch.env import OWNED_VARIABLES
+from ddpo_tpu.env import OWNED_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60

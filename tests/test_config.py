@@ -488,7 +488,7 @@ def test_validation_leaves_torch_unimported():
         "from ddpo_tpu.config.compose import compose_and_validate\n"
         "v = compose_and_validate(['+experiment=compressibility_parity'])\n"
         "assert v.cfg.tpu_topology.name == 'v6e-8'\n"
-        "import ddpo_tpu.train, ddpo_tpu.launch.env\n"
+        "import ddpo_tpu.train, ddpo_tpu.env\n"
         "ddpo_tpu.train.preflight(['+experiment=smoke', 'tpu_topology=cpu_spmd4'])\n"
         "heavy = [m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'peft') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
@@ -502,7 +502,7 @@ def test_validation_leaves_torch_unimported():
 
 
 def _owned():
-    from ddpo_tpu.launch.env import OWNED_VARIABLES
+    from ddpo_tpu.env import OWNED_VARIABLES
 
     return OWNED_VARIABLES
 

@@ -1,4 +1,4 @@
-"""ddpo_tpu.launch.env: legacy variables are refused with their config key, the training process's environment is built
+"""ddpo_tpu.env: legacy variables are refused with their config key, the training process's environment is built
 from config only, secrets are redacted, and no other module touches the environment."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from ddpo_tpu.config.batch import MISSING, lookup
 from ddpo_tpu.config.compose import compose_and_validate
-from ddpo_tpu.launch import env as envmod
-from ddpo_tpu.launch.env import OWNED_VARIABLES, RUN_DIR_VARIABLE
+from ddpo_tpu import env as envmod
+from ddpo_tpu.env import OWNED_VARIABLES, RUN_DIR_VARIABLE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def test_compilation_cache_explicit(tmp_path):
     assert envmod.compilation_cache_dir(cfg("tpu_topology=cpu", "xla.compilation_cache_dir='~/cc'")) == f"{home}/cc"
 
 
-# --- only launch/env.py touches the environment --------------------------------------------------------------------
+# --- only env.py touches the environment --------------------------------------------------------------------
 
 _ENV_ACCESS = re.compile(r"os\.environ|os\.getenv|putenv|from\s+os\s+import[^\n]*\b(environ|getenv)\b")
 
@@ -179,15 +179,15 @@ _ENV_ACCESS = re.compile(r"os\.environ|os\.getenv|putenv|from\s+os\s+import[^\n]
 def test_only_env_module_touches_the_environment():
     package = REPO / "ddpo_tpu"
     modules = sorted(package.rglob("*.py"))
-    assert package / "launch" / "env.py" in modules and len(modules) > 5
+    assert package / "env.py" in modules and len(modules) > 5
     offenders = []
     for path in modules:
-        if path == package / "launch" / "env.py":
+        if path == package / "env.py":
             continue
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if _ENV_ACCESS.search(line):
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
-    assert not offenders, "environment access outside ddpo_tpu/launch/env.py:\n" + "\n".join(offenders)
+    assert not offenders, "environment access outside ddpo_tpu/env.py:\n" + "\n".join(offenders)
 
 
 def test_env_access_pattern_catches_the_spellings():

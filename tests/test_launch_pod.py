@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ddpo_tpu.launch import pod as lp
-from ddpo_tpu.launch.env import OWNED_VARIABLES
+from ddpo_tpu.env import OWNED_VARIABLES
 from tests.helpers import REPO, clean_env
 
 TIMEOUT = 60

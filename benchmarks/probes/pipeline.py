@@ -85,7 +85,7 @@ CHILD = compare
 def point(topo: str, steps: int, overrides: list[str] = ()) -> dict:
     """compare() in a process with the training process's variables for `topo`; a failure is a row."""
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.launch.env import runtime_variables
+    from ddpo_tpu.env import runtime_variables
 
     env = runner.clean_env(**runtime_variables(compose_and_validate(["+experiment=smoke", f"tpu_topology={topo}",
                                                                      *overrides]).cfg))

@@ -153,7 +153,7 @@ def host_vs_device(ks: list[int], checkpointed: bool = False) -> tuple[list[dict
     """Per step at parity batch sizes: host ms (sd14_topology, XLA CPU, lazy and dynamo) against device ms (SD 1.4
     FLOPs at v6e peak and at 40%); and the v6e-8 images/s of +experiment=compressibility_parity that follow."""
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.launch.env import runtime_variables
+    from ddpo_tpu.env import runtime_variables
 
     flops = sd14_flops(ks, checkpointed)
     env = runner.clean_env(**runtime_variables(compose_and_validate(["tpu_topology=cpu"]).cfg))

@@ -34,7 +34,7 @@ def xla_args(*flags: str) -> list[str]:
 def xla_env(tmp: Path, *flags: str) -> dict[str, str]:
     """The training process's environment for xla_args(*flags): torch_xla in the child set up as the trainer's."""
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.launch.env import child_environment
+    from ddpo_tpu.env import child_environment
 
     env = child_environment(compose_and_validate(xla_args(*flags)).cfg, tmp)
     return env | {"PYTHONPATH": runner.clean_env()["PYTHONPATH"]}

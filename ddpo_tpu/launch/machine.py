@@ -14,7 +14,7 @@ import importlib.util
 import socket
 from pathlib import Path
 
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 

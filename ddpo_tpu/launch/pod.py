@@ -22,7 +22,7 @@ runtime aborts: tpu_topology.processes does not match). This launcher
 4. runs `cd WORKDIR && VENV/bin/python -m ddpo_tpu.train OVERRIDES` through
    `gcloud compute tpus tpu-vm ssh NAME --zone ZONE [--project P] --worker=... --command '...'`, each override
    shell-quoted. No environment variable is set: the ones ddpo_tpu reads (PJRT_DEVICE, XLA_FLAGS, ...) are config
-   keys (ddpo_tpu/launch/env.py) and the front end refuses them.
+   keys (ddpo_tpu/env.py) and the front end refuses them.
 
 Actions (the default is to start training in the foreground, its output streamed back through SSH):
   --detach   start it under nohup + setsid, output appended to WORKDIR/logs/ddpo-pod-<hostname>.log on each worker,
@@ -52,7 +52,7 @@ import sys
 import time
 
 from ddpo_tpu.events import EVENTS_FILE
-from ddpo_tpu.launch.env import OWNED_VARIABLES
+from ddpo_tpu.env import OWNED_VARIABLES
 
 PROG = "ddpo-pod"
 TRAIN_MODULE = "ddpo_tpu.train"

@@ -47,7 +47,7 @@ def training_command(cfg=None) -> list[str]:
     of this node."""
     if cfg is None or cfg.tpu_topology.execution != "distributed":
         return [sys.executable, "-m", WORKER_MODULE]
-    from ddpo_tpu.launch.env import node_rank
+    from ddpo_tpu.env import node_rank
 
     topo, d = cfg.tpu_topology, cfg.distributed
     if d.rdzv_endpoint is None:  # one node: torchrun's c10d store on this host, on a port it picks
@@ -65,7 +65,7 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
     and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
     front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
     while either process lives."""
-    from ddpo_tpu.launch.env import RUN_DIR_LOCK_FD_VARIABLE
+    from ddpo_tpu.env import RUN_DIR_LOCK_FD_VARIABLE
 
     run_dir = Path(log_path).parent
     record = EventLog(run_dir, echo=_silent)

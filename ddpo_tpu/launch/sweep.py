@@ -21,7 +21,7 @@ from pathlib import Path
 from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated
 from ddpo_tpu.problems import ConfigError, Problem
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 from ddpo_tpu.launch import lora_targets
 
 # keys whose value is a path on the machine that trains (each checked there: present, readable, the right kind)

@@ -286,7 +286,7 @@ def _accelerator_lock_paths(cfg: dict) -> list[Path]:
     accelerator = get(cfg, "tpu_topology.accelerator")
     if not isinstance(accelerator, str) or not accelerator:
         return []
-    from ddpo_tpu.launch.env import cache_root  # the one module that reads the environment
+    from ddpo_tpu.env import cache_root  # the one module that reads the environment
     from ddpo_tpu.launch.lock import default_lock_path
 
     return [default_lock_path(cache_root(), accelerator)]
