@@ -29,6 +29,7 @@ TEXTS = [
      "ddpo_tpu: resumed from out/checkpoints/epoch_0003 (epoch 3 done, global step 8)"),
     (ev.CheckpointDamaged("ck/epoch_0004", "ck/epoch_0004/optimizer.pt: checksum mismatch"),
      "ddpo_tpu: warning: ck/epoch_0004/optimizer.pt: checksum mismatch; trying the previous checkpoint"),
+    (ev.StateLayout(12, 0, 4096, 4096), None),
     (ev.AlreadyComplete(5), "ddpo_tpu: run complete (all 5 epochs were done already)"),
     (ev.RunComplete(), "ddpo_tpu: run complete"),
     (ev.RunComplete(0, 4, 5, 1.25, -1.5, -1.25, 10, "w/final.safetensors", "m.jsonl"),
