@@ -6,7 +6,7 @@ advantages and the loss). Read `Trainer.fit` top to bottom:
   reward      host rewards overlap the sampling of the next batch (thread pool)
   advantages  the algorithm's normalisation of the rewards
   train       shuffle samples and time axes on the device, clipped-objective micro-steps, an update per window
-  save        checkpoint written, then the epoch's metrics line, image grid and weights, then the commit
+  save        weights and checkpoint written, the epoch's metrics line and grid, then the commit (its rename)
 
 All randomness comes from host generators seeded by (seed, epoch, stream), so every backend sees the same prompts,
 noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically. Checkpoints,
