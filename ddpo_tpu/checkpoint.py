@@ -3,9 +3,9 @@
 A checkpoint is a directory checkpoints/epoch_NNNN/ holding the trained weights (trainable.safetensors), the optimizer
 state (optimizer.pt), and state.json (epoch, global step, stat-tracker buffers, run id, the parity-relevant config).
 It is written under a temporary name, every file fsynced, then renamed into place: a directory with the final name is
-always complete. Host and device RNG states are not stored because there are none to store: all randomness is drawn
-from host generators seeded by (seed, epoch, stream) (ddpo/loop.py), so a run restarted at an epoch boundary draws
-exactly what the uninterrupted run drew.
+always complete (ddpo_tpu/checkpoint_layout.py: the names, and what makes one complete). Host and device RNG states
+are not stored because there are none to store: all randomness is drawn from host generators seeded by (seed, epoch,
+stream) (ddpo/loop.py), so a run restarted at an epoch boundary draws exactly what the uninterrupted run drew.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,12 @@ from typing import Any
 
 import torch
 
+from ddpo_tpu import checkpoint_layout as layout
+from ddpo_tpu.checkpoint_layout import STATE_FILE, complete
 from ddpo_tpu.config.resume import changed_keys, resume_relevant  # one copy of what a resume compares
 
 FORMAT = 1
-_NAME = re.compile(r"^epoch_(\d{4,})$")
+
 
 def config_hash(tree: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(resume_relevant(tree), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -73,13 +74,6 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def save(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[str, torch.Tensor],
-         optimizer: dict[str, Any], tracker: dict[str, Any], run_id: str, tree: dict[str, Any], limit: int) -> Path:
-    """Write checkpoints/epoch_NNNN atomically, then rotate. Tensors must already be on the host."""
-    return prepare(ckpt_root, epoch=epoch, global_step=global_step, trainable=trainable, optimizer=optimizer,
-                   tracker=tracker, run_id=run_id, tree=tree).commit(limit)
-
-
 @dataclass
 class Pending:
     """A checkpoint written and fsynced under its temporary name: not a checkpoint until commit() renames it.
@@ -95,7 +89,7 @@ class Pending:
     def commit(self, limit: int) -> Path:
         final, ckpt_root = self.final, self.ckpt_root
         if final.exists():  # the same epoch saved again (e.g. after SIGTERM): replace it whole
-            old = ckpt_root / f".old-{final.name}-{os.getpid()}"
+            old = layout.retired(final, str(os.getpid()))
             os.replace(final, old)
             os.replace(self.tmp, final)
             shutil.rmtree(old)
@@ -108,12 +102,12 @@ class Pending:
 
 def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[str, torch.Tensor],
             optimizer: dict[str, Any], tracker: dict[str, Any], run_id: str, tree: dict[str, Any]) -> Pending:
-    """Write the files of checkpoints/epoch_NNNN under a temporary name (see Pending)."""
+    """Write the files of checkpoints/epoch_NNNN under a temporary name (see Pending). Tensors must be on the host."""
     from safetensors.torch import save as st_save
 
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"epoch_{epoch:04d}"
-    tmp = ckpt_root / f".tmp-epoch_{epoch:04d}-{os.getpid()}"
+    final = ckpt_root / layout.name(epoch)
+    tmp = layout.temporary(ckpt_root, epoch, str(os.getpid()))
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -127,30 +121,27 @@ def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[st
     state = {"format": FORMAT, "epoch": epoch, "global_step": global_step, "run_id": run_id, "tracker": tracker,
              "config_hash": config_hash(tree), "config": resume_relevant(tree),
              "sha256": {name: _sha256(data) for name, data in files.items()}}
-    files["state.json"] = (json.dumps(state, indent=1, default=str) + "\n").encode()
-    _write(tmp / "state.json", files["state.json"])
+    files[STATE_FILE] = (json.dumps(state, indent=1, default=str) + "\n").encode()
+    _write(tmp / STATE_FILE, files[STATE_FILE])  # last: the guard of the others
     _fsync_dir(tmp)
     return Pending(ckpt_root, tmp, final, files)
 
 
-def complete(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a temporary or half-deleted directory never matches the final name)."""
-    if not ckpt_root.is_dir():
-        return []
-    found = [p for p in ckpt_root.iterdir() if p.is_dir() and _NAME.match(p.name) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+def clear_leftovers(ckpt_root: Path) -> list[Path]:
+    """Remove what killed checkpoint writes and deletes left (none of this process's own are in flight: it runs at
+    the start and after a commit). Returns what was removed."""
+    gone = layout.leftovers(ckpt_root)
+    for leftover in gone:
+        shutil.rmtree(leftover, ignore_errors=True)
+    return gone
 
 
 def rotate(ckpt_root: Path, limit: int) -> None:
     """Keep the newest `limit` complete checkpoints (never the newest one), and clear leftovers of killed writes."""
-    for leftover in ckpt_root.glob(".tmp-epoch_*"):
-        if not leftover.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in ckpt_root.glob(".old-epoch_*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    clear_leftovers(ckpt_root)
     done = complete(ckpt_root)
     for old in done[:-max(limit, 1)]:
-        doomed = old.with_name(f".old-{old.name}-{os.getpid()}")
+        doomed = layout.retired(old, str(os.getpid()))
         os.replace(old, doomed)  # out of the complete set in one step, then deleted
         shutil.rmtree(doomed, ignore_errors=True)
 
@@ -160,7 +151,7 @@ _STATE_KEYS = ("format", "epoch", "global_step", "run_id", "tracker", "config")
 
 def _read_state(path: Path) -> dict[str, Any]:
     try:
-        state = json.loads((path / "state.json").read_text())
+        state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointDamaged(path, f"state.json cannot be read ({type(e).__name__}: truncated or overwritten?)")
     missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
@@ -236,17 +227,11 @@ def resume_candidates(run_dir: Path, resume: str) -> list[Path]:
     if resume == "never":
         return []
     if resume == "auto":
-        return complete(run_dir / "checkpoints")
+        return complete(run_dir / layout.CHECKPOINTS)
     path = Path(resume).expanduser()
-    if (path / "state.json").is_file():
+    if (path / STATE_FILE).is_file():
         return [path]
-    done = complete(path) or complete(path / "checkpoints")
+    done = complete(path) or complete(path / layout.CHECKPOINTS)
     if not done:
         raise ResumeRefused(f"resume={resume}: no complete checkpoint there")
     return done
-
-
-def find_resume(run_dir: Path, resume: str) -> Path | None:
-    """The newest candidate (resume_candidates), intact or not."""
-    done = resume_candidates(run_dir, resume)
-    return done[-1] if done else None

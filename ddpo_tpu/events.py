@@ -82,6 +82,15 @@ class RunStart(Event, kind="run_start"):
         return line
 
 
+class StateLayout(Event, kind="state_layout"):
+    """How the training state lies on the devices (runtime/base.py StateLayout); run_start's `state` says it."""
+
+    tensors: int
+    sharded: int
+    bytes_total: int
+    bytes_per_device: int
+
+
 class Resumed(Event, kind="resumed",
               text="ddpo_tpu: resumed from {checkpoint} (epoch {epoch} done, global step {global_step})"):
     epoch: int

@@ -30,6 +30,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def interrupted_writes(directory: Path) -> list[Path]:
+    """The temporary files of atomic_write_bytes in `directory` that a kill left behind (its cleanup never ran)."""
+    return sorted(Path(directory).glob(".*.*.tmp"))
+
+
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_INTERVAL_S = 10.0
 # run dir -> the write its heartbeat thread was last refused (cleared by a beat that lands); a thread cannot end the

@@ -1,5 +1,7 @@
 """The training process. Started by the front end (ddpo_tpu.train) with an environment built from the config, so
-torch and torch_xla are imported here, after every XLA/PJRT variable is final.
+torch and torch_xla are imported here, after every XLA/PJRT variable is final. `main` takes the locks, guards the
+console and beats the heartbeat; `run` builds the Trainer (ddpo/loop.py) and turns every expected way a run ends
+(preempted, refused, non-finite, a full disk, a device out of memory) into one event line and an exit code.
 
 Output and train.log (decision): while the front end lives it is the one writer of train.log, because it reads the
 process's fds 1 and 2 and so also catches what C libraries (XLA, libtpu) print. The front end can die first (SIGKILL,
@@ -13,10 +15,16 @@ metrics.jsonl is written here directly and loses nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ddpo_tpu.config.compose import Validated
+    from ddpo_tpu.config.schema import RunConfig
 
 
 class _Console(io.TextIOBase):
@@ -169,7 +177,6 @@ def main() -> int:
             from ddpo_tpu.launch.process import EXIT_BUSY
 
             return EXIT_BUSY
-    from ddpo_tpu.ddpo.loop import run
     from ddpo_tpu.rundir import Heartbeat
 
     heartbeat = Heartbeat(run_dir).start() if ranks is None or ranks[0] == 0 else None
@@ -180,6 +187,121 @@ def main() -> int:
             heartbeat.stop()
         for lock in reversed(locks):
             lock.release()
+
+
+# --- the training run (torch is imported from here on) -------------------------------------------------------------
+
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def storage_error_line(e: OSError, run_dir: Path) -> str:
+    """One line for a write the run dir's disk refused. Checkpoints are written whole and renamed into place, so the
+    last complete one is intact whatever write failed."""
+    path = e.filename or run_dir
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what, fix = "no space left on the disk", "free space there or set output_root=... on a larger disk"
+    else:
+        what, fix = f"cannot write there ({e.strerror})", "make the run dir writable or set output_root=..."
+    return f"{path}: {what}: {fix}; the same command then resumes from the last complete checkpoint"
+
+
+def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
+    """One line for a device that ran out of memory: what was asked of it (the memory estimate's inputs, which
+    chose them unless they were set) and the keys that ask less, with the same parity."""
+    from ddpo_tpu.config.batch import num_train_timesteps
+    from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
+
+    detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    K, on, T = fused_timesteps(cfg), activation_checkpointing(cfg), num_train_timesteps(cfg)
+    fixes = [f"train.timesteps_per_micro_step={k}" for k in range(K - 1, 0, -1) if T % k == 0][:1]
+    if not on:
+        fixes.append("train.activation_checkpointing=true")
+    fixes.append("half the per-replica train.batch_size or sample.batch_size with twice the "
+                 "train.gradient_accumulation_steps or sample.num_batches_per_epoch (the same parity)")
+    return (f"the device ran out of memory ({detail[:240]}) at train.timesteps_per_micro_step={K}, "
+            f"train.activation_checkpointing={str(on).lower()}, train.batch_size={cfg.train.batch_size}, "
+            f"sample.batch_size={cfg.sample.batch_size}. Fix: {', or '.join(fixes)}; {saved}")
+
+
+def run(validated: Validated, run_dir: Path) -> int:
+    """Train the run in `run_dir` in this process: the Trainer, the bucket mirror, and the exit code."""
+    from ddpo_tpu import events as ev
+    from ddpo_tpu import storage
+    from ddpo_tpu.console import quiet_third_party
+    from ddpo_tpu.ddpo.checkpointing import StopRequest
+    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
+    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.runtime import make_runtime
+
+    quiet_third_party()  # before the model loads (ddpo_tpu/console.py: what is dropped and why)
+    stop = StopRequest()
+    rt = make_runtime(validated.cfg)
+    events = ev.EventLog(run_dir, rt.is_main, raise_errors=True)  # a refused write ends the run in one line
+    url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
+    # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/storage.py)
+    # an upload that gives up (storage_timeout_s) stops the run at the next safe point, after a local checkpoint
+    mirror = (storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit, timeout_s=validated.cfg.storage_timeout_s,
+                             on_give_up=lambda: setattr(stop, "requested", True)) if url is not None and rt.is_main
+              else None)
+    out = RunDir(run_dir, mirror)
+    try:
+        code = _run(validated, rt, out, stop, events)
+    except BaseException:
+        if mirror is not None:
+            mirror.close()  # what was queued still goes up; the error that ended the run is the one reported
+        raise
+    try:
+        out.close()  # a resume on another VM needs what is queued: wait for it
+    except storage.StorageError as e:
+        events.emit(ev.Failed(str(e)))
+        return EXIT_FAILED if code in (0, EXIT_PREEMPTED) else code
+    if code in (0, EXIT_PREEMPTED):
+        # distributed: every rank ends together, after the main one wrote and committed (a rank that ended early
+        # would make torchrun stop the others)
+        rt.barrier()
+    rt.close()
+    return code
+
+
+def _run(validated: Validated, rt, out, stop, events) -> int:
+    """The Trainer's life, with every expected way it ends as one event line and an exit code."""
+    from ddpo_tpu import events as ev
+    from ddpo_tpu import storage
+    from ddpo_tpu.checkpoint import ResumeRefused
+    from ddpo_tpu.ddpo.checkpointing import CannotStart, Preempted
+    from ddpo_tpu.ddpo.loop import NonFinite, Trainer
+    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
+    from ddpo_tpu.models.loading import ModelLoadError
+    from ddpo_tpu.rewards import RewardError
+
+    run_dir = out.path
+    trainer = None
+    try:
+        trainer = Trainer(validated.cfg, rt, out, tree=validated.tree, stop=stop, events=events)
+        trainer.resume()
+        if trainer.start_epoch >= validated.cfg.num_epochs:
+            events.emit(ev.AlreadyComplete(validated.cfg.num_epochs))
+            return 0
+        trainer.fit()
+    except Preempted as e:
+        if not out.bucket_failed:  # a bucket that gave up stopped it: run() reports that, in one line
+            events.emit(ev.Preempted(trainer.checkpoints.last_saved_epoch, trainer.global_step, str(e)))
+        return EXIT_PREEMPTED
+    except (ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError, storage.StorageError) as e:
+        events.emit(ev.Failed(str(e)))
+        return EXIT_FAILED
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRORS:
+            raise
+        events.emit(ev.Failed(storage_error_line(e, run_dir)))
+        return EXIT_FAILED
+    except RuntimeError as e:
+        if not rt.out_of_memory(e):
+            raise
+        saved = trainer.checkpoints.saved_state() if trainer is not None else "nothing was trained yet"
+        events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
+        return EXIT_FAILED
+    return 0
 
 
 if __name__ == "__main__":

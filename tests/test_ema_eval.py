@@ -142,10 +142,53 @@ def test_the_ddim_eval_step_with_eta_0_is_diffusers_deterministic_ddim(tmp_path)
         torch.testing.assert_close(prev, want, rtol=1e-5, atol=1e-6)
 
 
-def test_evaluation_keys_compose_and_are_checked():
-    cfg = compose_and_validate(["+experiment=flow_grpo_smoke", "evaluation.every_n_epochs=1", "evaluation.num_steps=12",
-                                "evaluation.deterministic=true", "train.ema=true"]).cfg
-    assert cfg.evaluation.num_steps == 12 and cfg.evaluation.deterministic and cfg.train.ema
+def test_evaluation_samples_its_own_steps_noise_free_with_the_ema_weights(tmp_path, model_cache, monkeypatch):
+    """evaluation.num_steps and evaluation.deterministic give evaluation a sampler of its own (3 noise-free steps
+    where training samples 2 with noise), and train.ema makes it sample with the average: weights trained since the
+    average last moved change the training samples, not evaluation's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.rundir import RunDir
+
+    v = compose_and_validate(["+experiment=smoke", f"model.cache_dir={model_cache}", "sample.num_steps=2",
+                              "evaluation.every_n_epochs=1", "evaluation.num_steps=3", "evaluation.deterministic=true",
+                              "train.ema=true", "reward.host_workers=0"])
+    t = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    t.report.tracker = SimpleNamespace(log=lambda *a, **k: None)
+    steps, other_noise, images = [], [False], []
+    real = loop.sample_trajectory
+
+    def spy(step, T, cond, uncond, init, noise, **kw):  # the steps asked for; optionally other per-step noise
+        steps.append(T)
+        return real(step, T, cond, uncond, init, torch.randn_like(noise) if other_noise[0] else noise, **kw)
+
+    monkeypatch.setattr(loop, "sample_trajectory", spy)
+    t.reward = lambda batch, prompts: (images.append(batch), np.zeros(len(prompts)))[1]
+
+    def sample(evaluation: bool, noise: bool = False) -> np.ndarray:
+        other_noise[0] = noise
+        if evaluation:
+            t.evaluate(0)
+            return images[-1]
+        return t._sample_batch(["a cat"] * t.global_batch, torch.Generator().manual_seed(0))[2]
+
+    evaluated, trained = sample(True), sample(False)
+    assert steps == [3, 2]
+    assert np.array_equal(sample(True, noise=True), evaluated)  # noise-free ...
+    assert not np.array_equal(sample(False, noise=True), trained)  # ... where sampling is not
+    with torch.no_grad():  # training moves the weights; the average has not been updated since
+        for param in t.state.params:
+            param.add_(0.5 * torch.randn_like(param))
+    moved = [param.detach().clone() for param in t.state.params]
+    assert not np.array_equal(sample(False), trained)
+    assert np.array_equal(sample(True), evaluated)  # the average
+    assert all(torch.equal(param, m) for param, m in zip(t.state.params, moved))  # the trained weights came back
+
+
+def test_evaluation_keys_are_checked():
     from ddpo_tpu.config.compose import ConfigError
 
     for bad in ("evaluation.num_steps=0", "train.ema_decay=1.0", "train.ema_every=0"):

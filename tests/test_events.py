@@ -24,6 +24,7 @@ EXAMPLES = [
     (ev.RunStart("xla on cpu", 6, 2, 8, 2, 8, "LoRA", True), True),
     (ev.Resumed(3, 8, "out/checkpoints/epoch_0003"), True),
     (ev.CheckpointDamaged("ck/epoch_0004", "ck/epoch_0004/optimizer.pt: checksum mismatch"), True),
+    (ev.StateLayout(12, 0, 4096, 4096), False),
     (ev.AlreadyComplete(5), True),
     (ev.RunComplete(), True),
     (ev.RunComplete(0, 4, 5, 1.25, -1.5, -1.25, 10, "w/final.safetensors", "m.jsonl"), True),

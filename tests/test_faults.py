@@ -67,10 +67,70 @@ def _two_checkpoints(root: Path) -> dict:
     tree = compose_and_validate(BASE).tree
     for epoch in (0, 1):
         w = torch.full((4, 4), float(epoch))
-        ckpt.save(root / "checkpoints", epoch=epoch, global_step=epoch + 1, trainable={"w": w},
-                  optimizer={"state": {0: {"exp_avg": w.clone()}}, "param_groups": []}, tracker={}, run_id="r",
-                  tree=tree, limit=5)
+        ckpt.prepare(root / "checkpoints", epoch=epoch, global_step=epoch + 1, trainable={"w": w},
+                     optimizer={"state": {0: {"exp_avg": w.clone()}}, "param_groups": []}, tracker={}, run_id="r",
+                     tree=tree).commit(limit=5)
     return tree
+
+
+# a SIGKILL during the final weights write: the data is written, the rename (and the write's own cleanup) never comes
+_KILLED_WEIGHTS_WRITE = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from ddpo_tpu.rundir import RunDir
+os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+RunDir(Path(sys.argv[1])).save_weights("final", {"w": torch.ones(64, 64)})
+"""
+
+
+def test_the_next_start_removes_what_killed_writes_left_and_nothing_else(tmp_path):
+    """A kill during the final weights write or a checkpoint write leaves the write's temporary file or directory
+    (3.4 GB each for an SD 1.4 fine-tune). The next start removes those, and only those, then resumes as usual."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu import events as ev
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.ddpo.checkpointing import CheckpointManager
+    from ddpo_tpu.rundir import RunDir
+    from tests.helpers import REPO, clean_env
+
+    run = tmp_path / "run"
+    tree = _two_checkpoints(run)
+    (run / "metrics.jsonl").write_text('{"kind": "epoch", "epoch": 0}\n{"kind": "epoch", "epoch": 1}\n')
+    (run / "weights").mkdir()
+    (run / "weights" / "epoch_0001.safetensors").write_bytes(b"weights of epoch 1")
+    (run / ".hidden_note").write_text("not a temporary file of ours")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    child = subprocess.run([sys.executable, "-c", _KILLED_WEIGHTS_WRITE, str(run)], cwd=REPO, env=clean_env())
+    assert child.returncode == -9, child
+    with pytest.MonkeyPatch.context() as m:  # a checkpoint write cut short before its rename: no cleanup either
+        m.setattr(ckpt, "_fsync_dir", lambda path: (_ for _ in ()).throw(Killed()))
+        with pytest.raises(Killed):
+            ckpt.prepare(run / "checkpoints", epoch=2, global_step=3, trainable={"w": torch.ones(4, 4)},
+                         optimizer={}, tracker={}, run_id="r", tree=tree)
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p not in before)
+    assert len(left) == 4 and left[-1].startswith("weights/.final.safetensors.")  # and the checkpoint's 3 files
+    assert all(name.startswith("checkpoints/.tmp-epoch_0002-") for name in left[:3]), left
+
+    cfg = compose_and_validate(BASE).cfg
+    restored = {}
+    manager = CheckpointManager(
+        cfg, SimpleNamespace(is_main=True, place_like=lambda v, like: v, sync=lambda: None), RunDir(run),
+        ev.EventLog(run), tree, SimpleNamespace(requested=False),
+        family=SimpleNamespace(trainable_state=lambda: {"w": torch.zeros(4, 4)}, load_trainable_state=restored.update),
+        state=SimpleNamespace(global_step=0, load_state_dict=lambda d: None, parameter_bytes=lambda: 64),
+        algorithm=SimpleNamespace(load_state_dict=lambda d: None))
+    manager.resume()
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ev.EVENTS_FILE}
+    assert after == before  # the leftovers are gone; every other file is as it was
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert manager.start_epoch == 2 and float(restored["w"][0, 0]) == 1.0  # and the run resumes from epoch 1
 
 
 @pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "state.json"])
@@ -133,10 +193,10 @@ def test_a_killed_training_process_exits_1_with_one_line(tmp_path, model_cache):
 
 
 def test_a_nonfinite_stop_before_any_checkpoint_does_not_claim_one():
-    from ddpo_tpu.ddpo.loop import Trainer
+    from ddpo_tpu.ddpo.checkpointing import CheckpointManager
 
-    assert "no checkpoint was written yet" in Trainer._saved_state(SimpleNamespace(last_saved_epoch=-1))
-    assert "checkpoint (epoch 2) is intact" in Trainer._saved_state(SimpleNamespace(last_saved_epoch=2))
+    assert "no checkpoint was written yet" in CheckpointManager.saved_state(SimpleNamespace(last_saved_epoch=-1))
+    assert "checkpoint (epoch 2) is intact" in CheckpointManager.saved_state(SimpleNamespace(last_saved_epoch=2))
 
 
 def test_a_stop_request_ends_a_hanging_remote_reward_within_a_second():
@@ -171,8 +231,8 @@ def test_a_full_or_read_only_disk_is_one_line_naming_the_path(tmp_path, model_ca
     names the path and the fix; no traceback. Root ignores permissions, so the refusal is injected at the write."""
     import errno
 
+    from ddpo_tpu import worker
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
     from ddpo_tpu.launch.process import EXIT_FAILED
     from ddpo_tpu.rundir import RunDir
 
@@ -185,7 +245,7 @@ def test_a_full_or_read_only_disk_is_one_line_naming_the_path(tmp_path, model_ca
     monkeypatch.setattr(RunDir, "save_image_grid", refuse)
     v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", "num_epochs=1"])
     (tmp_path / "run").mkdir()
-    assert loop.run(v, tmp_path / "run") == EXIT_FAILED
+    assert worker.run(v, tmp_path / "run") == EXIT_FAILED
     stderr = capsys.readouterr().err  # also holds the libraries' loading noise
     err_lines = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(err_lines) == 1 and "Traceback" not in stderr, err_lines
@@ -205,6 +265,7 @@ def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_pa
     """The HBM estimate picks the fused timesteps and activation checkpointing but a real chip can still refuse the
     graph: XLA's RESOURCE_EXHAUSTED (a RuntimeError from torch_xla) ends the run with exit 1 and one line naming what
     was asked and the keys that ask less; any other RuntimeError is still a traceback."""
+    from ddpo_tpu import worker
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.ddpo import loop
     from ddpo_tpu.launch.process import EXIT_FAILED
@@ -215,7 +276,7 @@ def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_pa
     monkeypatch.setattr(loop.Trainer, "fit", fit)
     v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", "train.timesteps_per_micro_step=4"])
     (tmp_path / "run").mkdir()
-    assert loop.run(v, tmp_path / "run") == EXIT_FAILED
+    assert worker.run(v, tmp_path / "run") == EXIT_FAILED
     err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err_lines) == 1, err_lines
     line = err_lines[0]
@@ -231,4 +292,4 @@ def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_pa
     monkeypatch.setattr(loop.Trainer, "fit", fit_other)
     (tmp_path / "run2").mkdir()
     with pytest.raises(RuntimeError, match="a bug"):
-        loop.run(v, tmp_path / "run2")
+        worker.run(v, tmp_path / "run2")

@@ -437,7 +437,8 @@ def _trainer_stub(algorithm, tokenizer):
     family = SD1Family.__new__(SD1Family)
     family.tokenizer = tokenizer
     rt = make_runtime(compose_and_validate(["+experiment=smoke"]).cfg)
-    return SimpleNamespace(family=family, algorithm=algorithm, rt=rt, _saved_state=lambda: "")
+    return SimpleNamespace(family=family, algorithm=algorithm, rt=rt,
+                           checkpoints=SimpleNamespace(saved_state=lambda: ""))
 
 
 def _epoch(prompts, rewards):

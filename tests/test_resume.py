@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from ddpo_tpu import events as ev
 from tests.helpers import clean_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -153,13 +154,14 @@ def test_too_little_disk_is_reported_before_training(tmp_path, model_cache, monk
 
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.ddpo.checkpointing import CannotStart
     from ddpo_tpu.rundir import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
     v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}"])
-    with pytest.raises(loop.CannotStart, match="GiB free .* checkpoint_limit"):
+    with pytest.raises(CannotStart, match="GiB free .* checkpoint_limit"):
         loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
 
@@ -178,7 +180,7 @@ def test_front_end_sigkill_the_training_process_checkpoints_and_the_same_command
     assert not alive, "the training process outlived its front end"
     run = tmp_path / "outputs" / "smoke"
     assert [p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")] == ["epoch_0000"]
-    assert read_metrics(run, "event")[-1]["event"] == "preempted"
+    assert ev.read_events(run)[-1]["event"] == "preempted"
     log = (run / "train.log").read_text()
     assert "stopping at the next safe point" in log and "BrokenPipeError" not in log
     cont = run_train(args, tmp_path)

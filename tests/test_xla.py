@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import FAST_XLA_CPU, FAST_XLA_FLAGS, REPO, clean_env, read_metrics, run_train
+from ddpo_tpu import events as ev
 from ddpo_tpu.runtime.base import KNOWN_CPU_FALLBACKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]
@@ -79,7 +80,7 @@ def test_host_transfers_are_bounded_per_batch_and_per_step(runs):
 
 
 def _layout(run_dir):
-    return next(r for r in read_metrics(run_dir, "event") if r["event"] == "state_layout")
+    return next(r for r in ev.read_events(run_dir) if r["event"] == "state_layout")
 
 
 @pytest.mark.parametrize("name", ["spmd4", "fsdp"])
@@ -291,8 +292,9 @@ def test_fsdp_with_lora_resumes_split_and_compiles_nothing_after_its_first_epoch
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-2000:]
     run = tmp_path / "outputs" / "smoke"
     assert "resumed from" in (run / "train.log").read_text()
-    layouts = [r for r in read_metrics(run, "event") if r["event"] == "state_layout"]
-    assert len(layouts) == 2 and layouts[0] == {**layouts[1], "time": layouts[0]["time"]}
+    layouts = [{k: v for k, v in r.items() if k not in ("time", "pid")} for r in ev.read_events(run)
+               if r["event"] == "state_layout"]
+    assert len(layouts) == 2 and layouts[0] == layouts[1]
     assert layouts[0]["sharded"] > 0 and layouts[0]["bytes_per_device"] < layouts[0]["bytes_total"]
     epochs = read_metrics(run, "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1, 2]

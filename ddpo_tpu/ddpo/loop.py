@@ -6,41 +6,37 @@ advantages and the loss). Read `Trainer.fit` top to bottom:
   reward      host rewards overlap the sampling of the next batch (thread pool)
   advantages  the algorithm's normalisation of the rewards
   train       shuffle samples and time axes on the device, clipped-objective micro-steps, an update per window
-  save        metrics line, image grid, weights and checkpoint every save_freq epochs (committed last)
+  save        weights and checkpoint written, the epoch's metrics line and grid, then the commit (its rename)
 
 All randomness comes from host generators seeded by (seed, epoch, stream), so every backend sees the same prompts,
-noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically. Progress
-leaves as typed events (ddpo_tpu/events.py), numbers as metrics.jsonl lines (ddpo_tpu/rundir.py).
+noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically. Checkpoints,
+resume and the stop point are ddpo/checkpointing.py's; what the run reports (metrics, events, trackers) is
+ddpo/reporting.py's; the process around the Trainer (errors to one line, exit codes) is ddpo_tpu/worker.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import signal
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ddpo_tpu import checkpoint as ckpt
 from ddpo_tpu import events as ev
-from ddpo_tpu.config.compose import Validated
 from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.ddpo.algorithm import make_algorithm
+from ddpo_tpu.ddpo.checkpointing import CheckpointManager, StopRequest
+from ddpo_tpu.ddpo.reporting import PhaseClock, Reporter
 from ddpo_tpu.ddpo.state import TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.families import Cond, load_family
 from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir import RunDir
-from ddpo_tpu.runtime import Runtime, make_runtime
-from ddpo_tpu.runtime.base import Counters
+from ddpo_tpu.runtime import Runtime
 
 STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
 PROGRESS_EVERY_S = 30.0  # at most one progress event per phase this often (sampling also reports each batch)
@@ -48,13 +44,6 @@ PROGRESS_EVERY_S = 30.0  # at most one progress event per phase this often (samp
 
 def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0) -> int:
     return int(np.random.SeedSequence([seed, epoch, stream, sub]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def peak_rss_gib() -> float:
-    """The training process's peak resident memory so far (on PJRT CPU that includes the 'device' buffers)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 @dataclass
@@ -81,66 +70,8 @@ class EpochSamples:
     orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
 
 
-@dataclass
-class PhaseClock:
-    """Wall time, main-thread CPU time and the runtime's counters of each phase of an epoch."""
-
-    rt: Runtime
-    events: ev.EventLog | None = None
-    epoch: int = 0
-    phases: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @contextlib.contextmanager
-    def measure(self, name: str):
-        t0, c0, h0 = time.perf_counter(), self.rt.counters(), time.thread_time()
-        yield
-        d: Counters = self.rt.counters().minus(c0)
-        p = self.phases[name] = {"seconds": round(time.perf_counter() - t0, 4),
-                                 # CPU time of this (the main) thread: tracing, dispatch and Python; XLA executes on
-                                 # other threads. Near `seconds`: the phase is host-bound
-                                 "host_seconds": round(time.thread_time() - h0, 4),
-                                 "compilations": d.compilations, "compile_seconds": round(d.compile_time_s, 4),
-                                 **({"replicate_compilations": d.replicate_compilations}
-                                    if d.replicate_compilations else {}),
-                                 "host_transfers": d.host_transfers,
-                                 **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {})}
-        if self.events is not None:
-            self.events.emit(ev.PhaseEnd(self.epoch, name, p["seconds"], p["host_seconds"], p["compilations"],
-                                         p["compile_seconds"]))
-
-    def total(self, key: str) -> float:
-        return sum(p.get(key, 0) for p in self.phases.values())
-
-
-class Preempted(Exception):
-    """SIGTERM: the trainer reached a safe point and wrote a checkpoint."""
-
-
-class StopRequest:
-    """SIGTERM sets a flag checked at safe points (between sampling batches, at the end of an epoch); a second
-    SIGTERM (or SIGINT) exits at once."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        if self.requested:
-            print(f"ddpo_tpu: second {signal.Signals(signum).name}: exiting now", flush=True)
-            import os
-
-            os._exit(128 + signum)
-        self.requested = True
-        print(f"ddpo_tpu: {signal.Signals(signum).name} received: stopping at the next safe point", flush=True)
-
-
 class NonFinite(RuntimeError):
-    pass
-
-
-class CannotStart(RuntimeError):
-    """The run dir cannot hold this run (permissions, disk space): found before any training."""
+    """A non-finite loss, gradient, reward or advantage: the run stops with its last checkpoint intact."""
 
 
 def _flat_step_inputs(cur, nxt, idx, cond, cols):
@@ -229,138 +160,26 @@ class Trainer:
         # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
         self.reference_mean = (rt.compile_step(make_reference_mean(score_step))
                                if self.algorithm.needs_reference else None)
-        self._check_room()
-        self.start_epoch, self.last_saved_epoch = 0, -1
-        self.run_id = uuid.uuid4().hex[:12]
-        self.logger = None
+        self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
+                                             state=self.state, algorithm=self.algorithm)
+        self.report = Reporter(cfg, rt, out, self.events, self.tree, self.algorithm.stat_names)
 
     @property
     def global_step(self) -> int:
         return self.state.global_step
 
-    def _check_room(self) -> None:
-        """Before any training: the run dir is writable and has room for the checkpoints it will keep."""
-        import os
-        import shutil
-
-        path = self.out.path
-        if not os.access(path, os.W_OK):
-            raise CannotStart(f"run dir {path} is not writable: fix its permissions or set output_root=...")
-        per_ckpt = self.state.parameter_bytes() * 4  # weights x2 (checkpoint + weights/) + Adam moments
-        need = per_ckpt * (min(self.cfg.checkpoint_limit, self.cfg.num_epochs) + 1)
-        free = shutil.disk_usage(path).free
-        if free < need:
-            raise CannotStart(f"run dir {path} has {free / 2**30:.1f} GiB free but {self.cfg.checkpoint_limit} "
-                              f"checkpoint(s) need about {need / 2**30:.1f} GiB: free space, lower "
-                              f"checkpoint_limit, or set output_root=... on a larger disk")
-
-    # --- checkpoints --------------------------------------------------------------------------------------------
     @property
-    def ckpt_root(self) -> Path:
-        return self.out.path / "checkpoints"
+    def start_epoch(self) -> int:
+        return self.checkpoints.start_epoch
 
     def resume(self) -> None:
-        """Continue from the newest complete checkpoint (resume=auto) or the one named; metrics of epochs after it
-        (work a killed attempt did past its last checkpoint) are dropped, so each epoch is logged once."""
-        cfg = self.cfg
-        if cfg.resume == "never" and ckpt.complete(self.ckpt_root):
-            raise ckpt.ResumeRefused(f"resume=never but {self.ckpt_root} holds checkpoints of an earlier run: use "
-                                     f"resume=auto to continue it or a new run_name to start over")
-
-        def damaged(e: ckpt.CheckpointDamaged) -> None:
-            if self.rt.is_main:
-                self.out.log({"kind": "event", "event": "checkpoint_damaged", "checkpoint": str(e.path),
-                              "problem": e.problem})
-            self.events.emit(ev.CheckpointDamaged(str(e.path), str(e)))
-
-        loaded = ckpt.load_resume(self.out.path, cfg.resume, self.tree, force=cfg.force_resume, on_damaged=damaged)
-        if loaded is None:
-            if self.rt.is_main:
-                self.out.truncate_after_epoch(-1)  # a run killed before its first checkpoint starts clean
-            return
-        current = self.family.trainable_state()
-        self.family.load_trainable_state({k: self.rt.place_like(v, current[k]) for k, v in loaded.trainable.items()})
-        self.state.load_state_dict(loaded.optimizer)
-        self.algorithm.load_state_dict(loaded.tracker)
-        self.start_epoch, self.state.global_step = loaded.epoch + 1, loaded.global_step
-        self.run_id, self.last_saved_epoch = loaded.run_id, loaded.epoch
-        if self.rt.is_main:
-            self.out.truncate_after_epoch(loaded.epoch)  # epochs after the checkpoint are logged again, once
-        self.rt.sync()
-        if self.rt.is_main:
-            self.out.log({"kind": "event", "event": "resumed", "epoch": loaded.epoch, "global_step": self.global_step,
-                          "checkpoint": str(loaded.path)})
-        self.events.emit(ev.Resumed(loaded.epoch, self.global_step, str(loaded.path)))
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return self.rt.state_to_host(self.family.trainable_state())
-
-    def save_checkpoint(self, epoch: int, commit: bool = True) -> ckpt.Pending | None:
-        """Weights, optimizer and algorithm state as they are now, as the end of `epoch`. With commit=False the
-        checkpoint is written but not yet in place: the caller writes the epoch's metrics line and grid, then
-        commits it, so a kill at any point either finds all of the epoch's outputs or redoes the epoch."""
-        trainable = self.trainable_state()
-        optimizer = self.state.state_dict()
-        last = epoch + 1 == self.cfg.num_epochs
-        final_ema = None
-        if last and self.state.ema is not None:  # every process swaps (device work); the main one writes
-            with self.state.ema_weights():
-                final_ema = self.trainable_state()
-        pending = None
-        if self.rt.is_main:
-            # the weights first: an epoch whose checkpoint is in place has its weights files too
-            self.out.save_weights(f"epoch_{epoch:04d}", trainable)
-            if last:
-                self.out.save_weights("final", trainable)
-            if final_ema is not None:
-                self.out.save_weights("final_ema", final_ema)
-            pending = ckpt.prepare(self.ckpt_root, epoch=epoch, global_step=self.global_step, trainable=trainable,
-                                   optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
-                                   tree=self.tree)
-        if commit:
-            self.commit_checkpoint(epoch, pending)
-        return pending
-
-    def commit_checkpoint(self, epoch: int, pending: ckpt.Pending | None) -> None:
-        """The rename that marks `epoch` done (main process; the others only note it)."""
-        if pending is not None:
-            path = pending.commit(self.cfg.checkpoint_limit)
-            self.out.log({"kind": "event", "event": "checkpoint", "epoch": epoch, "global_step": self.global_step,
-                          "path": str(path)})
-            self.events.emit(ev.CheckpointSaved(epoch, self.global_step, str(path)))
-            self.out.publish((path.name, pending.data, epoch))  # bucket copy: the epoch's files, then the checkpoint
-        self.last_saved_epoch = epoch
-
-    def _saved_state(self) -> str:
-        """What a stop leaves to resume from, for its message."""
-        if self.last_saved_epoch < 0:
-            return "no checkpoint was written yet (the same command starts over)"
-        return f"the last checkpoint (epoch {self.last_saved_epoch}) is intact"
-
-    def _stopping(self) -> bool:
-        """Whether to stop at this safe point: a SIGTERM this process or any other got (every process of a run
-        asks at the same points, so they stop together and write one checkpoint)."""
-        return self.rt.any_process(self.stop.requested)
-
-    def _stop_if_requested(self, epoch_done: int, stopping: bool | None = None) -> None:
-        """At a safe point: write the state as of the end of `epoch_done` (unless saved already) and stop. Safe
-        points are where the algorithm's state is that of the end of `epoch_done` (its advantages of the next
-        epoch not yet taken)."""
-        if not (self._stopping() if stopping is None else stopping):
-            return
-        if epoch_done >= 0 and self.last_saved_epoch != epoch_done:
-            self.save_checkpoint(epoch_done)
-        if self.rt.is_main:
-            self.out.log({"kind": "event", "event": "preempted", "epoch": epoch_done, "global_step": self.global_step})
-        if epoch_done < 0:
-            raise Preempted("stopped before the first epoch was done (no checkpoint yet); the same command starts over")
-        raise Preempted(f"stopped after epoch {epoch_done}; the same command resumes")
+        self.checkpoints.resume()
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def fit(self) -> None:
         cfg, rt = self.cfg, self.rt
-        self._start()
-        ran, t0 = [], time.monotonic()  # (epoch, reward) of the epochs this process trains, for the summary
+        self.report.start(self.checkpoints.run_id, self.start_epoch, self.state.layout(), self.global_batch,
+                          self.train_timesteps)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             clock = PhaseClock(rt, self.events, epoch)
             with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events):
@@ -377,32 +196,26 @@ class Trainer:
                 with clock.measure("evaluation"):
                     self.evaluate(epoch)
             self.end_epoch(epoch, sampled, rewards, steps, clock)
-            ran.append((epoch, float(np.nanmean(rewards))))
-        self._finish(ran, t0)
-
-    def _start(self) -> None:
-        from ddpo_tpu.tracking import make_tracker
-
-        cfg, rt = self.cfg, self.rt
-        layout = self.state.layout()
-        if rt.is_main:
-            self.out.log({"kind": "event", "event": "state_layout", **asdict(layout)})
-        self.logger = make_tracker(cfg.logger, self.out.path, self.run_id, cfg.run_name, self.tree, rt.is_main)
-        self.events.emit(ev.RunStart(rt.describe(), cfg.num_epochs, self.start_epoch, self.global_batch,
-                                     cfg.sample.num_batches_per_epoch, self.train_timesteps, layout.describe(),
-                                     rt.compiles_graphs))
-
-    def _finish(self, ran: list[tuple[int, float]], t0: float) -> None:
         if self.pool is not None:
             self.pool.shutdown()
-        self.logger.finish()
-        if not ran:
-            self.events.emit(ev.RunComplete())
-            return
-        (e0, r0), (e1, r1) = ran[0], ran[-1]
-        self.events.emit(ev.RunComplete(e0, e1, self.cfg.num_epochs, round((time.monotonic() - t0) / 60, 2), r0, r1,
-                                        self.global_step, str(self.out.path / "weights" / "final.safetensors"),
-                                        str(self.out.path / "metrics.jsonl")))
+        self.report.finish(self.global_step)
+
+    def end_epoch(self, epoch: int, sampled: SampledEpoch, rewards: np.ndarray, steps: list[dict],
+                  clock: PhaseClock) -> None:
+        """Checkpoint (written, not yet in place), the epoch's outputs, then the commit: a kill before the commit
+        redoes the epoch, after it finds every output of the epoch. Then the stop point."""
+        stopping = self.checkpoints.stopping()
+        saving = self.checkpoints.due(epoch) or stopping
+        with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
+            pending = self.checkpoints.save(epoch) if saving else None
+        self.report.epoch(epoch, self.global_step, sampled.first_images, sampled.prompts, rewards, steps, clock,
+                          self.algorithm.epoch_metrics)
+        if saving:  # after every output of the epoch: a kill before this line redoes the epoch
+            self.checkpoints.commit(epoch, pending)
+        elif self.rt.is_main:
+            self.out.publish()  # bucket copy of the epoch's files (a checkpoint epoch publishes in its commit)
+        self.report.epoch_done(epoch, rewards, steps, clock)
+        self.checkpoints.stop_if_requested(epoch, stopping)
 
     # --- sampling and rewards ---------------------------------------------------------------------------------
     def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray:
@@ -445,7 +258,7 @@ class Trainer:
             if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
                 rt.sync()
             self.events.emit(ev.SamplingBatch(epoch, b + 1, n))
-            self._stop_if_requested(epoch - 1)
+            self.checkpoints.stop_if_requested(epoch - 1)
         return out
 
     def gather_rewards(self, epoch: int, sampled: SampledEpoch) -> np.ndarray:
@@ -458,13 +271,13 @@ class Trainer:
             rewards = np.concatenate([self.rt.gather_rows(np.asarray(f.result() if isinstance(f, Future) else f))
                                       for f in sampled.pending_rewards])
         except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
-            self._stop_if_requested(epoch - 1)
+            self.checkpoints.stop_if_requested(epoch - 1)
             raise
         bad = ~np.isfinite(rewards)
         if bad.any() and cfg.on_nonfinite_reward == "stop":
             raise NonFinite(f"reward.name={cfg.reward.name} returned {int(bad.sum())} non-finite value(s) in epoch "
-                            f"{epoch}: stopped; {self._saved_state()} (on_nonfinite_reward=skip gives those samples "
-                            f"zero advantage instead)")
+                            f"{epoch}: stopped; {self.checkpoints.saved_state()} (on_nonfinite_reward=skip gives "
+                            f"those samples zero advantage instead)")
         self.events.emit(ev.RewardsGathered(epoch, float(rewards.mean()), float(rewards.std()), int(bad.sum())))
         return np.where(bad, np.nan, rewards)
 
@@ -482,7 +295,7 @@ class Trainer:
         else:
             adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep])
         if not np.isfinite(adv).all():
-            raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self._saved_state()}")
+            raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self.checkpoints.saved_state()}")
         plan = self.algorithm.train_plan(epoch, adv, keys, rewards)
         weights = plan.weights if plan is not None else np.ones(len(adv), dtype=np.float32)
         # the whole epoch on every process (distributed ranks sampled a slice of each batch; SPMD holds it already)
@@ -512,11 +325,7 @@ class Trainer:
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt}
-        if self.rt.is_main:
-            self.out.log(rec)
-            self.out.save_image_grid(epoch, images, prompts, rewards, name="eval")
-            self.logger.log({"eval/reward_mean": rec["reward_mean"]}, step=self.global_step)
-        self.events.emit(ev.Evaluated(epoch, rec["reward_mean"], rec["reward_std"]))
+        self.report.evaluation(rec, images, prompts, rewards)
         return rec
 
     # --- training -----------------------------------------------------------------------------------------------
@@ -597,149 +406,9 @@ class Trainer:
         host = rt.to_host(torch.cat([stats, norm.reshape(1).float()])).tolist()  # one copy per optimizer step
         if not all(np.isfinite(host)):
             raise NonFinite(f"non-finite loss or gradient at global step {self.global_step} (loss {host[0]}, "
-                            f"grad norm {host[-1]}): stopped; {self._saved_state()}. Try a lower "
+                            f"grad norm {host[-1]}): stopped; {self.checkpoints.saved_state()}. Try a lower "
                             f"train.learning_rate or train.mixed_precision=no")
         rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step,
                **dict(zip(self.algorithm.stat_names, host)), "grad_norm": host[-1]}
-        if rt.is_main:
-            self.out.log(rec)
-            self.logger.log({f"train/{k}": v for k, v in rec.items() if k not in ("kind", "global_step")},
-                            step=self.global_step)
+        self.report.step(rec)
         return rec
-
-    # --- the end of an epoch ------------------------------------------------------------------------------------
-    def end_epoch(self, epoch: int, sampled: SampledEpoch, rewards: np.ndarray, steps: list[dict],
-                  clock: PhaseClock) -> None:
-        """Checkpoint (written, not yet in place), image grid, metrics line, then the commit: a kill before the
-        commit redoes the epoch, after it finds every output of the epoch."""
-        cfg, rt, out = self.cfg, self.rt, self.out
-        stopping = self._stopping()
-        saving = (epoch + 1) % cfg.save_freq == 0 or epoch + 1 == cfg.num_epochs or stopping
-        with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
-            pending = self.save_checkpoint(epoch, commit=False) if saving else None
-        mean = lambda k: float(np.mean([s[k] for s in steps])) if steps else None
-        reward_mean, reward_std = float(np.nanmean(rewards)), float(np.nanstd(rewards))
-        if rt.is_main:
-            out.save_image_grid(epoch, sampled.first_images, sampled.prompts, rewards)
-            self.logger.log_images(self.global_step, sampled.first_images[:16],
-                                   [f"{p} | {r:.4f}" for p, r in zip(sampled.prompts[:16], rewards[:16])])
-            out.log({"kind": "epoch", "epoch": epoch, "global_step": self.global_step, "reward_mean": reward_mean,
-                     "reward_std": reward_std, "num_samples": int(rewards.size),
-                     **{k: mean(k) for k in self.algorithm.stat_names},
-                     **self.algorithm.epoch_metrics,  # GRPO: kept_fraction, actual_batch_size, zero_std_ratio
-                     "host_seconds": round(clock.total("host_seconds"), 4),
-                     "host_peak_rss_gib": round(peak_rss_gib(), 3),
-                     "device_peak_gib": rt.device_peak_gib(),
-                     "new_compilations": int(clock.total("compilations")),
-                     "new_replicate_compilations": int(clock.total("replicate_compilations")),
-                     "phases": clock.phases})
-            self.logger.log({"epoch": epoch, "reward_mean": reward_mean, "reward_std": reward_std,
-                             "phases": clock.phases}, step=self.global_step)
-        if saving:  # after every output of the epoch: a kill before this line redoes the epoch
-            self.commit_checkpoint(epoch, pending)
-        elif rt.is_main:
-            self.out.publish()  # bucket copy of the epoch's files (a checkpoint epoch publishes in its commit)
-        nan_mean = lambda k: mean(k) if steps else float("nan")
-        self.events.emit(ev.EpochDone(epoch, reward_mean, reward_std, nan_mean("approx_kl"), nan_mean("clipfrac"),
-                                      len(steps), clock.phases))
-        self._stop_if_requested(epoch, stopping)
-
-
-_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-def storage_error_line(e: OSError, run_dir: Path) -> str:
-    """One line for a write the run dir's disk refused. Checkpoints are written whole and renamed into place, so the
-    last complete one is intact whatever write failed."""
-    path = e.filename or run_dir
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        what, fix = "no space left on the disk", "free space there or set output_root=... on a larger disk"
-    else:
-        what, fix = f"cannot write there ({e.strerror})", "make the run dir writable or set output_root=..."
-    return f"{path}: {what}: {fix}; the same command then resumes from the last complete checkpoint"
-
-
-def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
-    """One line for a device that ran out of memory: what was asked of it (the memory estimate's inputs, which
-    chose them unless they were set) and the keys that ask less, with the same parity."""
-    detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    K, on, T = fused_timesteps(cfg), activation_checkpointing(cfg), num_train_timesteps(cfg)
-    fixes = [f"train.timesteps_per_micro_step={k}" for k in range(K - 1, 0, -1) if T % k == 0][:1]
-    if not on:
-        fixes.append("train.activation_checkpointing=true")
-    fixes.append("half the per-replica train.batch_size or sample.batch_size with twice the "
-                 "train.gradient_accumulation_steps or sample.num_batches_per_epoch (the same parity)")
-    return (f"the device ran out of memory ({detail[:240]}) at train.timesteps_per_micro_step={K}, "
-            f"train.activation_checkpointing={str(on).lower()}, train.batch_size={cfg.train.batch_size}, "
-            f"sample.batch_size={cfg.sample.batch_size}. Fix: {', or '.join(fixes)}; {saved}")
-
-
-def run(validated: Validated, run_dir: Path) -> int:
-    from ddpo_tpu import storage
-    from ddpo_tpu.console import quiet_third_party
-    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
-
-    quiet_third_party()  # before the model loads (ddpo_tpu/console.py: what is dropped and why)
-    stop = StopRequest()
-    rt = make_runtime(validated.cfg)
-    events = ev.EventLog(run_dir, rt.is_main, raise_errors=True)  # a refused write ends the run in one line
-    url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
-    # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/storage.py)
-    # an upload that gives up (storage_timeout_s) stops the run at the next safe point, after a local checkpoint
-    mirror = (storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit, timeout_s=validated.cfg.storage_timeout_s,
-                             on_give_up=lambda: setattr(stop, "requested", True)) if url is not None and rt.is_main
-              else None)
-    out = RunDir(run_dir, mirror)
-    try:
-        code = _run(validated, rt, out, stop, events)
-    except BaseException:
-        if mirror is not None:
-            mirror.close()  # what was queued still goes up; the error that ended the run is the one reported
-        raise
-    try:
-        out.close()  # a resume on another VM needs what is queued: wait for it
-    except storage.StorageError as e:
-        events.emit(ev.Failed(str(e)))
-        return EXIT_FAILED if code in (0, EXIT_PREEMPTED) else code
-    if code in (0, EXIT_PREEMPTED):
-        # distributed: every rank ends together, after the main one wrote and committed (a rank that ended early
-        # would make torchrun stop the others)
-        rt.barrier()
-    rt.close()
-    return code
-
-
-def _run(validated: Validated, rt, out: RunDir, stop: StopRequest, events: ev.EventLog) -> int:
-    from ddpo_tpu import storage
-    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
-    from ddpo_tpu.models.loading import ModelLoadError
-    from ddpo_tpu.rewards import RewardError
-
-    run_dir = out.path
-    trainer = None
-    try:
-        trainer = Trainer(validated.cfg, rt, out, tree=validated.tree, stop=stop, events=events)
-        trainer.resume()
-        if trainer.start_epoch >= validated.cfg.num_epochs:
-            events.emit(ev.AlreadyComplete(validated.cfg.num_epochs))
-            return 0
-        trainer.fit()
-    except Preempted as e:
-        if not out.bucket_failed:  # a bucket that gave up stopped it: run() reports that, in one line
-            events.emit(ev.Preempted(trainer.last_saved_epoch, trainer.global_step, str(e)))
-        return EXIT_PREEMPTED
-    except (ckpt.ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError, storage.StorageError) as e:
-        events.emit(ev.Failed(str(e)))
-        return EXIT_FAILED
-    except OSError as e:
-        if e.errno not in _STORAGE_ERRORS:
-            raise
-        events.emit(ev.Failed(storage_error_line(e, run_dir)))
-        return EXIT_FAILED
-    except RuntimeError as e:
-        if not rt.out_of_memory(e):
-            raise
-        saved = trainer._saved_state() if trainer is not None else "nothing was trained yet"
-        events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
-        return EXIT_FAILED
-    return 0

@@ -1,0 +1,138 @@
+"""What a run reports, each fact once: numbers go to metrics.jsonl (one line per optimizer step, epoch and
+evaluation: ddpo_tpu/rundir.py), facts go to events.jsonl (ddpo_tpu/events.py), and the main process mirrors the
+numbers to the tracker (wandb, TensorBoard: ddpo_tpu/tracking.py). The phase clock measures each phase of an epoch
+for the epoch's line. Only the main process writes files; every process emits events (the EventLog drops the
+others')."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ddpo_tpu import events as ev
+from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.rundir import RunDir
+from ddpo_tpu.runtime import Runtime
+from ddpo_tpu.runtime.base import Counters
+
+
+def peak_rss_gib() -> float:
+    """The training process's peak resident memory so far (on PJRT CPU that includes the 'device' buffers)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@dataclass
+class PhaseClock:
+    """Wall time, main-thread CPU time and the runtime's counters of each phase of an epoch."""
+
+    rt: Runtime
+    events: ev.EventLog | None = None
+    epoch: int = 0
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def measure(self, name: str):
+        t0, c0, h0 = time.perf_counter(), self.rt.counters(), time.thread_time()
+        yield
+        d: Counters = self.rt.counters().minus(c0)
+        p = self.phases[name] = {"seconds": round(time.perf_counter() - t0, 4),
+                                 # CPU time of this (the main) thread: tracing, dispatch and Python; XLA executes on
+                                 # other threads. Near `seconds`: the phase is host-bound
+                                 "host_seconds": round(time.thread_time() - h0, 4),
+                                 "compilations": d.compilations, "compile_seconds": round(d.compile_time_s, 4),
+                                 **({"replicate_compilations": d.replicate_compilations}
+                                    if d.replicate_compilations else {}),
+                                 "host_transfers": d.host_transfers,
+                                 **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {})}
+        if self.events is not None:
+            self.events.emit(ev.PhaseEnd(self.epoch, name, p["seconds"], p["host_seconds"], p["compilations"],
+                                         p["compile_seconds"]))
+
+    def total(self, key: str) -> float:
+        return sum(p.get(key, 0) for p in self.phases.values())
+
+
+class Reporter:
+    """The run's start line, its per-step, per-epoch and evaluation records, and its summary."""
+
+    def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir, events: ev.EventLog, tree: dict,
+                 stat_names: tuple[str, ...]):
+        self.cfg, self.rt, self.out, self.events, self.tree = cfg, rt, out, events, tree
+        self.stat_names = stat_names
+        self.tracker = None
+        self._ran: list[tuple[int, float]] = []  # (epoch, reward) of the epochs this process trains
+        self._t0 = time.monotonic()
+
+    def start(self, run_id: str, start_epoch: int, layout, samples_per_batch: int, train_timesteps: int) -> None:
+        from ddpo_tpu.tracking import make_tracker
+
+        cfg, rt = self.cfg, self.rt
+        self.tracker = make_tracker(cfg.logger, self.out.path, run_id, cfg.run_name, self.tree, rt.is_main)
+        self.events.emit(ev.RunStart(rt.describe(), cfg.num_epochs, start_epoch, samples_per_batch,
+                                     cfg.sample.num_batches_per_epoch, train_timesteps, layout.describe(),
+                                     rt.compiles_graphs))
+        self.events.emit(ev.StateLayout(**asdict(layout)))
+        self._t0 = time.monotonic()
+
+    def step(self, rec: dict) -> None:
+        """An optimizer step's line (loss, statistics, gradient norm)."""
+        if self.rt.is_main:
+            self.out.log(rec)
+            self.tracker.log({f"train/{k}": v for k, v in rec.items() if k not in ("kind", "global_step")},
+                             step=rec["global_step"])
+
+    def evaluation(self, rec: dict, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> None:
+        if self.rt.is_main:
+            self.out.log(rec)
+            self.out.save_image_grid(rec["epoch"], images, prompts, rewards, name="eval")
+            self.tracker.log({"eval/reward_mean": rec["reward_mean"]}, step=rec["global_step"])
+        self.events.emit(ev.Evaluated(rec["epoch"], rec["reward_mean"], rec["reward_std"]))
+
+    def epoch(self, epoch: int, global_step: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
+              steps: list[dict], clock: PhaseClock, algorithm_metrics: dict) -> None:
+        """The epoch's outputs: its sample grid and its metrics line (written before the checkpoint's commit)."""
+        rt = self.rt
+        reward_mean, reward_std = float(np.nanmean(rewards)), float(np.nanstd(rewards))
+        self._ran.append((epoch, reward_mean))
+        if not rt.is_main:
+            return
+        self.out.save_image_grid(epoch, images, prompts, rewards)
+        self.tracker.log_images(global_step, images[:16],
+                                [f"{p} | {r:.4f}" for p, r in zip(prompts[:16], rewards[:16])])
+        self.out.log({"kind": "epoch", "epoch": epoch, "global_step": global_step, "reward_mean": reward_mean,
+                      "reward_std": reward_std, "num_samples": int(rewards.size),
+                      **{k: _mean(steps, k) for k in self.stat_names},
+                      **algorithm_metrics,  # GRPO: kept_fraction, actual_batch_size, zero_std_ratio
+                      "host_seconds": round(clock.total("host_seconds"), 4),
+                      "host_peak_rss_gib": round(peak_rss_gib(), 3),
+                      "device_peak_gib": rt.device_peak_gib(),
+                      "new_compilations": int(clock.total("compilations")),
+                      "new_replicate_compilations": int(clock.total("replicate_compilations")),
+                      "phases": clock.phases})
+        self.tracker.log({"epoch": epoch, "reward_mean": reward_mean, "reward_std": reward_std,
+                          "phases": clock.phases}, step=global_step)
+
+    def epoch_done(self, epoch: int, rewards: np.ndarray, steps: list[dict], clock: PhaseClock) -> None:
+        """The event that ends an epoch (after its commit)."""
+        nan_mean = lambda k: _mean(steps, k) if steps else float("nan")
+        self.events.emit(ev.EpochDone(epoch, float(np.nanmean(rewards)), float(np.nanstd(rewards)),
+                                      nan_mean("approx_kl"), nan_mean("clipfrac"), len(steps), clock.phases))
+
+    def finish(self, global_step: int) -> None:
+        self.tracker.finish()
+        if not self._ran:
+            self.events.emit(ev.RunComplete())
+            return
+        (e0, r0), (e1, r1) = self._ran[0], self._ran[-1]
+        self.events.emit(ev.RunComplete(e0, e1, self.cfg.num_epochs, round((time.monotonic() - self._t0) / 60, 2),
+                                        r0, r1, global_step, str(self.out.path / "weights" / "final.safetensors"),
+                                        str(self.out.path / "metrics.jsonl")))
+
+
+def _mean(steps: list[dict], key: str) -> float | None:
+    return float(np.mean([s[key] for s in steps])) if steps else None
