@@ -45,12 +45,27 @@ class GrpoKeys(Keys):
     drop_zero_advantage: bool = True               # train only samples with advantage (flow_grpo's mask)
 
 
+class NftKeys(Keys):
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117; NVlabs/DiffusionNFT): ddpo_tpu/ddpo/nft.py."""
+    name: Literal["nft"]
+    group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
+    global_std: bool = True                             # divide by the std of the whole epoch, not the group's
+    beta: float = Field(default=1.0, gt=0)              # the implicit policies' step: v+- = v_old +- beta (v - v_old)
+    adv_clip_max: float = Field(default=5.0, gt=0)      # advantages clipped to +-c, then r = clip(A/c)/2 + 1/2
+    # the old (sampling) policy: after each epoch old <- d old + (1 - d) current, d = min(decay_rate x optimizer
+    # steps so far, decay_max) (DiffusionNFT's soft update); decay_max 0 = the weights that sampled the epoch
+    decay_max: float = Field(default=0.5, ge=0, lt=1)
+    decay_rate: float = Field(default=0.001, ge=0)
+    ode_sampling: bool = True                           # sample with the family's ODE (no noise, no log-probs)
+
+
 def _divisor_near(n: int, want: int) -> int | None:
     sizes = [g for g in range(2, n + 1) if n % g == 0]
     return min(sizes, key=lambda g: (abs(g - want), g)) if sizes else None
 
 
-def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
+def _group_problems(cfg: Any, tot: Any) -> list[Problem]:
+    """Groups of group_size split the epoch and each sampling batch (GRPO's and NFT's prompts)."""
     a, n = cfg.algorithm, tot.samples_per_epoch
     problems: list[Problem] = []
     batch = cfg.sample.batch_size * tot.replicas
@@ -71,6 +86,11 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                                 f"inside one sampling batch)",
                                 Fix.of({"algorithm.group_size": near}, verb="try") if near else
                                 "raise sample.batch_size"))
+    return problems
+
+
+def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
+    a, problems = cfg.algorithm, _group_problems(cfg, tot)
     if a.kl_beta > 0 and not cfg.model.lora.enabled:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter",
@@ -81,6 +101,27 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                                 "the last CPS step is deterministic (std 0), so its KL term is 0/0",
                                 Fix.of({"train.timestep_fraction": 0.99}, verb="train fewer steps, e.g.",
                                        note="(flow_grpo)")))
+    return problems
+
+
+def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
+    from ddpo_tpu.catalog.families import FAMILIES
+
+    problems = _group_problems(cfg, tot)
+    fam = FAMILIES.get(cfg.model.family)
+    if fam.sampler != "flow_sde":
+        flows = ", ".join(f.name for f in FAMILIES if f.sampler == "flow_sde")
+        problems.append(Problem("algorithm.name", "nft", f"DiffusionNFT trains on the flow-matching forward process; "
+                                f"model.family={fam.name} is not a flow family ({fam.sampler} sampler)",
+                                Fix.of({"algorithm": "ddpo"}, note=f"or a flow family's model ({flows})")))
+    if cfg.train.cfg:
+        problems.append(Problem("train.cfg", True, "DiffusionNFT is CFG-free: it trains the conditional velocity "
+                                "alone", Fix.of({"train.cfg": False, "sample.guidance_scale": 1})))
+    # a family whose guidance is an embedding (spec.guidance) samples guided without an unconditional pass
+    elif cfg.sample.guidance_scale != 1 and not getattr(fam, "guidance", None):
+        problems.append(Problem("sample.guidance_scale", cfg.sample.guidance_scale,
+                                "DiffusionNFT is CFG-free: it samples and trains the conditional velocity alone",
+                                Fix.of({"sample.guidance_scale": 1})))
     return problems
 
 
@@ -97,6 +138,8 @@ ALGORITHMS.register(AlgorithmSpec(
     "ddpo", "DDPO", DdpoKeys, "ddpo_tpu.ddpo.algorithm:DDPO", reads=("stat_tracking",), problems=_ddpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
     "grpo", "GRPO", GrpoKeys, "ddpo_tpu.ddpo.algorithm:GRPO", problems=_grpo_problems))
+ALGORITHMS.register(AlgorithmSpec(
+    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.ddpo.nft:NFT", problems=_nft_problems))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:

@@ -27,6 +27,7 @@ class Algorithm(Protocol):
     key_tokens: int               # tokens of a prompt's key (per-prompt statistics, groups)
     shuffle_timesteps: bool       # each sample's trained timesteps in a random order
     epoch_metrics: dict[str, float | int]
+    ode_sampling: bool            # sample with the family's noise-free step (no log-probs to re-score)
 
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]: ...
     def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray: ...
@@ -37,12 +38,14 @@ class Algorithm(Protocol):
              weights: Tensor | None = None) -> tuple[Tensor, ...]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def make_epoch_trainer(self, trainer) -> Any: ...  # its own training of an epoch; None = the loop's PPO steps
 
 
 PLAN_STREAM = 3  # the host generator of GRPO's zero-advantage plan: (seed, epoch, 3), apart from the loop's 0-2
 
 
 class DDPO:
+    ode_sampling = False            # the SDE samples: its steps are the policy's actions
     name = "ddpo"
     stat_names = ("loss", "approx_kl", "clipfrac")  # the scalars loss() returns, in order (logged per update)
     needs_reference = False                         # loss() does not compare with the reference policy
@@ -83,6 +86,9 @@ class DDPO:
         loss, info = ppo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, weights)
         return loss, info["approx_kl"], info["clipfrac"]
 
+    def make_epoch_trainer(self, trainer) -> None:
+        return None  # the loop's clipped-objective micro-steps
+
     def state_dict(self) -> dict[str, Any]:
         return self.tracker.state_dict()
 
@@ -91,6 +97,7 @@ class DDPO:
 
 
 class GRPO:
+    ode_sampling = False            # the SDE samples: its steps are the policy's actions
     name = "grpo"
     stat_names = ("loss", "approx_kl", "clipfrac", "kl")
 
@@ -154,6 +161,9 @@ class GRPO:
         loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,
                                self.cfg.algorithm.kl_beta, weights)
         return loss, info["approx_kl"], info["clipfrac"], info["kl"]
+
+    def make_epoch_trainer(self, trainer) -> None:
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}  # no history: each epoch's groups stand alone

@@ -147,7 +147,8 @@ class Trainer:
         rt.sync()
         # the two functions every step runs, compiled once by backends that can (xla.step_compiler)
         autocast = lambda: rt.autocast(self.mixed)
-        self.denoise_step = rt.compile_step(self.family.make_denoise_step(autocast))
+        self.denoise_step = rt.compile_step(self.family.make_denoise_step(
+            autocast, deterministic=self.algorithm.ode_sampling))
         # evaluation: the sampling step, or its own (another step count, the noise-free step): a graph of its own
         ev_cfg = cfg.evaluation
         self.eval_steps = ev_cfg.num_steps or self.family.num_steps
@@ -160,6 +161,8 @@ class Trainer:
         # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
         self.reference_mean = (rt.compile_step(make_reference_mean(score_step))
                                if self.algorithm.needs_reference else None)
+        # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT), trains its epochs itself
+        self.epoch_trainer = self.algorithm.make_epoch_trainer(self)
         self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
                                              state=self.state, algorithm=self.algorithm)
         self.report = Reporter(cfg, rt, out, self.events, self.tree, self.algorithm.stat_names)
@@ -182,7 +185,8 @@ class Trainer:
                           self.train_timesteps)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             clock = PhaseClock(rt, self.events, epoch)
-            with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events):
+            policy = self.epoch_trainer.sampling_policy() if self.epoch_trainer else contextlib.nullcontext()
+            with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events), policy:
                 sampled = self.sample_epoch(epoch)
             with clock.measure("reward"):
                 rewards = self.gather_rewards(epoch, sampled)
@@ -330,6 +334,8 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, s: EpochSamples) -> list[dict[str, float]]:
+        if self.epoch_trainer is not None:
+            return self.epoch_trainer.train_epoch(epoch, s)
         cfg, rt = self.cfg, self.rt
         self.family.model.train()
         N, T = s.log_probs.shape

@@ -119,7 +119,7 @@ class Reporter:
 
     def epoch_done(self, epoch: int, rewards: np.ndarray, steps: list[dict], clock: PhaseClock) -> None:
         """The event that ends an epoch (after its commit)."""
-        nan_mean = lambda k: _mean(steps, k) if steps else float("nan")
+        nan_mean = lambda k: _mean(steps, k) if steps and k in steps[0] else float("nan")  # (NFT has no ratio)
         self.events.emit(ev.EpochDone(epoch, float(np.nanmean(rewards)), float(np.nanstd(rewards)),
                                       nan_mean("approx_kl"), nan_mean("clipfrac"), len(steps), clock.phases))
 

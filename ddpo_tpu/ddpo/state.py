@@ -68,6 +68,12 @@ class EMA:
             else:
                 p.data, e.data = e.data, p.data
 
+    def load(self, saved: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for e, t in zip(self.shadow, saved, strict=True):
+                e.copy_(self.rt.place_like(t, e))
+        self.rt.place_state(self.shadow)
+
     def reset(self) -> None:
         """Start the average at the current weights (a resume from a checkpoint that has none)."""
         with torch.no_grad():
@@ -102,6 +108,8 @@ class TrainState:
             rt.place_state([p.grad, st["exp_avg"], st["exp_avg_sq"]])
         self.global_step = 0
         self.ema = EMA(self.params, t.ema_decay, t.ema_every, rt) if t.ema else None
+        # other copies of the trained weights an algorithm keeps (DiffusionNFT's old policy), checkpointed beside EMA
+        self.copies: dict[str, EMA] = {}
 
     def update(self, max_grad_norm: float) -> torch.Tensor:
         """Clip the accumulated gradients, step the optimizer, zero the gradients in place; the norm (device)."""
@@ -136,10 +144,14 @@ class TrainState:
         flat = {f"{k}/{n}": t for k, v in opt["state"].items() for n, t in v.items() if torch.is_tensor(t)}
         if self.ema is not None:
             flat.update({f"ema/{i}": t for i, t in enumerate(self.ema.shadow)})
+        for name, copy in self.copies.items():
+            flat.update({f"{name}/{i}": t for i, t in enumerate(copy.shadow)})
         host = self.rt.state_to_host(flat)
         opt["state"] = {k: {n: host.get(f"{k}/{n}", t) for n, t in v.items()} for k, v in opt["state"].items()}
         if self.ema is not None:
             opt["ema"] = [host[f"ema/{i}"] for i in range(len(self.ema.shadow))]
+        for name, copy in self.copies.items():
+            opt[name] = [host[f"{name}/{i}"] for i in range(len(copy.shadow))]
         return opt
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -149,6 +161,7 @@ class TrainState:
         self.rt.place_state(self.params)
         saved = dict(saved)
         ema = saved.pop("ema", None)
+        copies = {name: saved.pop(name, None) for name in self.copies}
         self.optimizer.load_state_dict({**saved, "state": {}})  # the groups' hyperparameters; drops the fresh state
         ids = [i for group in saved["param_groups"] for i in group["params"]]
         for i, p in zip(ids, self.params, strict=True):
@@ -163,3 +176,5 @@ class TrainState:
                 for e, t in zip(self.ema.shadow, ema, strict=True):
                     e.copy_(self.rt.place_like(t, e))
             self.rt.place_state(self.ema.shadow)
+        for name, copy in self.copies.items():  # saved without it: start at the loaded weights
+            copy.reset() if copies[name] is None else copy.load(copies[name])

@@ -56,6 +56,12 @@ class ModelFamily(abc.ABC):
         """(x_t, step index (B,), x_prev, cond, uncond or None) -> StepScore: a recorded step under the current
         weights (uncond None: no guidance)."""
 
+    def make_velocity(self, autocast):
+        """(x0, noise, step index (B,), cond) -> (velocity, x_t, sigma): the forward process x_t = (1 - sigma) x0 +
+        sigma noise at the schedule's sigma and the unguided velocity there (float32; sigma broadcastable against
+        x0). Flow families only (DiffusionNFT trains on it)."""
+        raise NotImplementedError(f"model.family={self.name} has no flow-matching velocity")
+
     @abc.abstractmethod
     def decode(self, latents: Tensor) -> Tensor:
         """Final latents -> uint8 images (B, H, W, 3) on the device."""

@@ -104,6 +104,16 @@ class SD3Family(ModelFamily):
 
         return score_step
 
+    def make_velocity(self, autocast):
+        def velocity(x0: Tensor, noise: Tensor, idx: Tensor, cond: Cond) -> tuple[Tensor, Tensor, Tensor]:
+            sigma = self.tables.sigmas_at(idx)[0].reshape(-1, *([1] * (x0.dim() - 1)))
+            xt = (1 - sigma) * x0.float() + sigma * noise.float()
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                v = self._velocity(xt, idx, cond, None)
+            return v.float(), xt, sigma
+
+        return velocity
+
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
         from ddpo_tpu.models.sd3 import decode_sd3
