@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 WINDOW = 5  # epochs at each end of the run
 # z = the rise of the last 5 epochs' mean reward over the first 5, in pooled standard errors of the two means; and the
-# last 5 epochs' mean gain over the control in standard errors of those 5 differences. MEASURED below.
+# last 5 epochs' mean gain over the control in standard errors of those 5 differences. Measured (seed 0, eager CPU):
+# rise +0.0344 kB, z = 17.3; the control z = -0.6; the gain over the control +0.0358 kB, z = 24.1.
 MIN_Z = 4.0
 
 

@@ -184,11 +184,12 @@ class NftEpochTrainer:
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             rt.sync()
             for b in range(N // tr.train_batch):
-                rows = torch.arange(b * tr.train_batch, (b + 1) * tr.train_batch)[rt.local_rows(tr.train_batch)]
-                sel = rows.to(dev)
+                # this process's rows of the global train batch (all of them unless distributed)
+                rows = slice(b * tr.train_batch, (b + 1) * tr.train_batch)
+                sel = torch.arange(rows.start, rows.stop)[rt.local_rows(tr.train_batch)].to(dev)
                 pick = lambda x: x.index_select(0, sel)
                 xb, cb, ab, wb = pick(x0), tuple(map(pick, cond)), pick(adv), pick(w)
-                zb = rt.shard_batch(noise[rows].to(dev, dtype=x0.dtype))
+                zb = rt.shard_batch(noise[rows].to(dev, dtype=x0.dtype))  # the global batch's noise -> its layout
                 all_cols = torch.arange(T).to(dev)
                 with torch.no_grad(), self.old.swapped_in():  # v_old of every training time, one forward
                     v_old = self.old_velocity(xb, zb, all_cols, cb)
