@@ -117,8 +117,8 @@ def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
     if cfg.train.cfg:
         problems.append(Problem("train.cfg", True, "DiffusionNFT is CFG-free: it trains the conditional velocity "
                                 "alone", Fix.of({"train.cfg": False, "sample.guidance_scale": 1})))
-    # a family whose guidance is an embedding (spec.guidance) samples guided without an unconditional pass
-    elif cfg.sample.guidance_scale != 1 and not getattr(fam, "guidance", None):
+    # a family whose guidance is an embedding (FLUX: spec.guidance "embedded") samples guided in one pass
+    elif cfg.sample.guidance_scale != 1 and getattr(fam, "guidance", "cfg") == "cfg":
         problems.append(Problem("sample.guidance_scale", cfg.sample.guidance_scale,
                                 "DiffusionNFT is CFG-free: it samples and trains the conditional velocity alone",
                                 Fix.of({"sample.guidance_scale": 1})))

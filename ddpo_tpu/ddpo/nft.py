@@ -21,8 +21,11 @@ computed in float32 here (float64 there: TPUs have none), clipped at 1e-5 as the
 
 The old policy: a copy of the trained weights (TrainState.copies["nft_old"], checkpointed with the optimizer, so a
 resume is exact) that samples the epoch and gives v_old; after each epoch old <- d old + (1 - d) current with
-d = min(decay_rate x optimizer steps, decay_max), the paper's soft update (DiffusionNFT's default decay_type as read
-in Flow-Factory's guidance: a low decay first, rising). decay_max 0: the weights that sampled the epoch (on-policy).
+d = min(decay_rate x optimizer steps, decay_max), the paper's soft update of the old policy. The defaults (0.001 and
+0.5) are the official code's default schedule as we know it; its source was not at hand to check (Flow-Factory's
+guidance/algorithms.md recommends the same shape for NFT: a low decay first, rising to 0.5). decay_max 0: the weights
+that sampled the epoch (on-policy). Training times: the schedule's own sigmas (Flow-Factory's "discrete" time
+sampling), so every sample trains at the same fixed set of times and the shapes never change.
 """
 
 from __future__ import annotations
