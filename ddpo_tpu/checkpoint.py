@@ -23,13 +23,13 @@ import torch
 
 from ddpo_tpu import checkpoint_layout as layout
 from ddpo_tpu.checkpoint_layout import STATE_FILE, complete
-from ddpo_tpu.config.rules import changed_keys, parity_relevant  # one copy of what a resume compares
+from ddpo_tpu.config.resume import changed_keys, resume_relevant  # one copy of what a resume compares
 
 FORMAT = 1
 
 
 def config_hash(tree: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(parity_relevant(tree), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(resume_relevant(tree), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class ResumeRefused(RuntimeError):
@@ -119,7 +119,7 @@ def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[st
         _write(tmp / name, data)
     # state.json guards itself (it must parse and hold every key); the other files by their sha256
     state = {"format": FORMAT, "epoch": epoch, "global_step": global_step, "run_id": run_id, "tracker": tracker,
-             "config_hash": config_hash(tree), "config": parity_relevant(tree),
+             "config_hash": config_hash(tree), "config": resume_relevant(tree),
              "sha256": {name: _sha256(data) for name, data in files.items()}}
     files[STATE_FILE] = (json.dumps(state, indent=1, default=str) + "\n").encode()
     _write(tmp / STATE_FILE, files[STATE_FILE])  # last: the guard of the others
@@ -180,8 +180,8 @@ def load(path: Path, tree: dict[str, Any], force: bool = False) -> Loaded:
     state = verify(path)
     if state.get("format") != FORMAT:
         raise ResumeRefused(f"resume={path}: checkpoint format {state.get('format')} is not {FORMAT}")
-    now = parity_relevant(json.loads(json.dumps(tree, default=str)))
-    then = state["config"]
+    now = resume_relevant(json.loads(json.dumps(tree, default=str)))
+    then = resume_relevant(state["config"])
     changed = changed_keys(then, now)
     if changed and not force:
         shown = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])

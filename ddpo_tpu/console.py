@@ -34,7 +34,8 @@ def parity_table(validated: Validated) -> Table:
 
 def start_lines(validated: Validated, run_dir: Path) -> list[tuple[str, str]]:
     """(label, text) rows of the start screen: what is trained, where, and whether it is on parity."""
-    from ddpo_tpu.config.rules import num_train_timesteps
+    from ddpo_tpu.catalog import family
+    from ddpo_tpu.config.batch import num_train_timesteps
 
     cfg = validated.cfg
     m, s, t, topo = cfg.model, cfg.sample, cfg.train, cfg.tpu_topology
@@ -42,7 +43,7 @@ def start_lines(validated: Validated, run_dir: Path) -> list[tuple[str, str]]:
     per_epoch = s.batch_size * s.num_batches_per_epoch * replicas
     per_update = t.batch_size * t.gradient_accumulation_steps * replicas
     source = m.pretrained or (f"local build `{m.builder}`" if m.builder else "?")
-    lora = f"LoRA rank {m.lora.rank}" if m.lora.enabled else "full UNet" if m.family == "sd1" else "full model"
+    lora = f"LoRA rank {m.lora.rank}" if m.lora.enabled else f"full {family(m.family).denoiser}"
     algo = cfg.algorithm.name
     group = getattr(cfg.algorithm, "group_size", None)
     rows = [

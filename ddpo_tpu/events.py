@@ -6,9 +6,10 @@ and rendered as one console line for people. Everything that needs to know where
 front end's live status line, the pod launcher, the tests) reads the events file, never console text, so a console
 line can be reworded without breaking anything.
 
-`events.jsonl` is append-only across attempts of a run (a resumed run appends; `run_start` opens each attempt), and
-a line cut short by a kill is ignored by `read_events`. metrics.jsonl stays the record of the numbers (one line per
-optimizer step, epoch and evaluation, each epoch once); this file is the record of what happened.
+`events.jsonl` is append-only across attempts of a run (a resumed run appends; `run_start` opens each attempt); a
+line cut short by a kill is ignored by `read_events`, and the next append starts on a fresh line (`append_line`).
+metrics.jsonl stays the record of the numbers (one line per optimizer step, epoch and evaluation, each epoch once);
+this file is the record of what happened.
 """
 
 from __future__ import annotations
@@ -286,13 +287,38 @@ class EpochDone(Event, kind="epoch_done"):
 
 # --- writing and reading ---------------------------------------------------------------------------------------------
 
+def append_line(path: Path, line: str, fsync: bool = False) -> None:
+    """Append one whole line. After a line a kill cut short (the file does not end in a newline), start on a fresh
+    line: the torn line stays one unreadable line that readers skip, and this record is not glued onto it."""
+    try:
+        with open(path, "ab+") as f:  # appends go to the end; reading from anywhere is allowed
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = "\n" + line
+            f.write(line.encode())  # one write: a concurrent appender's line never lands inside it
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e  # a full disk at flush: name the file all the same
+
+
 class EventLog:
     """Appends events to run_dir/events.jsonl and prints their text. Only the main process of a multi-host run
-    writes or prints (the others' events are the same)."""
+    writes or prints (the others' events are the same).
 
-    def __init__(self, run_dir: Path | None, is_main: bool = True, echo=None):
+    A write the disk refuses: with `raise_errors` (the training process), the first one raised from the main thread
+    as an OSError naming events.jsonl, which the trainer turns into its one `error:` line; otherwise (the front end,
+    threads, the events that end a run) kept in `write_error` and the text still printed."""
+
+    def __init__(self, run_dir: Path | None, is_main: bool = True, echo=None, raise_errors: bool = False):
         self.path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
         self.is_main = is_main
+        self.raise_errors = raise_errors
+        self.write_error: OSError | None = None
         self._echo = echo
         self._lock = threading.Lock()  # a compile's progress is emitted from a thread: whole lines, in order
 
@@ -304,13 +330,18 @@ class EventLog:
         rec = {"time": round(time.time(), 3), "pid": os.getpid(), **event.record()}
         if not self.is_main:
             return rec
+        text = event.text()
         if self.path is not None:
             try:
-                with open(self.path, "a") as f:  # flushed on close; a SIGKILL loses no line the OS was handed
-                    f.write(json.dumps(rec, default=_jsonable) + "\n")
-            except OSError:
-                pass  # a full or read-only disk is reported by the writes that matter (and by this event's text)
-        text = event.text()
+                append_line(self.path, json.dumps(rec, default=_jsonable) + "\n")
+            except OSError as e:
+                first = self.write_error is None
+                self.write_error = self.write_error or OSError(e.errno, e.strerror, str(self.path))
+                if (first and self.raise_errors and threading.current_thread() is threading.main_thread()
+                        and not isinstance(event, (Failed, Preempted))):
+                    if text is not None:
+                        (self._echo or _print)(text, False)
+                    raise self.write_error from e
         if text is not None:
             (self._echo or _print)(text, isinstance(event, Failed))
         return rec
@@ -361,4 +392,5 @@ def _jsonable(x: Any) -> Any:
 
 
 __all__ = [name for name, obj in list(globals().items())
-           if isinstance(obj, type) and issubclass(obj, Event)] + ["EVENTS_FILE", "EventLog", "read_events", "parse"]
+           if isinstance(obj, type) and issubclass(obj, Event)] + ["EVENTS_FILE", "EventLog", "append_line",
+                                                                       "read_events", "parse"]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from ddpo_tpu.events import append_line  # torch- and numpy-free: ddpo-status imports this module
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -37,6 +37,9 @@ def interrupted_writes(directory: Path) -> list[Path]:
 
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_INTERVAL_S = 10.0
+# run dir -> the write its heartbeat thread was last refused (cleared by a beat that lands); a thread cannot end the
+# run, so the trainer's next metrics line raises it (RunDir.log) and the run ends in its one `error:` line
+_HEARTBEAT_REFUSED: dict[Path, OSError] = {}
 
 
 class Heartbeat:
@@ -58,8 +61,9 @@ class Heartbeat:
         data = json.dumps({**self._info, "time": round(time.time(), 3)}) + "\n"
         try:
             atomic_write_bytes(self.path, data.encode())
-        except OSError:
-            pass  # a full or read-only disk is reported by the writes that matter, not by the heartbeat
+            _HEARTBEAT_REFUSED.pop(self.path.parent.absolute(), None)
+        except OSError as e:
+            _HEARTBEAT_REFUSED[self.path.parent.absolute()] = OSError(e.errno, e.strerror, str(self.path))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -92,13 +96,19 @@ class RunDir:
             self.mirror.close()
             self.mirror.check()
 
+    @property
+    def bucket_failed(self) -> bool:
+        """The bucket copy gave up (storage.Mirror): the run stops after a local checkpoint, and close() says why."""
+        return self.mirror is not None and self.mirror.error is not None
+
     def log(self, record: dict[str, Any]) -> None:
+        """One metrics.jsonl line. A refused write raises OSError naming the file, and so does a heartbeat the disk
+        refused since its last beat that landed: the trainer turns either into its one error line."""
+        refused = _HEARTBEAT_REFUSED.pop(self.path.absolute(), None)
+        if refused is not None:
+            raise refused
         record = {"time": round(time.time(), 3), **record}
-        line = json.dumps(record, default=_jsonable) + "\n"
-        with open(self.metrics_path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.metrics_path, json.dumps(record, default=_jsonable) + "\n", fsync=True)
 
     def truncate_after_epoch(self, epoch: int) -> None:
         """Drop records of epochs after `epoch` (work a killed run did past its last checkpoint), atomically, so
@@ -118,6 +128,7 @@ class RunDir:
     def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
                         name: str = "epoch") -> Path:
         """A grid of an epoch's first images (uint8, B x H x W x 3) with a caption file of prompts and rewards."""
+        import numpy as np  # here, not at the top: ddpo-status imports HEARTBEAT_FILE without numpy
         from PIL import Image
 
         n = min(len(images), 16)
@@ -147,6 +158,8 @@ class RunDir:
 
 
 def _jsonable(x: Any) -> Any:
+    import numpy as np
+
     if isinstance(x, (np.floating, np.integer)):
         return x.item()
     if isinstance(x, np.ndarray):

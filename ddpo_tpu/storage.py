@@ -1,27 +1,26 @@
 """Run dirs in a bucket: `output_root=gs://BUCKET/PREFIX` (through fsspec + gcsfs).
 
 Decision (docs/operations.md, "Spot VMs and buckets"): the run dir stays a local directory, a staging copy derived
-from the URL (`~/.cache/ddpo_tpu/runs/BUCKET/PREFIX/RUN_NAME`, `local_root`), so Hydra, the locks, the heartbeat,
-train.log and every local writer work unchanged; the bucket (`gs://BUCKET/PREFIX/RUN_NAME`) is the durable copy.
+from the URL (`~/.cache/ddpo_tpu/runs/BUCKET/PREFIX/RUN_NAME`, ddpo_tpu/storage_url.py), so Hydra, the locks, the
+heartbeat, train.log and every local writer work unchanged; the bucket (`gs://BUCKET/PREFIX/RUN_NAME`) is the
+durable copy.
 
-* The front end restores before it writes anything (`restore`): the bucket decides where a run continues. The
-  newest complete checkpoint in the bucket is put into the local checkpoints/ (downloaded and checked when it is not
-  there already), local checkpoints the bucket does not have are removed (their epochs are redone: the bucket has no
-  outputs of them either), and metrics.jsonl, events.jsonl and train.log are downloaded when the local dir lacks them
-  (a fresh VM). Then the trainer's resume() runs as on a local run dir.
+* The front end restores before it writes anything (`restore`): the run continues from the newest complete and
+  verified checkpoint of either copy. A bucket checkpoint is put into the local checkpoints/ (downloaded and checked
+  against its manifest); a newer local one (the bucket was away when it was written) is checked against the sha256
+  sums in its state.json and uploaded, with every other local one the bucket lacks. Local checkpoints newer than the
+  chosen one are damaged or (on a pod's other workers) not the writer's: removed, their epochs redone.
+  metrics.jsonl, events.jsonl and train.log are downloaded when the local dir lacks them (a fresh VM).
 * The training process's main process mirrors the run dir (`Mirror`): one background thread, a bounded queue.
-  At the end of an epoch (`publish`) every local file changed since its last upload goes up (weights, sample grids,
-  metrics.jsonl, events.jsonl, train.log, heartbeat.json), then, on a checkpoint epoch, the checkpoint: its files
-  from the host copy the trainer made (bytes in the queue, not the local files, which rotation may delete first),
+  At the end of an epoch (`publish`) every local file changed since its last upload goes up, then, on a checkpoint
+  epoch, the checkpoint: its files from the host copy the trainer made (rotation may delete the local ones first),
   then `MANIFEST.json` (size and sha256 of each file) last. An object store has no rename: a checkpoint is complete
   when its manifest exists and its files match it. Then the bucket's checkpoints are rotated (never the newest
   complete one; a manifest is deleted before its files). Between epochs the small live files go up every
   `LIVE_SYNC_S` seconds, so `ddpo-status gs://...` follows a run from anywhere.
-* Training waits for uploads only when the queue is full (an epoch's files and checkpoint wait behind
-  the one uploading), and at the end of the process (run end,
-  SIGTERM, failure: the queue is drained, because the next start on a fresh VM resumes from the bucket). A SIGKILL
-  or a lost VM loses at most what was not uploaded: the epoch in flight and any epoch whose upload was still queued
-  (at most two), all of them redone by the next start, which continues from the newest complete checkpoint.
+* Requests retry while the bucket is unreachable, up to `storage_timeout_s` from the first try; a refusal is not
+  retried (ddpo_tpu/storage_faults.py). An upload that gives up asks the trainer to stop at its next safe point,
+  after a local checkpoint; the run ends with one `error:` line, exit 1.
 * Only process 0 of a multi-host run writes to the bucket; every host's front end restores the same checkpoint.
 * Credentials: gcsfs's default chain (GOOGLE_APPLICATION_CREDENTIALS, gcloud application-default login, the VM's
   service account); with STORAGE_EMULATOR_HOST set (tests: fake-gcs-server on 127.0.0.1) no credentials are used.
@@ -43,110 +42,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-SCHEME = "gs"
+from ddpo_tpu.storage_faults import (FAILED, StorageError, default_timeout_s, gcsfs_missing, quiet_gcsfs, retry,
+                                     unresolvable)
+from ddpo_tpu.storage_url import SCHEME, Url, is_url, local_root, parse, remote_run_dir, url_problem  # noqa: F401
+
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
 CHECKPOINTS = "checkpoints"
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.S)
-# Google's bucket naming rules (the common case: no dotted names over 63 characters)
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
 _CKPT = re.compile(r"^epoch_(\d{4,})$")
 # files the live sync sends between epochs (small, changing)
 LIVE_FILES = ("events.jsonl", "heartbeat.json", "metrics.jsonl", "train.log")
 LIVE_SYNC_S = 30.0
 QUEUE_SIZE = 3                   # tasks: an epoch's files and checkpoint queued behind the one in flight
-RETRIES = 4                      # tries of one upload after the first, with 1, 2, 4, 8 s between them
+CHECK_TIMEOUT_S = 8.0            # the start's probe: a machine that cannot reach the bucket is told at once
 SKIP_NAMES = {"lock"}            # local-only: the run dir's lock (per host)
 INSTALL_FIX = "pip install gcsfs==2026.10.1, or bash scripts/setup.sh (requirements.txt pins it)"
 
 
-class StorageError(RuntimeError):
-    """The bucket refused or lost a write that a resume needs (after retries)."""
-
-
-# --- URLs (pure) ------------------------------------------------------------------------------------------------------
-
-def is_url(value: str) -> bool:
-    return bool(_URL.match(str(value).strip()))
-
-
-@dataclass(frozen=True)
-class Url:
-    bucket: str
-    prefix: str = ""  # no leading or trailing "/"
-
-    @property
-    def path(self) -> str:
-        """The fsspec path (no scheme)."""
-        return f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket
-
-    def join(self, *parts: str) -> Url:
-        extra = "/".join(p.strip("/") for p in parts if p.strip("/"))
-        return Url(self.bucket, f"{self.prefix}/{extra}".strip("/") if extra else self.prefix)
-
-    def __str__(self) -> str:
-        return f"{SCHEME}://{self.path}"
-
-
-def url_problem(value: str) -> tuple[str, str] | None:
-    """Why `value` is not a usable gs:// URL, as (reason, fix); None when it is one (or is not a URL at all)."""
-    m = _URL.match(str(value).strip())
-    if not m:
-        return None
-    scheme, rest = m.group(1), m.group(2)
-    example = "gs://my-bucket/ddpo-runs"
-    if scheme.lower() != SCHEME:
-        return f"{scheme}:// is not supported (only gs:// buckets and local directories)", f"e.g. output_root={example}"
-    bucket, _, prefix = rest.partition("/")
-    if not bucket:
-        return "no bucket name after gs://", f"e.g. output_root={example}"
-    if not _BUCKET.match(bucket) or ".." in bucket:
-        return (f"{bucket!r} is not a valid bucket name (3-63 characters: lowercase letters, digits, '-', '_', '.'; "
-                f"starting and ending with a letter or digit)", f"e.g. output_root={example}")
-    parts = prefix.rstrip("/").split("/") if prefix.rstrip("/") else []
-    if any(p in ("", ".", "..") for p in parts):
-        return "the path after the bucket has an empty, '.' or '..' part", f"e.g. output_root={example}"
-    if any(ord(c) < 32 or c in "#[]*?" for c in prefix):
-        return "the path after the bucket has a control character or one of # [ ] * ?", f"e.g. output_root={example}"
-    return None
-
-
-def parse(value: str) -> Url:
-    problem = url_problem(value)
-    if problem is not None or not is_url(value):
-        raise ValueError(f"{value!r}: {problem[0] if problem else 'not a gs:// URL'}")
-    rest = _URL.match(str(value).strip()).group(2)
-    bucket, _, prefix = rest.partition("/")
-    return Url(bucket, prefix.strip("/"))
-
-
-def local_root(output_root: str) -> str:
-    """Where run dirs of `output_root` live on this machine: itself for a local path, the staging dir of a bucket
-    URL (also Hydra's `hydra.run.dir` root, through the `ddpo_local_root` resolver)."""
-    if not is_url(output_root) or url_problem(output_root) is not None:
-        return output_root
-    from ddpo_tpu.launch.env import cache_root  # the one module that reads the environment
-
-    url = parse(output_root)
-    return str(cache_root() / "runs" / url.bucket / url.prefix) if url.prefix else str(cache_root() / "runs" /
-                                                                                      url.bucket)
-
-
-def remote_run_dir(output_root: str, run_dir: Path) -> Url | None:
-    """The bucket copy of a local run dir (None for a local output_root): the same path below the root."""
-    if not is_url(output_root):
-        return None
-    rel = Path(run_dir).resolve().relative_to(Path(local_root(output_root)).expanduser().resolve())
-    return parse(output_root).join(*rel.parts)
-
-
 # --- the bucket (fsspec + gcsfs) ----------------------------------------------------------------------------------
-
-def gcsfs_missing() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("gcsfs") is None
-
 
 def filesystem():
     """The gs:// filesystem (fsspec caches the instance). Credentials: gcsfs's default chain, or none for an
@@ -156,8 +69,9 @@ def filesystem():
     # which an emulator does not serve (60 s timeouts per bucket) and plain buckets do not need
     from gcsfs.core import GCSFileSystem
 
-    from ddpo_tpu.launch.env import storage_emulator_host
+    from ddpo_tpu.env import storage_emulator_host
 
+    quiet_gcsfs()
     return GCSFileSystem(token="anon" if storage_emulator_host() else None)
 
 
@@ -165,38 +79,26 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def check_writable(value: str) -> tuple[str, str] | None:
+def check_writable(value: str, timeout_s: float = CHECK_TIMEOUT_S) -> tuple[str, str] | None:
     """Before anything is written: the bucket exists and takes a write (a probe object, deleted again). Returns
     (reason, fix) or None."""
     if gcsfs_missing():
         return "gcsfs is not installed (needed for gs:// output roots)", INSTALL_FIX
     url = parse(value)
+    if (dns := unresolvable()) is not None:  # said at once, not after the retries' deadline
+        return dns
     try:
         fs = filesystem()
         fs.invalidate_cache()
-        if not fs.exists(url.bucket):
+        if not retry(f"gs://{url.bucket}", lambda t: fs.exists(url.bucket, timeout=t), timeout_s):
             return (f"bucket {url.bucket} does not exist (or these credentials cannot see it)",
                     f"create it: gcloud storage buckets create gs://{url.bucket} --location=REGION, or fix the name")
-        probe = url.join(f".ddpo_tpu-write-check-{os.getpid()}-{time.time_ns()}").path
-        fs.pipe_file(probe, b"ok\n")
-        fs.rm_file(probe)
-    except Exception as e:  # noqa: BLE001 -- auth, permission and network errors all end here, named
-        return (f"cannot write to {url} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})",
-                "grant this VM's service account roles/storage.objectAdmin on the bucket, or run `gcloud auth "
-                "application-default login` / set GOOGLE_APPLICATION_CREDENTIALS")
+        probe = url.join(f".ddpo_tpu-write-check-{os.getpid()}-{time.time_ns()}")
+        retry(f"write {probe}", lambda t: fs.pipe_file(probe.path, b"ok\n", timeout=t), timeout_s)
+        retry(f"delete {probe}", lambda t: fs.rm_file(probe.path, timeout=t), timeout_s)
+    except StorageError as e:
+        return e.reason, e.fix
     return None
-
-
-def _retry(what: str, fn: Callable[[], Any], sleep: Callable[[float], None] = time.sleep) -> Any:
-    for attempt in range(RETRIES + 1):
-        try:
-            return fn()
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # noqa: BLE001 -- gcsfs raises OSError, aiohttp and google-auth errors
-            if attempt == RETRIES:
-                raise StorageError(f"{what}: {type(e).__name__}: {e}") from e
-            sleep(2 ** attempt)
 
 
 # --- checkpoints in the bucket (manifest logic is pure) ---------------------------------------------------------------
@@ -214,22 +116,18 @@ def parse_manifest(data: bytes) -> dict[str, Any] | None:
         body = json.loads(data)
     except ValueError:
         return None
-    if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT or not isinstance(body.get("files"), dict):
-        return None
-    files = body["files"]
-    if not files or not all(isinstance(v, dict) and "sha256" in v and "size" in v for v in files.values()):
-        return None
-    return body
+    files = body.get("files") if isinstance(body, dict) and body.get("format") == MANIFEST_FORMAT else None
+    ok = isinstance(files, dict) and files and all(isinstance(v, dict) and {"sha256", "size"} <= set(v)
+                                                   for v in files.values())
+    return body if ok else None
 
 
 def mismatch(body: dict[str, Any], files: dict[str, bytes]) -> str | None:
     """The first file that does not match its manifest entry, or None."""
     for name, want in body["files"].items():
         data = files.get(name)
-        if data is None:
-            return f"{name} is missing"
-        if len(data) != want["size"] or sha256(data) != want["sha256"]:
-            return f"{name} does not match its sha256 in {MANIFEST}"
+        if data is None or len(data) != want["size"] or sha256(data) != want["sha256"]:
+            return f"{name} is missing" if data is None else f"{name} does not match its sha256 in {MANIFEST}"
     return None
 
 
@@ -261,26 +159,33 @@ def rotation(listing: Listing, limit: int) -> list[str]:
     return old + [listing.incomplete[e] for e in sorted(listing.incomplete)]
 
 
-def list_checkpoints(fs, url: Url) -> Listing:
+def list_checkpoints(fs, url: Url, timeout_s: float | None = None) -> Listing:
     root = url.join(CHECKPOINTS).path
     fs.invalidate_cache()
     try:
-        found = fs.find(root)
+        found = retry(f"list {url.join(CHECKPOINTS)}", lambda t: fs.find(root, timeout=t),
+                       timeout_s or default_timeout_s())
     except FileNotFoundError:
         found = []
     return group_checkpoints([f[len(root) + 1:] for f in found if f.startswith(root + "/")])
 
 
-def read_checkpoint(fs, url: Url, name: str) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The files of a complete checkpoint, checked against its manifest; raises StorageError naming what is wrong."""
+def _cat(fs, url: Url, timeout_s: float) -> bytes:
+    return retry(f"read {url}", lambda t: fs.cat_file(url.path, timeout=t), timeout_s)
+
+
+def read_checkpoint(fs, url: Url, name: str, timeout_s: float | None = None) -> tuple[dict, dict[str, bytes]]:
+    """The files of a complete checkpoint, checked against its manifest; raises StorageError naming what is wrong
+    (kind FAILED: damaged; UNREACHABLE / DENIED: the bucket did not answer)."""
+    timeout_s = timeout_s or default_timeout_s()
     base = url.join(CHECKPOINTS, name)
-    body = parse_manifest(fs.cat_file(base.join(MANIFEST).path))
+    body = parse_manifest(_cat(fs, base.join(MANIFEST), timeout_s))
     if body is None:
         raise StorageError(f"{base}/{MANIFEST} is not a manifest")
     files = {}
     for fname in body["files"]:
         try:
-            files[fname] = fs.cat_file(base.join(fname).path)
+            files[fname] = _cat(fs, base.join(fname), timeout_s)
         except FileNotFoundError:
             raise StorageError(f"{base}/{fname} is listed in its manifest but missing") from None
     bad = mismatch(body, files)
@@ -289,30 +194,40 @@ def read_checkpoint(fs, url: Url, name: str) -> tuple[dict[str, Any], dict[str, 
     return body, files
 
 
-def delete_checkpoint(fs, url: Url, name: str) -> None:
+def upload_checkpoint(fs, url: Url, name: str, files: dict[str, bytes], epoch: int, timeout_s: float) -> None:
+    """Its files, then the manifest (now it is complete)."""
+    for fname, data in sorted({**files, MANIFEST: manifest(epoch, files)}.items(), key=lambda kv: kv[0] == MANIFEST):
+        target = url.join(CHECKPOINTS, name, fname)
+        retry(f"upload {target}", lambda t: fs.pipe_file(target.path, data, timeout=t), timeout_s)
+
+
+def delete_checkpoint(fs, url: Url, name: str, timeout: float | None = None) -> None:
     """The manifest first (the checkpoint stops being complete in one step), then its files."""
     base = url.join(CHECKPOINTS, name)
-    try:
-        fs.rm_file(base.join(MANIFEST).path)
-    except FileNotFoundError:
-        pass
-    try:
-        fs.rm(base.path, recursive=True)
-    except FileNotFoundError:
-        pass
+    for path, kw in ((base.join(MANIFEST).path, {}), (base.path, {"recursive": True})):
+        try:
+            fs.rm(path, timeout=timeout, **kw)
+        except FileNotFoundError:  # gone already: what deleting wants
+            continue
 
 
 # --- restore (front end, before anything of this attempt is written) --------------------------------------------------
 
 def _local_complete(ckpt_root: Path) -> dict[int, Path]:
-    if not ckpt_root.is_dir():
-        return {}
-    out = {}
-    for p in ckpt_root.iterdir():
-        m = _CKPT.match(p.name)
-        if m and p.is_dir() and (p / "state.json").is_file():
-            out[int(m.group(1))] = p
-    return out
+    found = ckpt_root.iterdir() if ckpt_root.is_dir() else ()
+    return {int(m.group(1)): p for p in found if (m := _CKPT.match(p.name)) and (p / "state.json").is_file()}
+
+
+def local_checkpoint(path: Path) -> dict[str, bytes] | None:
+    """The files of a local checkpoint whose state.json parses and whose other files match the sha256 sums it
+    holds (ddpo_tpu/checkpoint.py writes them), or None. Torch-free: the front end checks before a resume."""
+    try:
+        files = {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
+        sums = json.loads(files["state.json"]).get("sha256")
+    except (OSError, KeyError, ValueError, AttributeError):
+        return None
+    ok = isinstance(sums, dict) and all(n in files and sha256(files[n]) == s for n, s in sums.items())
+    return files if ok else None
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -324,41 +239,55 @@ def _write_file(path: Path, data: bytes) -> None:
 
 @dataclass
 class Restored:
-    checkpoint: str | None            # the bucket checkpoint the run continues from (None: from the start)
+    checkpoint: str | None            # the checkpoint the run continues from (None: from the start)
     downloaded: list[str]             # files fetched into the local dir
-    removed: list[str]                # local checkpoints the bucket does not have (their epochs are redone)
-    skipped: list[str]                # damaged bucket checkpoints passed over
+    removed: list[str]                # local checkpoints past the chosen one (their epochs are redone)
+    skipped: list[str]                # damaged checkpoints passed over (bucket or local)
+    uploaded: list[str]               # local checkpoints the bucket lacked, uploaded
 
 
-def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: None) -> Restored:
-    """Make the local run dir continue where the bucket is (see the module docstring)."""
+def _choose(fs, url, listing, local, writer, timeout_s, out):
+    """The newest checkpoint of either copy that verifies: (epoch, "bucket", files) or (epoch, "local", files)."""
+    epochs = sorted(set(listing.complete) | (set(local) if writer else set()), reverse=True)
+    for epoch in epochs:
+        files = local_checkpoint(local[epoch]) if writer and epoch in local else None
+        if files is not None:
+            return epoch, "local", files
+        if epoch in listing.complete:
+            try:
+                return epoch, "bucket", read_checkpoint(fs, url, listing.complete[epoch], timeout_s)[1]
+            except StorageError as e:
+                if e.kind != FAILED:
+                    raise
+                out.skipped.append(listing.complete[epoch])
+                continue
+        out.skipped.append(local[epoch].name)
+    return None
+
+
+def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: None, timeout_s: float | None = None,
+            writer: bool | None = None) -> Restored:
+    """Make the local run dir continue from the newest verified checkpoint of either copy (the module docstring).
+    `writer`: this host uploads (default: worker 0 of a pod, or a single VM); others take the bucket's newest."""
+    from ddpo_tpu.env import tpu_worker_id
+
+    timeout_s = timeout_s or default_timeout_s()
+    writer = tpu_worker_id() in (None, 0) if writer is None else writer
     fs = filesystem()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = Restored(None, [], [], [])
-    listing = list_checkpoints(fs, url)
+    out = Restored(None, [], [], [], [])
+    listing = list_checkpoints(fs, url, timeout_s)
     local_ckpts = run_dir / CHECKPOINTS
     local = _local_complete(local_ckpts)
-    chosen = None
-    for epoch in sorted(listing.complete, reverse=True):
-        name = listing.complete[epoch]
-        try:
-            body, files = read_checkpoint(fs, url, name)
-        except StorageError as e:
-            out.skipped.append(name)
-            say(f"ddpo_tpu: skipping damaged checkpoint in the bucket: {e}")
-            continue
-        chosen = (epoch, name, body, files)
-        break
+    chosen = _choose(fs, url, listing, local, writer, timeout_s, out)
     keep = None
     if chosen is not None:
-        epoch, name, body, files = chosen
-        keep = epoch
-        out.checkpoint = str(url.join(CHECKPOINTS, name))
-        have = local.get(epoch)
-        same = have is not None and all((have / f).is_file() and (have / f).read_bytes() == d
-                                        for f, d in files.items())
-        if not same:
+        keep, source, files = chosen
+        name = f"epoch_{keep:04d}"
+        have = local.get(keep)
+        out.checkpoint = str(url.join(CHECKPOINTS, name)) if source == "bucket" else str(local_ckpts / name)
+        if source == "bucket" and not (have is not None and local_checkpoint(have) == files):
             tmp = local_ckpts / f".tmp-{name}-restore"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -368,15 +297,20 @@ def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: N
                 shutil.rmtree(have)
             os.replace(tmp, local_ckpts / name)
             out.downloaded.append(f"{CHECKPOINTS}/{name}")
+        newest_up = max(listing.complete, default=-1)
+        for epoch, path in sorted(local.items()):  # what the bucket lacks: verified local ones up to the chosen
+            if writer and newest_up < epoch <= keep and (data := local_checkpoint(path)) is not None:
+                upload_checkpoint(fs, url, path.name, data, epoch, timeout_s)
+                out.uploaded.append(path.name)
     for epoch, path in sorted(local.items()):
-        if keep is None or epoch > keep:  # not in the bucket: redone, as its outputs are not there either
+        if keep is None or epoch > keep:  # past the resume point: redone
             shutil.rmtree(path, ignore_errors=True)
             out.removed.append(path.name)
     for name in LIVE_FILES:
         if name == "heartbeat.json" or (run_dir / name).exists():
             continue
         try:
-            data = fs.cat_file(url.join(name).path)
+            data = _cat(fs, url.join(name), timeout_s)
         except FileNotFoundError:
             continue
         _write_file(run_dir / name, data)
@@ -384,34 +318,39 @@ def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: N
     if out.checkpoint or out.downloaded or out.removed:
         say(f"ddpo_tpu: bucket {url}: continuing from {out.checkpoint or 'the start (no complete checkpoint)'}"
             + (f"; fetched {', '.join(out.downloaded)}" if out.downloaded else "")
-            + (f"; local checkpoint(s) not in the bucket removed: {', '.join(out.removed)}" if out.removed else ""))
+            + (f"; uploaded local checkpoint(s) the bucket lacked: {', '.join(out.uploaded)}" if out.uploaded else "")
+            + (f"; local checkpoint(s) past it removed: {', '.join(out.removed)}" if out.removed else ""))
     return out
 
 
-def upload_files(run_dir: Path, url: Url, names: list[str]) -> None:
+def upload_files(run_dir: Path, url: Url, names: list[str], timeout_s: float | None = None) -> None:
     """Copy local files of the run dir to the bucket now (the front end's config, parity, env and final logs)."""
     fs = filesystem()
     for name in names:
         path = Path(run_dir) / name
         if path.is_file():
             data = path.read_bytes()
-            _retry(f"upload {url.join(name)}", lambda: fs.pipe_file(url.join(name).path, data))
+            retry(f"upload {url.join(name)}", lambda t: fs.pipe_file(url.join(name).path, data, timeout=t),
+                   timeout_s or default_timeout_s())
 
 
 # --- the mirror (training process, main process only) -----------------------------------------------------------------
 
 class Mirror:
-    """Uploads the run dir to the bucket from one background thread (see the module docstring)."""
+    """Uploads the run dir to the bucket from one background thread (see the module docstring). When an upload
+    gives up (after `timeout_s`), the thread stops uploading, keeps the error for `check`, and calls `on_give_up`
+    once (the trainer: stop at the next safe point, after a local checkpoint)."""
 
     def __init__(self, run_dir: Path, url: Url, limit: int, queue_size: int = QUEUE_SIZE,
-                 live_every: float = LIVE_SYNC_S, fs=None, sleep: Callable[[float], None] = time.sleep):
-        self.run_dir, self.url, self.limit = Path(run_dir), url, limit
+                 live_every: float = LIVE_SYNC_S, fs=None, sleep: Callable[[float], None] = time.sleep,
+                 timeout_s: float | None = None, on_give_up: Callable[[], None] | None = None):
+        self.run_dir, self.url, self.limit, self.live_every = Path(run_dir), url, limit, live_every
         self.fs = fs if fs is not None else filesystem()
-        self.live_every = live_every
+        self.timeout_s = timeout_s or default_timeout_s()
         self._sleep = sleep
+        self._on_give_up = on_give_up
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) uploaded
-        self._lock = threading.Lock()
         self.error: str | None = None
         self.seconds = 0.0  # time spent uploading (for the benchmark)
         self.uploaded_bytes = 0
@@ -421,17 +360,18 @@ class Mirror:
     # called by the trainer's main thread
     def publish(self, checkpoint: tuple[str, dict[str, bytes], int] | None = None) -> None:
         """Queue the changed files of the run dir, then (name, files, epoch) of a committed checkpoint. Blocks only
-        when the queue is full. Raises StorageError when an earlier upload failed for good."""
-        self.check()
+        when the queue is full. After a give-up: nothing is queued; without `on_give_up`, raises StorageError."""
+        if self.error is not None:
+            if self._on_give_up is None:
+                self.check()
+            return
         self._queue.put(("files", None))
         if checkpoint is not None:
             self._queue.put(("checkpoint", checkpoint))
 
     def check(self) -> None:
         if self.error is not None:
-            raise StorageError(f"{self.error}: the bucket copy of this run is behind (check the bucket and its "
-                               f"permissions; the same command then resumes from the newest complete checkpoint "
-                               f"there)")
+            raise StorageError(self.error)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued and the changed files, then stop the thread (the end of the process)."""
@@ -452,6 +392,8 @@ class Mirror:
                 t0 = time.perf_counter()
                 if kind == "stop":
                     return
+                if self.error is not None:
+                    continue  # given up: the queue drains without waiting on the bucket again
                 if kind == "files":
                     self._send_changed()
                 elif kind == "live":
@@ -460,11 +402,20 @@ class Mirror:
                     self._send_checkpoint(*arg)
                 self.seconds += time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 -- kept for the main thread (check), never kills the thread
-                if self.error is None:
-                    self.error = str(e)
+                self._give_up(e)
             finally:
                 if kind != "live":
                     self._queue.task_done()
+
+    def _give_up(self, e: Exception) -> None:
+        if self.error is not None:
+            return
+        reason, fix = (e.reason, e.fix) if isinstance(e, StorageError) else (f"{type(e).__name__}: {e}", "")
+        self.error = (f"{reason}: the bucket copy of this run is behind; the run stops after a local checkpoint "
+                      f"({fix + '; ' if fix else ''}the same command then resumes from the newest checkpoint, local "
+                      f"or in the bucket, and uploads what the bucket lacks)")
+        if self._on_give_up is not None:
+            self._on_give_up()
 
     def _changed(self, only: tuple[str, ...] | None) -> list[tuple[str, Path, tuple[int, int]]]:
         out = []
@@ -490,23 +441,18 @@ class Mirror:
                 data = path.read_bytes()
             except FileNotFoundError:
                 continue
-            self._put(rel, data)
+            target = self.url.join(rel)
+            retry(f"upload {target}", lambda t: self.fs.pipe_file(target.path, data, timeout=t), self.timeout_s,
+                   self._sleep)
+            self.uploaded_bytes += len(data)
             self._sent[rel] = key
 
-    def _put(self, rel: str, data: bytes) -> None:
-        target = self.url.join(rel)
-        _retry(f"upload {target}", lambda: self.fs.pipe_file(target.path, data), self._sleep)
-        self.uploaded_bytes += len(data)
-
     def _send_checkpoint(self, name: str, files: dict[str, bytes], epoch: int) -> None:
-        for fname, data in sorted(files.items()):
-            self._put(f"{CHECKPOINTS}/{name}/{fname}", data)
-        self._put(f"{CHECKPOINTS}/{name}/{MANIFEST}", manifest(epoch, files))  # last: now it is complete
-        listing = _retry(f"list {self.url.join(CHECKPOINTS)}", lambda: list_checkpoints(self.fs, self.url),
-                         self._sleep)
-        for doomed in rotation(listing, self.limit):
-            _retry(f"delete {self.url.join(CHECKPOINTS, doomed)}",
-                   lambda: delete_checkpoint(self.fs, self.url, doomed), self._sleep)
+        upload_checkpoint(self.fs, self.url, name, files, epoch, self.timeout_s)
+        self.uploaded_bytes += sum(len(d) for d in files.values())
+        for doomed in rotation(list_checkpoints(self.fs, self.url, self.timeout_s), self.limit):
+            retry(f"delete {self.url.join(CHECKPOINTS, doomed)}",
+                   lambda t: delete_checkpoint(self.fs, self.url, doomed, t), self.timeout_s, self._sleep)
 
 
 # --- reading a bucket run dir (ddpo-status) --------------------------------------------------------------------------
@@ -514,10 +460,10 @@ class Mirror:
 STATUS_FILES = ("config.yaml", "events.jsonl", "metrics.jsonl", "heartbeat.json", "parity.json", "train.log")
 
 
-def snapshot(value: str, into: Path) -> Path:
+def snapshot(value: str, into: Path, timeout_s: float = CHECK_TIMEOUT_S) -> Path:
     """The files ddpo-status reads, copied from the bucket run dir `value` into the local dir `into` (complete
     checkpoints as empty dirs, with the manifest's time as their mtime). Raises FileNotFoundError when the bucket
-    has no run there."""
+    has no run there, StorageError when it cannot be read."""
     url = parse(value)
     fs = filesystem()
     fs.invalidate_cache()
@@ -525,7 +471,7 @@ def snapshot(value: str, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     for name in STATUS_FILES:
         try:
-            data = fs.cat_file(url.join(name).path)
+            data = _cat(fs, url.join(name), timeout_s)
         except FileNotFoundError:
             continue
         (into / name).write_bytes(data)
@@ -538,13 +484,13 @@ def snapshot(value: str, into: Path) -> Path:
                 pass
     if not (into / "config.yaml").is_file():
         raise FileNotFoundError(f"{url}: no config.yaml there, so not a ddpo_tpu run dir in the bucket")
-    listing = list_checkpoints(fs, url)
+    listing = list_checkpoints(fs, url, timeout_s)
     for epoch, name in sorted(listing.complete.items()):
         (into / CHECKPOINTS / name).mkdir(parents=True, exist_ok=True)
         try:
-            body = parse_manifest(fs.cat_file(url.join(CHECKPOINTS, name, MANIFEST).path)) or {}
+            body = parse_manifest(_cat(fs, url.join(CHECKPOINTS, name, MANIFEST), timeout_s)) or {}
             t = float(body.get("time") or time.time())
             os.utime(into / CHECKPOINTS / name, (t, t))
-        except (OSError, ValueError):
+        except (OSError, ValueError, StorageError):
             pass
     return into

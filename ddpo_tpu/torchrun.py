@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from ddpo_tpu.config.compose import validate
-    from ddpo_tpu.launch import env as envmod
+    from ddpo_tpu import env as envmod
     from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_FAILED
     from ddpo_tpu.worker import hold_locks
 

@@ -1,30 +1,56 @@
-"""The entrypoint: `python -m ddpo_tpu.train [+experiment=NAME] [overrides] [-m]` (console script `ddpo-train`).
+"""The entrypoint: `python -m ddpo_tpu.train [+experiment=NAME] [overrides] [-m] [--check]` (console script
+`ddpo-train`); `--help` says what to run first.
 
 The front end never imports torch. It
-1. refuses environment variables that the config owns (launch/env.py),
-2. composes and validates the config of every run (every point of a sweep) before anything is written or started,
+1. refuses environment variables that the config owns (env.py),
+2. composes and validates the config of every run (every point of a sweep, launch/sweep.py) and checks what the runs
+   need from this machine (launch/machine.py, the output roots, the locks) before anything is written or started;
+   `--check` stops here and prints each run's decisions,
 3. lets Hydra create each job's run dir, saves the resolved config, the parity report and the exact environment there,
-4. starts the training process (ddpo_tpu.worker) with that environment, one job at a time.
+4. starts the training process (ddpo_tpu.worker) with that environment, one job at a time (launch/process.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpo_tpu import storage
-from ddpo_tpu.config.compose import Validated, conf_dir, overridden_keys, validate
-from ddpo_tpu.config.errors import ConfigError
-from ddpo_tpu.launch import env as envmod
-from ddpo_tpu.launch import lora_targets, xla_flags
-from ddpo_tpu.launch import process
+from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
+from ddpo_tpu.problems import ConfigError
+from ddpo_tpu import env as envmod
+from ddpo_tpu.launch import machine, process, xla_flags
+from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
+from ddpo_tpu.launch.lock import accelerator_lock_path
+
+CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this machine; print the decisions; write nothing
 
 _failures: list[str] = []
 _last_code: list[int] = []
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("--help", "-h") for a in argv):
+        print(help_text())
+        return
+    check_only = any(a in CHECK_FLAGS for a in argv)
+    argv = moved([a for a in argv if a not in CHECK_FLAGS])  # keys that moved, under their new names
+    points = preflight(argv, check_only)
+    if check_only and points:  # (with --cfg or --info there are none: Hydra shows what was asked, runs nothing)
+        print_check(points)
+        return
+
+    import hydra
+
+    sys.argv = [sys.argv[0], *argv]
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)()
+    if _failures:
+        for f in _failures:
+            print(f"ddpo_tpu: job failed: {f}", file=sys.stderr)
+        sys.exit(_last_code[-1] if len(_last_code) == 1 else process.EXIT_FAILED)
 
 
 def _fail(lines: list[str], code: int = process.EXIT_CONFIG) -> None:
@@ -34,75 +60,21 @@ def _fail(lines: list[str], code: int = process.EXIT_CONFIG) -> None:
     sys.exit(code)
 
 
-def expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """The jobs Hydra's basic sweeper will run, in the same order (cartesian product of the sweep overrides)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+# --- before anything is written ----------------------------------------------------------------------------------------
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    axes = []
-    for o in parsed:
-        if o.is_sweep_override():
-            if o.is_interval_sweep():
-                raise ConfigError([], f"{o.input_line}: interval sweeps need a sweeper plugin; list the values")
-            key = o.get_key_element()
-            axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
-        else:
-            axes.append([o.input_line])
-    return [list(p) for p in itertools.product(*axes)]
-
-
-@dataclass
-class Point:
-    """One run of a command line: the command itself, or one point of a sweep."""
-
-    index: int
-    overrides: list[str]
-    where: str  # "[job N: overrides] " in a sweep, "" otherwise: what its problem lines start with
-    validated: Validated | None = None
-    problems: list[str] = field(default_factory=list)
-
-
-def compose_points(overrides: list[str], multirun: bool) -> list[Point]:
-    """Compose and validate every run of a command (every sweep point), writing nothing: each point carries its
-    validated config or its problems, one line each. Raises ConfigError when the sweep itself cannot be expanded (a
-    malformed override, an interval sweep). Shared by the front end and the pod launcher (ddpo_tpu.launch.pod)."""
-    from hydra.errors import OverrideParseException
-
-    from ddpo_tpu.config.compose import compose_and_validate, grammar_problem
-
-    try:
-        runs = expand_sweep(overrides) if multirun else [overrides]
-    except OverrideParseException as e:  # a malformed sweep override, named like any other problem
-        if envmod.full_error_requested():
-            raise
-        raise ConfigError([grammar_problem(e)]) from None
-    points = []
-    for i, run in enumerate(runs):
-        point = Point(i, run, f"[job {i}: {' '.join(run)}] " if multirun else "")
-        try:
-            point.validated = compose_and_validate(run)
-        except ConfigError as e:
-            if envmod.full_error_requested():
-                raise
-            point.problems = [point.where + str(p) for p in e.problems]
-        else:  # what the model will be asked for, known from its family without loading it
-            point.problems = [point.where + line for line in lora_targets.problems(point.validated.cfg.model)]
-        points.append(point)
-    return points
-
-
-def preflight(argv: list[str]) -> None:
-    """Everything that must hold before Hydra writes a single file."""
+def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
+    """Everything that must hold before Hydra writes a single file; the runs, validated. With check_only nothing is
+    written at all (the run dirs' locks, which create the run dirs, are not taken)."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)
-    if args.help or args.hydra_help or args.shell_completion:
-        return
+    if args.hydra_help or args.shell_completion:
+        return []
     legacy = envmod.legacy_problems()
     if legacy:
         _fail(legacy)
     if args.cfg or args.info:
-        return  # showing the config is allowed even when it would not validate
+        return []  # showing the config is allowed even when it would not validate
     try:
         points = compose_points(args.overrides, args.multirun)
     except ConfigError as e:
@@ -117,15 +89,27 @@ def preflight(argv: list[str]) -> None:
             errors.extend(p.where + line for line in xla_flags.problems(cfg.xla.flags, cfg.tpu_topology.execution))
         if (p.validated is not None and args.multirun
                 and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in p.overrides)):
-            errors.extend(p.where + line for line in _changed_sweep_point(p.validated, p.index))
+            errors.extend(p.where + line for line in changed_sweep_point(p.validated, p.index))
     if errors:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
-    valid = [p.validated for p in points]
-    locks = {envmod.accelerator_lock_path(v.cfg) for v in valid}
-    roots = {v.cfg.output_root for v in valid}
-    for root in roots:  # an unwritable output root is refused before Hydra tries to create a run dir there
+    _fail_on_output_roots({p.validated.cfg.output_root for p in points})
+    _fail_on_this_machine(points)
+    _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points})
+    if not check_only:
+        # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
+        # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is
+        # handed over to (launch/process.py)
+        for p in points:  # (a point that moves its dir with hydra.run.dir / hydra.sweep.* takes its lock in _job)
+            if not any(o.lstrip("+~").startswith("hydra.") for o in p.overrides):
+                _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
+    return points
+
+
+def _fail_on_output_roots(roots: set[str]) -> None:
+    """An unwritable output root is refused before Hydra tries to create a run dir there."""
+    for root in roots:
         if storage.is_url(root):  # a bucket: gcsfs installed, the bucket there and writable (a probe object)
             problem = storage.check_writable(root)
             if problem is not None:
@@ -136,20 +120,45 @@ def preflight(argv: list[str]) -> None:
             existing = existing.parent
         if not existing.is_dir() or not os.access(existing, os.W_OK):
             _fail([f"output_root={root}: {existing} is not a writable directory (set output_root=... to one)"])
-    _fail_without_runtime_or_credentials(valid)
-    # a busy accelerator is refused before a run dir exists (the training process takes the lock itself)
+
+
+def _fail_on_this_machine(points: list[Point]) -> None:
+    """What the runs need from this machine (devices, runtimes, the model cache, tracker names and credentials)."""
+    errors = [p.where + line for p in points for line in machine.problems(p.validated.cfg, p.overrides)]
+    if errors:
+        _fail(list(dict.fromkeys(errors)))
+
+
+def _fail_on_busy_accelerators(locks: set) -> None:
+    """A busy accelerator is refused before a run dir exists (the training process takes the lock itself)."""
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
 
     for path in filter(None, locks):
         holder = AcceleratorLock.holder(path)
         if holder is not None:
             _fail([str(AcceleratorBusy(path, holder))], process.EXIT_BUSY)
-    # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
-    # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is
-    # handed over to (launch/process.py)
-    for p in points:  # (a point that moves its dir with hydra.run.dir / hydra.sweep.* takes its lock in _job)
-        if not any(o.lstrip("+~").startswith("hydra.") for o in p.overrides):
-            _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
+
+
+def print_check(points: list[Point]) -> None:
+    """--check: each run's decisions (what it trains, where, the parity table), and that nothing was written."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from ddpo_tpu.console import parity_table, start_lines
+
+    console = Console(highlight=False)
+    multirun = len(points) > 1 or any(p.where for p in points)
+    for p in points:
+        run_dir = _run_dir_of(p.validated.cfg, p.index if multirun else None)
+        console.print(Text(p.where.strip() or "ddpo_tpu", style="bold"), soft_wrap=True)
+        rows = [(label, text) for label, text in start_lines(p.validated, run_dir) if label != "config"]
+        width = max(len(label) for label, _ in rows)
+        for label, text in rows:
+            console.print(f"  {label:<{width}}  {text}", markup=False, soft_wrap=True)
+        console.print(parity_table(p.validated))
+    console.print(f"ddpo_tpu: {len(points)} run(s) valid and this machine has what they need; nothing was written "
+                  f"(the same command without --check starts {'them' if len(points) > 1 else 'it'})", markup=False,
+                  soft_wrap=True)
 
 
 def _run_dir_of(cfg, job: int | None) -> Path:
@@ -181,59 +190,7 @@ def _unlock_run_dir(run_dir: Path) -> None:
         lock.release()
 
 
-def _changed_sweep_point(validated, num: int) -> list[str]:
-    """Multirun job dirs are numbered (output_root/run_name-multirun/N): a sweep run again with other values would
-    send job N into the dir of an earlier, different point and overwrite its config.yaml. Refused by name."""
-    from omegaconf import OmegaConf
-
-    from ddpo_tpu.config import rules
-
-    cfg = validated.cfg
-    job_dir = Path(storage.local_root(cfg.output_root)).expanduser() / f"{cfg.run_name}-multirun" / str(num)
-    saved_file = job_dir / "config.yaml"
-    if cfg.force_resume or not saved_file.is_file():
-        return []
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(saved_file))
-    except Exception as e:  # noqa: BLE001 -- any unreadable file is reported the same way
-        return [f"run_name={cfg.run_name}: {saved_file} cannot be read ({type(e).__name__}) (use a new run_name "
-                f"for this sweep)"]
-    then = rules.parity_relevant(saved)
-    now = rules.parity_relevant(json.loads(json.dumps(validated.tree, default=str)))
-    changed = rules.changed_keys(then, now)
-    if not changed:
-        return []
-    key = changed[0]
-    was = ", ".join(f"{k}={then.get(k)}" for k in changed[:4]) + (", ..." if len(changed) > 4 else "")
-    return [f"{key}={now.get(key)}: job dir {job_dir} holds an earlier run of another sweep point ({was}) "
-            f"(start this sweep under a new name, e.g. run_name={cfg.run_name}-2, or repeat the old values to "
-            f"continue it)"]
-
-
-def _fail_without_runtime_or_credentials(valid) -> None:
-    """What a run needs from this machine, checked before a run dir exists (not at compose time: --cfg, the tests
-    and the pod launcher (ddpo-pod) compose TPU configs on machines without a TPU)."""
-    import importlib.util
-
-    from ddpo_tpu.launch import machine
-
-    errors = []
-    for v in valid:
-        topo, logger = v.cfg.tpu_topology, v.cfg.logger
-        errors.extend(machine.distributed_problems(v.cfg))
-        if topo.torchtpu:
-            pass  # TorchTPU's own check above (libtpu comes with it)
-        elif topo.accelerator.startswith("tpu") and importlib.util.find_spec("libtpu") is None:
-            errors.append(f"tpu_topology={topo.name}: accelerator {topo.accelerator} needs the TPU runtime (libtpu), "
-                          f"which is not installed here (on a TPU VM: pip install \"torch_xla[tpu]==2.9.0\"; "
-                          f"elsewhere choose tpu_topology=cpu or tpu_topology=eager_cpu)")
-        if logger.name == "wandb" and logger.mode == "online" and envmod.wandb_credentials() is None:
-            errors.append("logger.mode=online: wandb has no API key (WANDB_API_KEY is unset and ~/.netrc has no "
-                          "api.wandb.ai entry) (run `wandb login` or export WANDB_API_KEY=...; or set "
-                          "logger.mode=offline and `wandb sync` later)")
-    if errors:
-        _fail(list(dict.fromkeys(errors)))
-
+# --- one job ---------------------------------------------------------------------------------------------------------
 
 def _job(cfg) -> None:
     """One Hydra job: save what the run is, then run it in a fresh training process."""
@@ -251,7 +208,11 @@ def _job(cfg) -> None:
     writer = envmod.tpu_worker_id() in (None, 0)  # on a pod only worker 0 writes the bucket's shared files
     if url is not None:  # the bucket decides where the run continues (a fresh VM has nothing here)
         try:
-            storage.restore(run_dir, url, say=lambda line: print(line, flush=True))
+            storage.restore(run_dir, url, say=lambda line: print(line, flush=True),
+                            timeout_s=validated.cfg.storage_timeout_s)
+        except storage.StorageError as e:  # unreachable or refused, named (ddpo_tpu/storage_faults.py)
+            print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
+            sys.exit(process.EXIT_FAILED)
         except Exception as e:  # noqa: BLE001 -- network, permission: one line, and the run does not start
             print(f"error: output_root={validated.cfg.output_root}: cannot read {url} ({type(e).__name__}: "
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
@@ -262,14 +223,21 @@ def _job(cfg) -> None:
     child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
     (run_dir / "env.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
     if url is not None and writer:
-        storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"])
+        try:
+            storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"],
+                                 validated.cfg.storage_timeout_s)
+        except storage.StorageError as e:  # the bucket went away since the check: one line, nothing started
+            print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
+            sys.exit(process.EXIT_FAILED)
     print_start(validated, run_dir)
     code = process.run_training(child_env, run_dir / "train.log", lock, process.training_command(validated.cfg))
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
-        try:
-            storage.upload_files(run_dir, url, ["events.jsonl", "train.log"])
+        try:  # after a failed run (the bucket may be what failed) a short try, and its line was said already
+            storage.upload_files(run_dir, url, ["events.jsonl", "train.log"], timeout_s=storage.CHECK_TIMEOUT_S
+                                 if code != process.EXIT_OK else validated.cfg.storage_timeout_s)
         except storage.StorageError as e:
-            print(f"error: {e}", file=sys.stderr)
+            if code == process.EXIT_OK:
+                print(f"error: {e}", file=sys.stderr)
     _unlock_run_dir(run_dir)  # this run dir is done with (a sweep goes on to the next job's)
     _last_code.append(code)
     if code == process.EXIT_PREEMPTED:  # not a failure; a sweep stops here too (the same command continues it)
@@ -279,18 +247,76 @@ def _job(cfg) -> None:
         _failures.append(f"{' '.join(hc.overrides.task) or '(no overrides)'}: exit code {code}, log {run_dir / 'train.log'}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    preflight(argv)
 
-    import hydra
+# --- --help ----------------------------------------------------------------------------------------------------------
 
-    sys.argv = [sys.argv[0], *argv]
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_job)()
-    if _failures:
-        for f in _failures:
-            print(f"ddpo_tpu: job failed: {f}", file=sys.stderr)
-        sys.exit(_last_code[-1] if len(_last_code) == 1 else process.EXIT_FAILED)
+def help_text() -> str:
+    """What a newcomer needs: the first command, the experiments, the modes, the other commands, the exit codes."""
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in sorted(conf_dir().iterdir())
+              if d.is_dir() and d.name != "experiment"}
+    width = max(len(name) for name, _ in experiments())
+    lines = [
+        "usage: python -m ddpo_tpu.train [+experiment=NAME] [key=value ...] [-m] [--check | --cfg job]",
+        "       (ddpo-train is the same command)",
+        "",
+        "Fine-tune a diffusion model with RL (DDPO, GRPO). The config is composed with Hydra from conf/ and validated",
+        "before anything is written; the run dir is outputs/<run_name>, and the same command again resumes it.",
+        "",
+        "Start here (the tiny local model on the CPU, about a minute):",
+        "  python -m ddpo_tpu.train +experiment=smoke",
+        "",
+        "Experiments (+experiment=NAME; each is a file in conf/experiment/):",
+        *(f"  {name:<{width}}  {summary}" for name, summary in experiments()),
+        "",
+        "Config groups (group=option; reward_local is chosen for you), each option a file conf/<group>/<option>.yaml:",
+        *(f"  {group}: {', '.join(options)}" for group, options in groups.items()),
+        "",
+        "Overrides: any key, e.g. seed=1 num_epochs=10 tpu_topology=v6e-8 model.pretrained=/data/sd14 run_name=try2",
+        "(every key and its comment: --cfg job and conf/).",
+        "",
+        "Modes:",
+        "  --check       compose and validate every run (every sweep point) and check this machine; print each run's",
+        "                decisions and parity table; start and write nothing (exit 0 when all is well)",
+        "  --cfg job     print the composed config and run nothing",
+        "  -m            a sweep: key=a,b runs one job per value, each validated before the first starts",
+        "  --hydra-help  Hydra's own help",
+        "",
+        "Other commands:",
+        "  ddpo-status RUN_DIR|gs://...   where a run stands (--brief, --json, --events N, --plot)",
+        "  ddpo-pod --tpu NAME --zone Z -- OVERRIDES   the same command on every worker of a TPU pod (--detach,",
+        "                                 --status, --stop, --dry-run); docs/operations.md takes you there",
+        "",
+        "Exit codes:",
+        "  0   done (or --check: valid)",
+        "  1   the training process failed or was killed (train.log has the reason)",
+        "  2   invalid config, refused environment variable, or something this machine lacks: nothing started",
+        "  3   the accelerator or the run dir is held by another run (pid and start time named)",
+        "  75  stopped by SIGTERM after a checkpoint: the same command resumes",
+        "",
+        "HYDRA_FULL_ERROR=1 shows a traceback instead of the one-line errors. README.md and docs/ have the rest.",
+    ]
+    return "\n".join(lines)
+
+
+def experiments() -> list[tuple[str, str]]:
+    """(name, first phrase of its header comment) of each conf/experiment/*.yaml."""
+    import re
+
+    out = []
+    for path in sorted((conf_dir() / "experiment").glob("*.yaml")):
+        comment = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            if "@package" not in line:
+                comment.append(line.lstrip("# ").rstrip())
+        first = re.split(r"[.:;](?:\s|$)", " ".join(comment), maxsplit=1)[0]
+        cut = first.rfind(", ", 0, 80) if len(first) > 80 else -1
+        if len(first) > 80:  # one line: up to a comma that keeps it short
+            cut = cut if cut > 0 else first.find(", ")
+            first = first[:cut] if cut > 0 else first
+        out.append((path.stem, first))
+    return out
 
 
 if __name__ == "__main__":

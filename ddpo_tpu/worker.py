@@ -103,11 +103,11 @@ def hold_locks(cfg, run_dir: Path):
     """Take the run dir's lock (adopting the one the front end handed over) and the accelerator's, held until this
     process ends; the list of locks, or None after printing why they are busy. Taken before torch is imported, so a
     refusal comes within seconds: one writer per run dir on every accelerator, one run per device."""
-    from ddpo_tpu.launch import env as envmod
-    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock
+    from ddpo_tpu import env as envmod
+    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock, accelerator_lock_path
 
     locks = [RunDirLock(run_dir)]
-    path = envmod.accelerator_lock_path(cfg)
+    path = accelerator_lock_path(cfg)
     if path is not None:
         locks.append(AcceleratorLock(path, run_dir))
     handed = envmod.run_dir_lock_fd_from_environment()
@@ -155,7 +155,7 @@ def main() -> int:
     from omegaconf import OmegaConf
 
     from ddpo_tpu.config.compose import validate
-    from ddpo_tpu.launch import env as envmod
+    from ddpo_tpu import env as envmod
 
     run_dir = envmod.run_dir_from_environment()
     if run_dir is None:
@@ -208,7 +208,8 @@ def storage_error_line(e: OSError, run_dir: Path) -> str:
 def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
     """One line for a device that ran out of memory: what was asked of it (the memory estimate's inputs, which
     chose them unless they were set) and the keys that ask less, with the same parity."""
-    from ddpo_tpu.config.rules import activation_checkpointing, fused_timesteps, num_train_timesteps
+    from ddpo_tpu.config.batch import num_train_timesteps
+    from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 
     detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     K, on, T = fused_timesteps(cfg), activation_checkpointing(cfg), num_train_timesteps(cfg)
@@ -235,10 +236,13 @@ def run(validated: Validated, run_dir: Path) -> int:
     quiet_third_party()  # before the model loads (ddpo_tpu/console.py: what is dropped and why)
     stop = StopRequest()
     rt = make_runtime(validated.cfg)
-    events = ev.EventLog(run_dir, rt.is_main)
+    events = ev.EventLog(run_dir, rt.is_main, raise_errors=True)  # a refused write ends the run in one line
     url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
     # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/storage.py)
-    mirror = storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit) if url is not None and rt.is_main else None
+    # an upload that gives up (storage_timeout_s) stops the run at the next safe point, after a local checkpoint
+    mirror = (storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit, timeout_s=validated.cfg.storage_timeout_s,
+                             on_give_up=lambda: setattr(stop, "requested", True)) if url is not None and rt.is_main
+              else None)
     out = RunDir(run_dir, mirror)
     try:
         code = _run(validated, rt, out, stop, events)
@@ -280,7 +284,8 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
             return 0
         trainer.fit()
     except Preempted as e:
-        events.emit(ev.Preempted(trainer.checkpoints.last_saved_epoch, trainer.global_step, str(e)))
+        if not out.bucket_failed:  # a bucket that gave up stopped it: run() reports that, in one line
+            events.emit(ev.Preempted(trainer.checkpoints.last_saved_epoch, trainer.global_step, str(e)))
         return EXIT_PREEMPTED
     except (ResumeRefused, CannotStart, NonFinite, RewardError, ModelLoadError, storage.StorageError) as e:
         events.emit(ev.Failed(str(e)))

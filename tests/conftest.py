@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("torch_tpu") is not None:  # the TorchTPU environment, on a machine without a TPU
-    from ddpo_tpu.launch.env import keep_torchtpu_unloaded
+    from ddpo_tpu.env import keep_torchtpu_unloaded
 
     keep_torchtpu_unloaded()
 

@@ -16,9 +16,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers import clean_env
-from ddpo_tpu.config import rules
+from ddpo_tpu.catalog import family
 from ddpo_tpu.config.compose import compose_and_validate
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 20  # a refusal takes about a second; a case that got through would start training
@@ -35,6 +35,7 @@ def _files(tmp: Path) -> None:
 
 
 # (id, overrides, key named by the error line, a fragment of the line); {tmp} is the test's tmp_path
+XLA = "tpu_topology=cpu"  # xla.* keys are read by XLA topologies only (config/enablement.py)
 CASES = [
     ("run_name_dotdot", ["run_name=.."], "run_name", "parent"),
     ("run_name_dot", ["run_name=."], "run_name", "output root"),
@@ -43,19 +44,19 @@ CASES = [
     ("inf_lora_alpha", ["model.lora.alpha=inf"], "model.lora.alpha", "finite"),
     ("output_root_empty", ["output_root="], "output_root", "empty path"),
     ("output_root_blank", ["output_root=' '"], "output_root", "empty path"),
-    ("profile_beyond_run", ["xla.profile_steps=[2,40]"], "xla.profile_steps", "global steps 0-39"),
+    ("profile_beyond_run", [XLA, "xla.profile_steps=[2,40]"], "xla.profile_steps", "global steps 0-39"),
     ("evaluation_beyond_run", ["evaluation.every_n_epochs=21"], "evaluation.every_n_epochs", "20 epochs"),
-    ("cache_dir_is_file", ["xla.compilation_cache_dir={tmp}/a_file"], "xla.compilation_cache_dir", "not a directory"),
-    ("cache_dir_under_file", ["xla.compilation_cache_dir={tmp}/a_file/cache"], "xla.compilation_cache_dir",
+    ("cache_dir_is_file", [XLA, "xla.compilation_cache_dir={tmp}/a_file"], "xla.compilation_cache_dir", "not a directory"),
+    ("cache_dir_under_file", [XLA, "xla.compilation_cache_dir={tmp}/a_file/cache"], "xla.compilation_cache_dir",
      "not a directory"),
     ("prompts_binary", ["prompts=from_file", "prompts.file={tmp}/binary.txt"], "prompts.file", "not UTF-8"),
     ("prompts_empty", ["prompts=from_file", "prompts.file={tmp}/empty.txt"], "prompts.file", "empty"),
     ("nouns_empty", ["prompts=nouns_activities", "prompts.nouns_file={tmp}/empty.txt"], "prompts.nouns_file", "empty"),
     ("activities_binary", ["prompts=nouns_activities", "prompts.activities_file={tmp}/binary.txt"],
      "prompts.activities_file", "not UTF-8"),
-    ("xla_flag_no_dashes", ["xla.flags=[xla_dump_to]"], "xla.flags[0]", "--name=value"),
-    ("xla_flag_with_space", ['xla.flags=["--xla_dump_to=/tmp/a b"]'], "xla.flags[0]", "no spaces"),
-    ("libtpu_arg_malformed", ["xla.libtpu_init_args=[-x]"], "xla.libtpu_init_args[0]", "--name=value"),
+    ("xla_flag_no_dashes", [XLA, "xla.flags=[xla_dump_to]"], "xla.flags[0]", "--name=value"),
+    ("xla_flag_with_space", [XLA, 'xla.flags=["--xla_dump_to=/tmp/a b"]'], "xla.flags[0]", "no spaces"),
+    ("libtpu_arg_malformed", [XLA, "xla.libtpu_init_args=[-x]"], "xla.libtpu_init_args[0]", "--name=value"),
     ("pretrained_not_sd", ["model=sd14", "model.pretrained={tmp}/not_sd"], "model.pretrained",
      "missing vae/, text_encoder/, tokenizer/, scheduler/"),
     ("pretrained_is_file", ["model=sd14", "model.pretrained={tmp}/a_file"], "model.pretrained", "a file"),
@@ -178,8 +179,8 @@ def test_lora_target_table_matches_every_builders_model():
             joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
             pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
         sd3_layers = layers(sd3._build_transformer()) | layers(sd35_medium)
-    assert sd1 == set(lora_targets.LAYERS["sd1"])
-    assert sd3_layers == set(lora_targets.LAYERS["sd3"])
+    assert sd1 == set(family("sd1").lora_layers)
+    assert sd3_layers == set(family("sd3").lora_layers)
 
 
 def test_lora_target_names_as_peft_matches_them():
@@ -237,7 +238,7 @@ def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path):
 
 
 def test_same_sweep_again_passes_the_job_dir_check(tmp_path):
-    from ddpo_tpu.train import _changed_sweep_point
+    from ddpo_tpu.launch.sweep import changed_sweep_point as _changed_sweep_point
 
     _saved_job(tmp_path, 0, "train.learning_rate=0.001")
     again = compose_and_validate(["+experiment=smoke", f"output_root={tmp_path}/out", "train.learning_rate=0.001",
@@ -272,24 +273,28 @@ def test_wandb_credentials_are_found_where_wandb_looks(tmp_path):
     assert envmod.wandb_credentials(base) is None
 
 
-def _assigned_tuple(path: Path, name: str) -> tuple | None:
+def _assigned_tuple_literal(path: Path, name: str) -> tuple | None:
+    """The literal tuple a module assigns to `name`, or None (no assignment, or not a literal)."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
-            return ast.literal_eval(node.value)
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return None
     return None
 
 
-def test_copied_constants_match_their_torch_modules():
-    # read from the source: importing models/loading.py would import torch
-    assert rules.PIPELINE_SUBFOLDERS == _assigned_tuple(REPO / "ddpo_tpu" / "models" / "loading.py", "SUBFOLDERS")
-    assert rules.SD3_PIPELINE_SUBFOLDERS == _assigned_tuple(REPO / "ddpo_tpu" / "models" / "sd3.py", "SD3_SUBFOLDERS")
+def test_the_torch_modules_read_the_catalog_instead_of_copies():
+    # read from the source: importing models/loading.py would import torch. No literal copy of a family's folders:
+    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "models" / "loading.py", "SUBFOLDERS") is None
+    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "models" / "sd3.py", "SD3_SUBFOLDERS") is None
     # checkpoint.py compares configs with the front end's own rules (one copy)
-    assert _assigned_tuple(REPO / "ddpo_tpu" / "checkpoint.py", "RUN_CONTROL_KEYS") is None
-    assert "from ddpo_tpu.config.rules import changed_keys, parity_relevant" in (
+    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "checkpoint.py", "RUN_CONTROL_KEYS") is None
+    assert "from ddpo_tpu.config.resume import changed_keys, resume_relevant" in (
         REPO / "ddpo_tpu" / "checkpoint.py").read_text()
 
 
 def test_profile_steps_at_the_last_step_are_accepted():
     # smoke: 16 samples / 8 per optimizer step = 2 steps per epoch x 20 epochs = global steps 0-39
-    assert compose_and_validate(["+experiment=smoke", "xla.profile_steps=[0,39]"]).cfg.xla.profile_steps == [0, 39]
+    assert compose_and_validate(["+experiment=smoke", XLA, "xla.profile_steps=[0,39]"]).cfg.xla.profile_steps == [0, 39]
     assert compose_and_validate(["+experiment=smoke", "evaluation.every_n_epochs=20"])

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -61,3 +62,52 @@ def test_sigkill_and_a_lost_disk_then_the_same_command_continues_from_the_bucket
     assert status.returncode == 0, status.stderr
     facts = json.loads(status.stdout)
     assert facts["state"] == "finished" and facts["run_dir"] == f"gs://{fake_gcs}/runs/smoke"
+
+
+def test_a_bucket_outage_past_the_deadline_ends_in_one_line_and_the_same_command_finishes(tmp_path, model_cache,
+                                                                                        fake_gcs, gcs_server):
+    """The bucket goes away after epoch 0's checkpoint went up and stays away longer than storage_timeout_s: the run
+    ends with one `error:` line naming the unreachable bucket, exit 1, its later checkpoints kept locally. The bucket
+    returns: the same command continues from the newest local checkpoint (not the bucket's epoch 0), uploads the
+    checkpoints the bucket lacks, and finishes with every epoch's metrics in the bucket once."""
+    from ddpo_tpu import events as ev
+    from tests.helpers_gcs import Gate
+
+    gate = Gate(gcs_server)  # the training processes reach the bucket through it; this test process directly
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "STORAGE_EMULATOR_HOST": gate.url}
+    args = [*(a for a in BASE if not a.startswith("num_epochs=")), "num_epochs=3", f"model.cache_dir={model_cache}",
+            f"output_root=gs://{fake_gcs}/runs", "storage_timeout_s=3"]
+    staging = tmp_path / "cache" / "ddpo_tpu" / "runs" / fake_gcs / "runs" / "smoke"
+    fs = storage.filesystem()
+    run = storage.Url(fake_gcs, "runs/smoke")
+    proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_event(staging, "checkpoint", proc, epoch=0)
+        while 0 not in storage.list_checkpoints(fs, run).complete:  # epoch 0 is in the bucket
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        gate.shut()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        gate.open()
+    errors = [line for line in (out + err).splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    assert len(errors) == 1 and "unreachable" in errors[0] and "local checkpoint" in errors[0], out[-3000:]
+    assert "Traceback" not in out + err + (staging / "train.log").read_text()
+    local = sorted(p.name for p in (staging / "checkpoints").iterdir() if p.name.startswith("epoch_"))
+    assert local[-1] > "epoch_0000" and sorted(storage.list_checkpoints(fs, run).complete) == [0]
+    assert [r["event"] for r in ev.read_events(staging)][-2:] == ["error", "worker_exited"]
+
+    again = run_train(args, tmp_path, **env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    assert f"continuing from {staging / 'checkpoints' / local[-1]}" in again.stdout
+    assert "uploaded local checkpoint(s) the bucket lacked" in again.stdout
+    gate.shut()
+    fs.invalidate_cache()
+    assert 2 in storage.list_checkpoints(fs, run).complete
+    records = [json.loads(x) for x in fs.cat_file(run.join("metrics.jsonl").path).decode().splitlines()]
+    assert [r["epoch"] for r in records if r.get("kind") == "epoch"] == [0, 1, 2]  # each epoch once
+    assert fs.exists(run.join("weights", "final.safetensors").path)

@@ -16,7 +16,7 @@ import yaml
 
 from ddpo_tpu.config.compose import conf_dir
 from tests.helpers import clean_env
-from ddpo_tpu.launch.env import OWNED_VARIABLES
+from ddpo_tpu.env import OWNED_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
@@ -100,15 +100,53 @@ def test_unknown_group_option_is_refused(tmp_path):
     assert "Traceback" not in proc.stderr and written(tmp_path) == []
 
 
-def test_help_lists_groups_and_options(tmp_path):
-    proc, _ = cli(tmp_path, "--help")
+def test_help_says_what_to_run(tmp_path):
+    proc, wall = cli(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
-    listed = dict(re.findall(r"^(\w+): (.+)$", proc.stdout.split("== Config ==")[0], re.M))
+    out = proc.stdout
+    sections = dict(re.findall(r"^(\S[^\n]*):\n((?:  [^\n]*\n)+)", out + "\n", re.M))
+    # the first command, the other commands, the modes and every documented exit code
+    assert "  python -m ddpo_tpu.train +experiment=smoke" in out.split("Experiments")[0]
+    assert "ddpo-status" in out and "ddpo-pod" in out and "--check" in out and "--cfg job" in out
+    codes = next(v for k, v in sections.items() if k.startswith("Exit codes"))
+    from ddpo_tpu.launch.process import DOCUMENTED
+    assert sorted(int(c) for c in re.findall(r"^  (\d+) ", codes, re.M)) == sorted(DOCUMENTED)
+    # every experiment with one line, every group with its options (what is in conf/, not a copied list)
+    experiments = next(v for k, v in sections.items() if k.startswith("Experiments"))
+    listed = dict(re.findall(r"^  (\w+) +(.+)$", experiments, re.M))
+    assert sorted(listed) == sorted(f.stem for f in (conf_dir() / "experiment").glob("*.yaml"))
+    assert listed["smoke"] == "A seeded end-to-end run of the whole DDPO loop on the tiny local model and the host CPU"
+    assert all(len(v) <= 100 for v in listed.values())
+    groups_text = next(v for k, v in sections.items() if k.startswith("Config groups"))
+    listed = dict(re.findall(r"^  (\w+): (.+)$", groups_text, re.M))
     groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in conf_dir().iterdir() if p.is_dir()}
-    assert {"model", "tpu_topology", "experiment", "parity", "prompts", "reward", "sampler", "xla"} <= set(groups)
+    assert {"model", "tpu_topology", "parity", "prompts", "reward", "sampler", "xla"} <= set(groups)
     for group, options in groups.items():
-        assert group in listed, f"--help does not list {group}"
-        assert sorted(o.strip() for o in listed[group].split(",")) == options
+        if group != "experiment":
+            assert sorted(o.strip() for o in listed[group].split(",")) == options, group
+    assert "Traceback" not in proc.stderr and written(tmp_path) == []
+    print(f"--help took {wall:.2f} s")
+
+
+def test_hydra_help_is_still_there(tmp_path):
+    proc, _ = cli(tmp_path, "--hydra-help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Hydra (" in proc.stdout and written(tmp_path) == []
+
+
+def test_check_validates_every_point_and_writes_nothing(tmp_path):
+    proc, wall = cli(tmp_path, "-m", "+experiment=smoke", "seed=1,2", "--check")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "[job 0: +experiment=smoke seed=1]" in out and "[job 1: +experiment=smoke seed=2]" in out
+    assert out.count("samples per epoch") == 2 and "activation checkpointing" in out  # the decisions, per point
+    assert str(tmp_path / "outputs" / "smoke-multirun" / "1") in out  # where it would run
+    assert "2 run(s) valid" in out and "nothing was written" in out
+    assert written(tmp_path) == [], "--check wrote something"
+    print(f"--check of 2 points took {wall:.2f} s")
+    # an invalid point: the same one-line errors and exit 2 as without --check
+    proc, _ = cli(tmp_path, "+experiment=compressibility_parity", "sample.batch_size=3", "--check")
+    assert proc.returncode == 2 and "error: sample.batch_size=3" in proc.stderr and proc.stdout == ""
     assert written(tmp_path) == []
 
 

@@ -10,8 +10,8 @@ import types
 import pytest
 
 from ddpo_tpu.config.compose import compose_and_validate
-from ddpo_tpu.config.errors import ConfigError
-from ddpo_tpu.config.rules import changed_keys, parity_relevant
+from ddpo_tpu.problems import ConfigError
+from ddpo_tpu.config.resume import changed_keys, resume_relevant
 from ddpo_tpu import torchrun
 from ddpo_tpu.launch.process import training_command
 from tests.test_bad_input import assert_refused, front_end
@@ -102,10 +102,10 @@ def test_a_resume_compares_the_global_batch_not_how_it_is_split():
     one = compose_and_validate(["+experiment=smoke", "sample.batch_size=4", "train.batch_size=2"]).tree
     two = compose_and_validate(["+experiment=smoke", "tpu_topology=cpu_dist2", "sample.batch_size=2",
                                 "train.batch_size=1"]).tree
-    assert changed_keys(parity_relevant(one), parity_relevant(two)) == []
+    assert changed_keys(resume_relevant(one), resume_relevant(two)) == []
     other = compose_and_validate(["+experiment=smoke", "tpu_topology=cpu_dist2", "sample.batch_size=4",
                                   "train.batch_size=2"]).tree
-    assert changed_keys(parity_relevant(one), parity_relevant(other)) == ["sample.global_batch_size",
+    assert changed_keys(resume_relevant(one), resume_relevant(other)) == ["sample.global_batch_size",
                                                                           "train.global_batch_size"]
 
 

@@ -1,4 +1,4 @@
-"""ddpo_tpu.launch.env: legacy variables are refused with their config key, the training process's environment is built
+"""ddpo_tpu.env: legacy variables are refused with their config key, the training process's environment is built
 from config only, secrets are redacted, and no other module touches the environment."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ddpo_tpu.config import rules
+from ddpo_tpu.config.batch import MISSING, lookup
 from ddpo_tpu.config.compose import compose_and_validate
-from ddpo_tpu.launch import env as envmod
-from ddpo_tpu.launch.env import OWNED_VARIABLES, RUN_DIR_VARIABLE
+from ddpo_tpu import env as envmod
+from ddpo_tpu.env import OWNED_VARIABLES, RUN_DIR_VARIABLE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_legacy_problems_all_and_none():
 def test_owned_variable_points_at_an_existing_key(name):
     key = re.match(r"[\w.]+", OWNED_VARIABLES[name]).group(0)
     tree = compose_and_validate([]).tree
-    assert rules.lookup(tree, key) is not rules._MISSING, f"{name} points at {key!r}, which the config lacks"
+    assert lookup(tree, key) is not MISSING, f"{name} points at {key!r}, which the config lacks"
 
 
 def test_xla_flags_hint_is_valid_override_syntax():
@@ -89,7 +89,9 @@ def test_child_environment_single_xla_cpu(tmp_path):
 
 
 def test_child_environment_eager_pins_pjrt_to_cpu_and_ignores_xla_knobs(tmp_path):
-    c = cfg("xla.flags=[--xla_foo]", "xla.debug_level=2")
+    # the rules refuse xla.* keys on an eager topology (config/enablement.py); the environment ignores them anyway
+    c = cfg()
+    c = c.model_copy(update={"xla": c.xla.model_copy(update={"flags": ["--xla_foo"], "debug_level": 2})})
     env = envmod.child_environment(c, tmp_path, dirty_environ())
     assert env["PJRT_DEVICE"] == "CPU"
     for name in ("CPU_NUM_DEVICES", "XLA_FLAGS", "LIBTPU_INIT_ARGS", "PT_XLA_DEBUG_LEVEL", "XLA_IR_DEBUG"):
@@ -163,12 +165,13 @@ def test_compilation_cache_auto(monkeypatch, tmp_path, topology, on):
 
 def test_compilation_cache_explicit(tmp_path):
     assert envmod.compilation_cache_dir(cfg("tpu_topology=v6e-8", "xla.compilation_cache_dir=null")) is None
-    assert envmod.compilation_cache_dir(cfg(f"xla.compilation_cache_dir={tmp_path}/cc")) == f"{tmp_path}/cc"
+    assert envmod.compilation_cache_dir(cfg("tpu_topology=cpu", f"xla.compilation_cache_dir={tmp_path}/cc")) == \
+        f"{tmp_path}/cc"
     home = str(Path("~").expanduser())
-    assert envmod.compilation_cache_dir(cfg("xla.compilation_cache_dir='~/cc'")) == f"{home}/cc"
+    assert envmod.compilation_cache_dir(cfg("tpu_topology=cpu", "xla.compilation_cache_dir='~/cc'")) == f"{home}/cc"
 
 
-# --- only launch/env.py touches the environment --------------------------------------------------------------------
+# --- only env.py touches the environment --------------------------------------------------------------------
 
 _ENV_ACCESS = re.compile(r"os\.environ|os\.getenv|putenv|from\s+os\s+import[^\n]*\b(environ|getenv)\b")
 
@@ -176,15 +179,15 @@ _ENV_ACCESS = re.compile(r"os\.environ|os\.getenv|putenv|from\s+os\s+import[^\n]
 def test_only_env_module_touches_the_environment():
     package = REPO / "ddpo_tpu"
     modules = sorted(package.rglob("*.py"))
-    assert package / "launch" / "env.py" in modules and len(modules) > 5
+    assert package / "env.py" in modules and len(modules) > 5
     offenders = []
     for path in modules:
-        if path == package / "launch" / "env.py":
+        if path == package / "env.py":
             continue
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if _ENV_ACCESS.search(line):
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
-    assert not offenders, "environment access outside ddpo_tpu/launch/env.py:\n" + "\n".join(offenders)
+    assert not offenders, "environment access outside ddpo_tpu/env.py:\n" + "\n".join(offenders)
 
 
 def test_env_access_pattern_catches_the_spellings():

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ddpo_tpu.launch import pod as lp
-from ddpo_tpu.launch.env import OWNED_VARIABLES
+from ddpo_tpu.env import OWNED_VARIABLES
 from tests.helpers import REPO, clean_env
 
 TIMEOUT = 60
@@ -58,6 +58,14 @@ def remote_of(argv: list[str]) -> str:
     return argv[argv.index("--command") + 1]
 
 
+def check_argv(remote: str) -> list[str]:
+    """What the workers' check passes to `python -m ddpo_tpu.train --check`."""
+    words = shlex.split(remote)
+    i = words.index("--check")
+    assert words[i - 2:i] == ["-m", "ddpo_tpu.train"]
+    return words[i + 1:words.index("2>&1", i)].copy() if "2>&1" in words else words[i + 1:]
+
+
 def train_argv(remote: str) -> list[str]:
     """What the remote shell passes to `python -m ddpo_tpu.train` (a foreground command ends with it)."""
     words = shlex.split(remote)
@@ -75,10 +83,12 @@ def test_dry_run_v6e_16_runs_on_all_workers():
     proc = cli("--tpu", "my-v6e-16", "--zone", "europe-west4-a", "--dry-run", "--", *V6E_16)
     assert proc.returncode == 0, proc.stderr
     lines = gcloud_lines(proc.stdout)
-    assert len(lines) == 1 and len(proc.stdout.strip().splitlines()) == 1  # stdout is exactly the command
-    argv = lines[0]
-    assert argv[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v6e-16", "--zone", "europe-west4-a"]
-    assert "--worker=all" in argv and "--project" not in argv
+    assert len(lines) == 2 and len(proc.stdout.strip().splitlines()) == 2  # stdout is exactly the commands
+    check, argv = lines  # the workers' check first, then the start, on the same workers
+    for cmd in lines:
+        assert cmd[:8] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v6e-16", "--zone", "europe-west4-a"]
+        assert "--worker=all" in cmd and "--project" not in cmd
+    assert check_argv(remote_of(check)) == V6E_16
     assert "expecting 4 processes (one per worker)" in proc.stderr
     remote = remote_of(argv)
     assert remote.startswith("cd ~/ddpo_tpu ")
@@ -89,7 +99,7 @@ def test_dry_run_v6e_16_runs_on_all_workers():
 def test_dry_run_v4_64_expects_8_processes_and_passes_the_project(capsys):
     proc = pod(capsys, "--tpu", "big", "--zone", "us-central2-b", "--project", "my-proj", "--dry-run", "--", *V4_64)
     assert proc.returncode == 0, proc.stderr
-    (argv,) = gcloud_lines(proc.stdout)
+    _, argv = gcloud_lines(proc.stdout)
     assert "--worker=all" in argv and "expecting 8 processes" in proc.stderr
     assert argv[argv.index("--project") + 1] == "my-proj"
     assert train_argv(remote_of(argv)) == V4_64
@@ -98,8 +108,8 @@ def test_dry_run_v4_64_expects_8_processes_and_passes_the_project(capsys):
 def test_dry_run_single_host_targets_worker_0(capsys):
     proc = pod(capsys, "--tpu", "v8", "--zone", "europe-west4-a", "--dry-run", "--", *V6E_8)
     assert proc.returncode == 0, proc.stderr
-    (argv,) = gcloud_lines(proc.stdout)
-    assert "--worker=0" in argv and "--worker=all" not in argv
+    for argv in gcloud_lines(proc.stdout):  # the check and the start
+        assert "--worker=0" in argv and "--worker=all" not in argv
     assert "v6e-8 is single-host" in proc.stderr and "--worker=0 only" in proc.stderr
     assert "expecting" not in proc.stderr
 
@@ -108,7 +118,7 @@ def test_dry_run_workdir_and_venv(capsys):
     proc = pod(capsys, "--tpu", "p", "--zone", "z", "--workdir", "/srv/ddpo tpu", "--venv", "/opt/venv", "--dry-run",
                "--", *V6E_16)
     assert proc.returncode == 0, proc.stderr
-    words = shlex.split(remote_of(gcloud_lines(proc.stdout)[0]))
+    words = shlex.split(remote_of(gcloud_lines(proc.stdout)[-1]))
     assert words[:2] == ["cd", "/srv/ddpo tpu"]
     assert "/opt/venv/bin/python" in words
 
@@ -117,7 +127,7 @@ def test_overrides_with_spaces_survive_the_cli(capsys):
     tricky = V6E_16 + ['xla.flags=["--xla_a=1", "--xla_b=2"]', 'model.cache_dir="/data/it\'s my cache"', 'xla.compilation_cache_dir="$HOME/x c"']
     proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *tricky)
     assert proc.returncode == 0, proc.stderr
-    assert train_argv(remote_of(gcloud_lines(proc.stdout)[0])) == tricky
+    assert train_argv(remote_of(gcloud_lines(proc.stdout)[-1])) == tricky
 
 
 def test_invalid_config_exits_2_and_names_the_key(tmp_path):
@@ -152,7 +162,7 @@ def test_multirun_is_validated_per_point_and_passed_on(capsys):
     assert proc.returncode == 2 and "[job 1:" in proc.stderr and "[job 0:" not in proc.stderr
     proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", "-m", *V6E_16, "seed=1,2")
     assert proc.returncode == 0, proc.stderr
-    assert train_argv(remote_of(gcloud_lines(proc.stdout)[0])) == ["-m", *V6E_16, "seed=1,2"]
+    assert train_argv(remote_of(gcloud_lines(proc.stdout)[-1])) == ["-m", *V6E_16, "seed=1,2"]
 
 
 def test_stop_and_status_dry_run_target_all_workers(capsys):
@@ -170,8 +180,9 @@ def test_build_remote_command_quotes_every_override():
     remote = lp.build_remote_command(TRICKY, "~/ddpo_tpu", ".venv", detach=False)
     assert train_argv(remote) == TRICKY
     # and once more through gcloud's argv as a shell would see the printed line
-    (argv,) = lp.build_gcloud_commands(args_for(overrides=TRICKY), hosts=4)
+    check, argv = lp.build_gcloud_commands(args_for(overrides=TRICKY), hosts=4)
     assert train_argv(remote_of(shlex.split(shlex.join(argv)))) == TRICKY
+    assert check_argv(remote_of(shlex.split(shlex.join(check)))) == TRICKY
 
 
 def test_detach_wraps_in_nohup_setsid_with_a_log_per_worker():
@@ -182,7 +193,7 @@ def test_detach_wraps_in_nohup_setsid_with_a_log_per_worker():
     assert words[i + 5:i + 5 + len(V6E_16)] == V6E_16
     assert 'log="logs/ddpo-pod-$(hostname).log"' in remote  # one log per worker: each has its own hostname
     assert '>>"$log" 2>&1 </dev/null &' in remote
-    (argv,) = lp.build_gcloud_commands(args_for("--detach", overrides=V6E_16), hosts=4)
+    _, argv = lp.build_gcloud_commands(args_for("--detach", overrides=V6E_16), hosts=4)
     assert remote_of(argv) == remote
 
 
@@ -206,11 +217,11 @@ def test_stop_and_status_commands():
 
 @pytest.mark.parametrize("action", [(), ("--detach",), ("--status",), ("--stop",)])
 def test_no_owned_variable_in_any_command(action):
-    (argv,) = lp.build_gcloud_commands(args_for(*action, overrides=V6E_16 + TRICKY), hosts=4)
-    text = " ".join(argv)
-    for name in OWNED_VARIABLES:
-        assert name not in text, name
-    assert not re.search(r"(^|[\s;&|])export\s", remote_of(argv))
+    for argv in lp.build_gcloud_commands(args_for(*action, overrides=V6E_16 + TRICKY), hosts=4):
+        text = " ".join(argv)
+        for name in OWNED_VARIABLES:
+            assert name not in text, name
+        assert not re.search(r"(^|[\s;&|])export\s", remote_of(argv))
     with pytest.raises(RuntimeError, match="PJRT_DEVICE"):
         lp.check_no_owned_variables("export PJRT_DEVICE=TPU; cd x")
     with pytest.raises(RuntimeError, match="XLA_FLAGS"):
@@ -248,33 +259,43 @@ def fake_run(monkeypatch):
 
 
 def test_run_retries_ssh_failure(fake_run):
-    fake = fake_run([255, 0])
+    fake = fake_run([0, 255, 0])  # the check passes, the start's SSH fails once
     code = lp.main(["--tpu", "my-v6e-16", "--zone", "europe-west4-a", "--", *V6E_16])
     assert code == 0
-    assert len(fake.calls) == 2 and fake.calls[0] == fake.calls[1]
-    assert fake.calls[0][:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v6e-16"]
-    assert "--worker=all" in fake.calls[0] and train_argv(remote_of(fake.calls[0])) == V6E_16
+    assert len(fake.calls) == 3 and fake.calls[1] == fake.calls[2]
+    assert check_argv(remote_of(fake.calls[0])) == V6E_16
+    assert fake.calls[1][:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v6e-16"]
+    assert "--worker=all" in fake.calls[1] and train_argv(remote_of(fake.calls[1])) == V6E_16
     assert fake.sleeps == [5.0]
 
 
 def test_run_gives_up_after_3_retries_with_backoff(fake_run):
     fake = fake_run([255] * 10)
     assert lp.main(["--tpu", "p", "--zone", "z", "--detach", "--", *V6E_16]) == 255
-    assert len(fake.calls) == 4 and fake.sleeps == [5.0, 10.0, 20.0]
+    assert len(fake.calls) == 4 and fake.sleeps == [5.0, 10.0, 20.0]  # the check's SSH: nothing else was tried
 
 
 def test_run_does_not_retry_other_failures(fake_run):
-    fake = fake_run([75])  # the remote command's own exit code (here: stopped after a checkpoint) is passed on
+    fake = fake_run([0, 75])  # the remote command's own exit code (here: stopped after a checkpoint) is passed on
     assert lp.main(["--tpu", "p", "--zone", "z", "--", *V6E_16]) == 75
-    assert len(fake.calls) == 1 and fake.sleeps == []
+    assert len(fake.calls) == 2 and fake.sleeps == []
+
+
+def test_a_workers_refusal_starts_nothing(fake_run, capsys):
+    fake = fake_run([2])  # one worker's check exits 2 (say its /data/sd14 is missing): gcloud passes that on
+    assert lp.main(["--tpu", "p", "--zone", "z", "--detach", "--", *V6E_16, "model.pretrained=/data/sd14"]) == 2
+    assert len(fake.calls) == 1 and check_argv(remote_of(fake.calls[0]))[-1] == "model.pretrained=/data/sd14"
+    err = capsys.readouterr().err
+    assert "model.pretrained=/data/sd14: not on this machine; the workers' check looks for it" in err
+    assert "a worker's check refused the run (exit 2" in err and "nothing was started" in err
 
 
 def test_run_does_not_rerun_a_foreground_run_that_had_started(fake_run, monkeypatch):
-    fake = fake_run([255, 0])
-    clock = iter([0.0, 3600.0, 3600.0, 3600.0])
+    fake = fake_run([0, 255, 0])
+    clock = iter([0.0, 0.0, 3600.0, 3600.0, 3600.0])  # the check (0 s), then the start, dropped after an hour
     monkeypatch.setattr(lp, "_clock", lambda: next(clock))
     assert lp.main(["--tpu", "p", "--zone", "z", "--", *V6E_16]) == 255
-    assert len(fake.calls) == 1
+    assert len(fake.calls) == 2
 
 
 def test_dry_run_runs_nothing(fake_run):
@@ -317,10 +338,9 @@ FAKE_TRAIN = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def workdir(tmp_path):
+def worker_dir(tmp_path: Path) -> Path:
     """WORKDIR on a worker: .venv/bin/python (this Python, with its packages) and a ddpo_tpu package that `-m` finds
-    first (cwd) whose train module is the stand-in and whose other modules are the real ones."""
+    first (cwd) whose modules are this checkout's."""
     wd = tmp_path / "work dir"  # a space, so the cd is quoted
     (wd / ".venv" / "bin").mkdir(parents=True)
     python = wd / ".venv" / "bin" / "python"
@@ -328,6 +348,13 @@ def workdir(tmp_path):
     python.chmod(0o755)
     (wd / "ddpo_tpu").mkdir()
     (wd / "ddpo_tpu" / "__init__.py").write_text(f"__path__.append({str(REPO / 'ddpo_tpu')!r})\n")
+    return wd
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    """A worker's WORKDIR whose train module is the stand-in (the other modules are the real ones)."""
+    wd = worker_dir(tmp_path)
     (wd / "ddpo_tpu" / "train.py").write_text(FAKE_TRAIN)
     yield wd
     pid_file = wd / "train.pid"
@@ -430,17 +457,62 @@ def test_status_and_stop_ignore_training_in_other_directories(workdir, tmp_path)
 
 
 def test_the_validation_is_the_front_ends(monkeypatch):
-    """The pod launcher validates with ddpo_tpu.train.compose_points: the same problems, the same lines."""
-    from ddpo_tpu import train
+    """The pod launcher validates with the front end's compose_points (ddpo_tpu.launch.sweep): the same problems, the
+    same lines, except the paths only the workers can judge."""
+    from ddpo_tpu.launch import sweep
 
     seen = []
-    real = train.compose_points
-    monkeypatch.setattr(train, "compose_points", lambda o, m: seen.append((o, m)) or real(o, m))
-    topo, root = lp.validated_topology(V6E_16, False)
-    assert seen == [(V6E_16, False)] and (topo.name, topo.hosts, root) == ("v6e-16", 4, "outputs")
+    real = sweep.compose_points
+    monkeypatch.setattr(sweep, "compose_points", lambda o, m, **kw: seen.append((o, m, kw)) or real(o, m, **kw))
+    topo, root, worker_paths = lp.validated_topology(V6E_16, False)
+    assert seen == [(V6E_16, False, {"defer_paths": True})]
+    assert (topo.name, topo.hosts, root, worker_paths) == ("v6e-16", 4, "outputs", [])
     with pytest.raises(lp.Refused) as e:
         lp.validated_topology(["seed=[1,2"], False)  # a Hydra grammar error, named like any other problem
     assert len(e.value.lines) == 1 and e.value.lines[0].startswith("seed=[1,2: not a valid override")
+
+
+WORKER_PATHS = ["model.pretrained=/nowhere/sd14", "resume=/nowhere/ckpt", "xla.compilation_cache_dir=/dev/null/c",
+                "parity=none", "prompts=from_file", "prompts.file=/nowhere/prompts.txt"]
+
+
+def test_worker_side_paths_are_left_to_the_workers(capsys):
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *V6E_16, *WORKER_PATHS)
+    assert proc.returncode == 0, proc.stderr
+    for kv in ("model.pretrained=/nowhere/sd14", "resume=/nowhere/ckpt", "prompts.file=/nowhere/prompts.txt",
+               "xla.compilation_cache_dir=/dev/null/c"):
+        assert f"{kv}: not on this machine; the workers' check looks for it before anything starts" in proc.stderr
+    check, start = gcloud_lines(proc.stdout)
+    assert check_argv(remote_of(check)) == train_argv(remote_of(start)) == V6E_16 + WORKER_PATHS
+    # what this machine can judge is still refused here, and only that: not the paths beside it
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *V6E_16, *WORKER_PATHS, "sample.batch_size=3")
+    assert proc.returncode == 2 and "error: sample.batch_size=3" in proc.stderr
+    assert "/nowhere" not in proc.stderr and proc.stdout == ""
+    # an empty value is no path: refused anywhere
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *V6E_16, "parity=none", "prompts=from_file",
+               "prompts.file=")
+    assert proc.returncode == 2 and "error: prompts.file=: prompts=from_file needs a file" in proc.stderr
+
+
+@pytest.fixture
+def real_workdir(tmp_path):
+    """A worker's WORKDIR whose ddpo_tpu is this checkout's, front end included."""
+    return worker_dir(tmp_path)
+
+
+def test_the_workers_check_runs_the_front_ends_check(real_workdir):
+    host = socket.gethostname()
+    before = sorted(p.name for p in real_workdir.iterdir())
+    smoke = ["+experiment=smoke", "num_epochs=2"]
+    proc = bash(lp.build_check_command(smoke + ["prompts=from_file", "prompts.file=/nowhere/prompts.txt"],
+                                       str(real_workdir), ".venv"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert re.search(rf"^{re.escape(host)}: error: prompts\.file=/nowhere/prompts\.txt: ", proc.stderr, re.M), proc.stderr
+    assert f"{host}: ddpo_tpu: nothing was started." in proc.stderr
+    proc = bash(lp.build_check_command(smoke, str(real_workdir), ".venv"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{host}: check passed\n" and proc.stderr == ""
+    assert sorted(p.name for p in real_workdir.iterdir()) == before  # no run dir, no outputs/
 
 
 def test_the_old_script_name_still_works():

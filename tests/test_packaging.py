@@ -31,7 +31,7 @@ def test_wheel_ships_conf_and_uses_it(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for required in ("ddpo_tpu/conf/config.yaml", "ddpo_tpu/conf/experiment/compressibility_parity.yaml",
                      "ddpo_tpu/conf/tpu_topology/v6e-16.yaml", "ddpo_tpu/conf/reward_local/aesthetic_tiny.yaml",
-                     "ddpo_tpu/prompts/assets/imagenet_classes.txt", "ddpo_tpu/launch/env.py"):
+                     "ddpo_tpu/prompts/assets/imagenet_classes.txt", "ddpo_tpu/env.py"):
         assert required in names, required
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddpo_tpu.config.schema import PickScoreConfig
+from pydantic import TypeAdapter
+
+from ddpo_tpu.config.schema import RewardConfig
 from ddpo_tpu.rewards import REWARDS, RewardError, make_reward
 from ddpo_tpu.rewards.from_config import reward_from_config
 from ddpo_tpu.rewards.pickscore import PickScoreReward
@@ -145,7 +147,8 @@ def test_build_is_seeded(tmp_path):
 def test_tiny_from_config_and_reward_local(cache, tiny):
     from ddpo_tpu.config.compose import compose
 
-    cfg = PickScoreConfig(name="pickscore", host_workers=1, clip_model="tiny", processor="tiny")
+    cfg = TypeAdapter(RewardConfig).validate_python(
+        {"name": "pickscore", "host_workers": 1, "clip_model": "tiny", "processor": "tiny"})
     built = reward_from_config(cfg, model_cache_dir=str(cache), device=torch.device("cpu"))
     assert isinstance(built, PickScoreReward)
     assert (built.clip_model, built.processor_name) == (str(tiny[1]), str(tiny[0]))

@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 from pydantic import TypeAdapter, ValidationError
 
 from ddpo_tpu.config.compose import compose_and_validate, validate
-from ddpo_tpu.config.rules import changed_keys, parity_relevant
-from ddpo_tpu.config.schema import TINY, RewardComponent, RewardConfig, WeightedConfig
+from ddpo_tpu.config.resume import changed_keys, resume_relevant
+from ddpo_tpu.catalog import TINY
+from ddpo_tpu.config.schema import RewardComponent, RewardConfig, WeightedConfig
 from ddpo_tpu.rewards import REWARDS
 from ddpo_tpu.rewards.from_config import reward_from_config, reward_kwargs
 
@@ -91,11 +92,11 @@ def test_a_config_saved_before_the_typed_union_still_validates_and_resumes(tmp_p
     OmegaConf.save(OmegaConf.create(old), saved)
     again = validate(OmegaConf.load(saved))  # what the training process does with a run dir's config.yaml
     assert again.cfg.reward.name == reward
-    # the checkpoint stores parity_relevant(tree) of the run that saved it; a resume compares the new tree with it
-    assert changed_keys(parity_relevant(old), parity_relevant(now)) == []
+    # the checkpoint stores resume_relevant(tree) of the run that saved it; a resume compares the new tree with it
+    assert changed_keys(resume_relevant(old), resume_relevant(now)) == []
     # a real change still counts
     bumped = {**now, "reward": {**now["reward"], "host_workers": 1, "name": "jpeg_incompressibility"}}
-    assert "reward.name" in changed_keys(parity_relevant(old), parity_relevant(bumped))
+    assert "reward.name" in changed_keys(resume_relevant(old), resume_relevant(bumped))
 
 
 class _Device:

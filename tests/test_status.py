@@ -3,6 +3,7 @@ reading and the CLI on synthesized run dirs (config.yaml, events.jsonl, metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -78,21 +79,21 @@ def metrics(epochs: int, t0: float = NOW - 1000, epoch_s: float = 8.0, rewards: 
 
 
 def facts_of(events: list[ev.Event] = (), *, t_last: float = NOW - 5, num_epochs: int = 6, epochs: int = 0,
-             holder: dict | None = None, heartbeat_age: float | None = None, log_age: float | None = None,
-             stale_after: float = status.DEFAULT_STALE_S, **kw) -> dict:
+             holder: status.Holder | None = None, heartbeat_age: float | None = None, log_age: float | None = None,
+             stale_after: float = status.DEFAULT_STALE_S, **kw) -> status.Facts:
     """derive() on an in-memory run: `events` written one second apart, the last at t_last."""
     events = list(events)
     run = RunFiles(cfg={"run_name": "r", "num_epochs": num_epochs,
                         "sample": {"batch_size": 8, "num_batches_per_epoch": NUM_BATCHES}},
                    events=stamped(events, t_last - len(events) + 1), holder=holder,
                    metrics=kw.pop("metrics", metrics(epochs, t0=t_last - epochs * 8.0 - 1)),
-                   heartbeat=None if heartbeat_age is None else {"time": NOW - heartbeat_age, "pid": 7,
-                                                                 "interval_s": 10.0},
+                   heartbeat=None if heartbeat_age is None else status.Heartbeat(NOW - heartbeat_age, pid=7,
+                                                                                 interval_s=10.0),
                    log=status.LogTail(mtime=None if log_age is None else NOW - log_age), **kw)
     return status.derive(run, now=NOW, stale_after=stale_after)
 
 
-HOLDER = {"pid": 4242, "hostname": "h", "lock": "run/lock", "started": NOW - 99, "this_host": True}
+HOLDER = status.Holder(pid=4242, hostname="h", lock="run/lock", started=NOW - 99, this_host=True)
 EPOCHS_2_5 = [e for k in (2, 3, 4, 5) for e in epoch_events(k)]
 
 # (name, facts_of arguments, state, stop_reason, rule): every rule of the table, and the order between them
@@ -138,8 +139,8 @@ CASES = [
 @pytest.mark.parametrize("name,kw,state,reason,rule", CASES, ids=[c[0] for c in CASES])
 def test_each_rule(name, kw, state, reason, rule):
     facts = facts_of(**kw)
-    assert (facts["state"], facts["stop_reason"], facts["rule"]) == (state, reason, rule), facts["decided_by"]
-    assert facts["state_label"] == (state if reason is None else f"{state} ({reason})")
+    assert (facts.state, facts.stop_reason, facts.rule) == (state, reason, rule), facts.decided_by
+    assert facts.state_label == (state if reason is None else f"{state} ({reason})")
 
 
 def test_the_cases_cover_every_rule_and_state():
@@ -149,18 +150,18 @@ def test_the_cases_cover_every_rule_and_state():
 
 def test_what_decided_is_said():
     f = facts_of(attempt(run_start(), ev.WorkerExited(1, "was killed by SIGKILL")))
-    assert "was killed by SIGKILL" in f["decided_by"] and "exit 1" in f["decided_by"]
-    assert f["last_error"] == {"line": "the training process was killed by SIGKILL", "current_attempt": True}
+    assert "was killed by SIGKILL" in f.decided_by and "exit 1" in f.decided_by
+    assert f.last_error == status.LastError("the training process was killed by SIGKILL", current_attempt=True)
     f = facts_of(attempt(run_start(), ev.Failed("reward.name=remote returned 2 non-finite value(s)"),
                          ev.WorkerExited(1)))
-    assert f["rule"] == "error_event" and "returned 2 non-finite" in f["decided_by"]
-    assert f["last_error"]["line"] == "error: reward.name=remote returned 2 non-finite value(s)"
+    assert f.rule == "error_event" and "returned 2 non-finite" in f.decided_by
+    assert f.last_error.line == "error: reward.name=remote returned 2 non-finite value(s)"
     f = facts_of(attempt(run_start(), ev.Preempted(2, 6, "SIGTERM: checkpoint written")), holder=HOLDER)
-    assert "SIGTERM: checkpoint written" in f["decided_by"] and "pid 4242 still holds the lock" in f["decided_by"]
+    assert "SIGTERM: checkpoint written" in f.decided_by and "pid 4242 still holds the lock" in f.decided_by
     f = facts_of(attempt(run_start()), heartbeat_age=300)
-    assert "heartbeat is 5 min 00 s old" in f["decided_by"] and f["heartbeat_age_s"] == 300
-    f = facts_of(attempt(run_start()), holder={**HOLDER, "this_host": False, "hostname": "w-3"})
-    assert "pid 4242 on w-3 holds the lock" in f["decided_by"]
+    assert "heartbeat is 5 min 00 s old" in f.decided_by and f.heartbeat_age_s == 300
+    f = facts_of(attempt(run_start()), holder=dataclasses.replace(HOLDER, this_host=False, hostname="w-3"))
+    assert "pid 4242 on w-3 holds the lock" in f.decided_by
 
 
 def test_only_the_last_attempt_decides():
@@ -168,15 +169,15 @@ def test_only_the_last_attempt_decides():
     finished = attempt(ev.Resumed(-1, 0, "none"), run_start(), *epoch_events(0), *epoch_events(1),
                        ev.RunComplete(0, 1, 2, 0.1, 0.5, 0.6, 4, "w", "m"), ev.WorkerExited(0), pid=200)
     f = facts_of(crashed + finished, epochs=2, num_epochs=2)
-    assert (f["state"], f["rule"], f["attempts"]) == ("finished", "complete", 2)
-    assert f["last_error"] == {"line": "error: crashed once", "current_attempt": False}
+    assert (f.state, f.rule, f.attempts) == ("finished", "complete", 2)
+    assert f.last_error == status.LastError("error: crashed once", current_attempt=False)
 
     # preempted, then started again: the new attempt is loading (its worker holds the lock), not stopped
     stopped = attempt(run_start(), *epoch_events(0), ev.Preempted(0, 2, "SIGTERM"), ev.WorkerExited(75))
     f = facts_of(stopped + attempt(pid=300), holder=HOLDER, epochs=1)
-    assert (f["state"], f["rule"]) == ("running", "lock_holder")
-    assert (f["current_epoch"], f["phase"], f["phase_detail"]) == (1, "setup", "loading (no progress event yet)")
-    assert f["last_error"] is None
+    assert (f.state, f.rule) == ("running", "lock_holder")
+    assert (f.current_epoch, f.phase, f.phase_detail) == (1, "setup", "loading (no progress event yet)")
+    assert f.last_error is None
 
 
 def test_attempts_open_at_worker_started_or_a_second_run_start():
@@ -200,8 +201,8 @@ def test_attempts_open_at_worker_started_or_a_second_run_start():
 ])
 def test_phase_from_the_last_epoch_event(upto, phase, detail):
     f = facts_of(attempt(run_start(2, 10), *epoch_events(2, upto)), epochs=2, num_epochs=10)
-    assert f["state"] == "running"
-    assert (f["current_epoch"], f["phase"], f["phase_detail"]) == (2, phase, detail)
+    assert f.state == "running"
+    assert (f.current_epoch, f.phase, f.phase_detail) == (2, phase, detail)
 
 
 def test_phase_ends_evaluation_and_the_last_epoch():
@@ -218,58 +219,70 @@ def test_phase_ends_evaluation_and_the_last_epoch():
 
 def test_setup_phase_before_the_first_epoch_event():
     f = facts_of(attempt(ev.RunStart("xla", 10, 3, 8, 2, 8, "LoRA", True)), epochs=3, num_epochs=10)
-    assert (f["current_epoch"], f["phase"]) == (3, "setup")
-    assert f["phase_detail"] == "training process started, epoch 3 next (compiling the graphs first)"
+    assert (f.current_epoch, f.phase) == (3, "setup")
+    assert f.phase_detail == "training process started, epoch 3 next (compiling the graphs first)"
     f = facts_of(epochs=2, num_epochs=10, t_last=NOW - 20)  # a run from before events: metrics only
-    assert (f["current_epoch"], f["phase"], f["phase_detail"]) == (2, "between epochs",
+    assert (f.current_epoch, f.phase, f.phase_detail) == (2, "between epochs",
                                                                     "epoch 1 done (from metrics.jsonl)")
 
 
 def test_training_detail_counts_optimizer_steps_and_timesteps():
     f = facts_of(attempt(run_start(3, 10), *epoch_events(3, "progress")), num_epochs=10,
                  metrics=metrics(3, t0=NOW - 40, steps=[(3, 7)]))
-    assert f["phase"] == "training"
-    assert (f["optimizer_steps_in_epoch"], f["optimizer_steps_per_epoch"]) == (1, 2)
-    assert f["phase_detail"] == "training, optimizer step 1/2 done (4/8 timesteps)"
+    assert f.phase == "training"
+    assert (f.optimizer_steps_in_epoch, f.optimizer_steps_per_epoch) == (1, 2)
+    assert f.phase_detail == "training, optimizer step 1/2 done (4/8 timesteps)"
 
 
 def test_a_compile_in_progress_is_shown_with_its_time_so_far():
     compiling = attempt(ev.RunStart("xla", 6, 0, 8, 2, 8, "LoRA", True), ev.CompileStart(0, "sampling", 1, 2),
                         ev.PhaseStart(0, "sampling"), ev.CompileProgress(0, "sampling", 1, 2, 1.0, 1, 0.5))
     f = facts_of(compiling)  # one second apart, the last 5 s ago: the compile started 7 s ago
-    assert f["state"] == "running" and f["phase"] == "sampling"
-    assert f["phase_detail"] == "compiling the sampling graphs, 1st of 2, 7 s so far (1 graph(s) compiled)"
-    assert f["compiling"]["seconds"] == pytest.approx(7.0) and f["compiling"]["stage"] == "sampling"
+    assert f.state == "running" and f.phase == "sampling"
+    assert f.phase_detail == "compiling the sampling graphs, 1st of 2, 7 s so far (1 graph(s) compiled)"
+    assert f.compiling.seconds == pytest.approx(7.0) and f.compiling.stage == "sampling"
     f = facts_of(compiling + [ev.CompileEnd(0, "sampling", 1, 2, 3.0, 2, 1.0), ev.SamplingBatch(0, 1, 2)])
-    assert f["compiling"] is None and f["phase_detail"] == "sampling batch 2/2 (1/2 done)"
+    assert f.compiling is None and f.phase_detail == "sampling batch 2/2 (1/2 done)"
     dead = facts_of(compiling + [ev.WorkerExited(1, "was killed by SIGKILL")], t_last=NOW - 500)
-    assert dead["state"] == "failed" and dead["compiling"]["seconds"] == pytest.approx(3.0)  # up to its last event
+    assert dead.state == "failed" and dead.compiling.seconds == pytest.approx(3.0)  # up to its last event
 
 
 def test_throughput_and_eta_leave_out_compiling_epochs():
     f = facts_of(attempt(run_start(3, 10), *epoch_events(3, "training")), num_epochs=10,
                  metrics=metrics(3, t0=NOW - 40))
-    assert f["samples_per_s"] == pytest.approx(2.0) and f["epoch_seconds_mean"] == pytest.approx(8.0)
-    assert f["rate_basis"] == "epochs 1-2 (1 with new compilations left out)"
-    assert f["eta_s"] == pytest.approx(7 * 8.0) and f["eta_time"] == pytest.approx(NOW + 56.0)
+    assert f.samples_per_s == pytest.approx(2.0) and f.epoch_seconds_mean == pytest.approx(8.0)
+    assert f.rate_basis == "epochs 1-2 (1 with new compilations left out)"
+    assert f.eta_s == pytest.approx(7 * 8.0) and f.eta_time == pytest.approx(NOW + 56.0)
     done = facts_of(attempt(ev.RunComplete(), ev.WorkerExited(0)), epochs=6)
-    assert done["eta_s"] is None and done["rate_basis"] == "epochs 1-5"
+    assert done.eta_s is None and done.rate_basis == "epochs 1-5"
 
 
 def test_the_staleness_threshold_follows_the_longest_phase():
     m = metrics(2, t0=NOW - 3000)
     m.records[-1]["phases"]["training"]["seconds"] = 1000.0  # a long epoch: 1.5 x 1000 s > 900 s
     kw = dict(events=attempt(run_start()), t_last=NOW - 1200, num_epochs=10, metrics=m)
-    assert facts_of(**kw)["rule"] == "recent_activity" and facts_of(**kw)["stale_after_s"] == 1500.0
-    assert facts_of(**kw, stale_after=60)["rule"] == "recent_activity"  # the longest phase still wins
-    assert facts_of(**{**kw, "t_last": NOW - 1600})["rule"] == "no_activity"
+    assert facts_of(**kw).rule == "recent_activity" and facts_of(**kw).stale_after_s == 1500.0
+    assert facts_of(**kw, stale_after=60).rule == "recent_activity"  # the longest phase still wins
+    assert facts_of(**{**kw, "t_last": NOW - 1600}).rule == "no_activity"
 
 
-def test_derive_is_pure():
-    run = RunFiles(events=stamped(attempt(run_start(), *epoch_events(0, "batch 1")), NOW - 10), metrics=metrics(0))
-    a, b = status.derive(run, now=NOW), status.derive(run, now=NOW)
-    assert a == b and a["now"] == NOW and a["last_event_age_s"] == pytest.approx(7.0)  # 4 events, 1 s apart
-    assert status.derive(run, now=NOW + 5000)["rule"] == "no_activity"
+def test_derive_is_pure(monkeypatch):
+    """No clock and no files: the same inputs give equal facts, the inputs are left as they were, and neither
+    time.time, open nor os.stat is called (the run dir does not even exist)."""
+    import builtins
+    import copy
+
+    run = RunFiles(run_dir="/no/such/run", events=stamped(attempt(run_start(), *epoch_events(0, "batch 1")), NOW - 10),
+                   metrics=metrics(0))
+    before = copy.deepcopy(run)
+    with monkeypatch.context() as m:
+        for owner, name in ((time, "time"), (builtins, "open"), (os, "stat")):
+            m.setattr(owner, name, lambda *a, _n=name, **k: pytest.fail(f"derive called {_n}"))
+        a, b = status.derive(run, now=NOW), status.derive(run, now=NOW)
+        later = status.derive(run, now=NOW + 5000)
+    assert run == before
+    assert a == b and a.now == NOW and a.last_event_age_s == pytest.approx(7.0)  # 4 events, 1 s apart
+    assert later.rule == "no_activity" and later.last_event_age_s == pytest.approx(5007.0)
 
 
 # --- reading a run dir and the CLI ---------------------------------------------------------------------------------
@@ -336,11 +349,11 @@ def test_finished_run_shows_all_epochs_and_reward_curve(tmp_path, capsys):
     assert "ETA" not in out
 
     facts = status.collect(run, lock_paths=[])
-    assert facts["state"] == "finished" and "run_complete" in facts["decided_by"]
-    assert facts["epochs_done"] == 6 and facts["num_epochs"] == 6
-    assert facts["reward_curve"] == rewards and facts["reward"]["best_epoch"] == 5
-    assert facts["last_error"] is None
-    assert facts["last_event_kind"] == "worker_exited"
+    assert facts.state == "finished" and "run_complete" in facts.decided_by
+    assert facts.epochs_done == 6 and facts.num_epochs == 6
+    assert facts.reward_curve == tuple(rewards) and facts.reward.best_epoch == 5
+    assert facts.last_error is None
+    assert facts.last_event_kind == "worker_exited"
 
 
 def test_running_run_in_training_phase(tmp_path, capsys):
@@ -354,10 +367,10 @@ def test_running_run_in_training_phase(tmp_path, capsys):
     assert "last event" in out and "ago" in out and "ETA" in out
 
     facts = status.collect(run, lock_paths=[])
-    assert (facts["state"], facts["rule"]) == ("running", "recent_activity")
-    assert facts["current_epoch"] == 3 and facts["phase"] == "training"
-    assert facts["last_event_age_s"] == pytest.approx(5, abs=5)
-    assert facts["eta_s"] == pytest.approx(7 * 8.0)
+    assert (facts.state, facts.rule) == ("running", "recent_activity")
+    assert facts.current_epoch == 3 and facts.phase == "training"
+    assert facts.last_event_age_s == pytest.approx(5, abs=5)
+    assert facts.eta_s == pytest.approx(7 * 8.0)
 
 
 def test_failed_run_shows_the_error_and_the_end_of_train_log(tmp_path, capsys):
@@ -371,9 +384,9 @@ def test_failed_run_shows_the_error_and_the_end_of_train_log(tmp_path, capsys):
     assert "exited with code 1" in out
     assert "train.log ends:" in out and "RuntimeError: XLA out of memory while allocating 12.0G" in out
     facts = status.collect(run, lock_paths=[])
-    assert (facts["state"], facts["rule"]) == ("failed", "exit_code")
-    assert facts["train_log_tail"][-1] == "RuntimeError: XLA out of memory while allocating 12.0G"
-    assert facts["phase"] == "training" and facts["current_epoch"] == 3
+    assert (facts.state, facts.rule) == ("failed", "exit_code")
+    assert facts.train_log_tail[-1] == "RuntimeError: XLA out of memory while allocating 12.0G"
+    assert facts.phase == "training" and facts.current_epoch == 3
 
 
 def test_a_traceback_in_train_log_is_not_an_event(tmp_path):
@@ -381,10 +394,10 @@ def test_a_traceback_in_train_log_is_not_an_event(tmp_path):
     a library, an earlier attempt's) is running; a failed one whose log looks clean is failed."""
     run = make_run(tmp_path / "tb", num_epochs=10, done=2, tail=epoch_events(2, "batch 1"),
                    log="Traceback (most recent call last):\nValueError: boom\nerror: something\n")
-    assert status.collect(run, lock_paths=[])["state"] == "running"
+    assert status.collect(run, lock_paths=[]).state == "running"
     run = make_run(tmp_path / "quiet", num_epochs=10, done=2, tail=[ev.Failed("a reward server hung")],
                    log="[epoch 2] sampling start\n")
-    assert status.collect(run, lock_paths=[])["state"] == "failed"
+    assert status.collect(run, lock_paths=[]).state == "failed"
 
 
 def test_preempted_with_checkpoints_and_unknown_kinds(tmp_path, capsys):
@@ -401,11 +414,11 @@ def test_preempted_with_checkpoints_and_unknown_kinds(tmp_path, capsys):
     assert "stopped (preempted)" in out and "epoch_0002" in out
     assert "mystery" in out and "from_the_future" in out  # noted, not fatal
     facts = status.collect(run, lock_paths=[])
-    assert (facts["state"], facts["stop_reason"]) == ("stopped", "preempted")
-    assert facts["metrics"]["kinds"]["mystery"] == 1 and facts["epochs_done"] == 3
-    assert facts["checkpoints"]["count"] == 1 and facts["checkpoints"]["latest"] == "epoch_0002"
-    assert facts["checkpoints"]["last_event"]["path"] == "checkpoints/epoch_0002"
-    assert facts["eta_s"] == pytest.approx(7 * 8.0)
+    assert (facts.state, facts.stop_reason) == ("stopped", "preempted")
+    assert facts.metrics.kinds["mystery"] == 1 and facts.epochs_done == 3
+    assert facts.checkpoints.count == 1 and facts.checkpoints.latest == "epoch_0002"
+    assert facts.checkpoints.last_event["path"] == "checkpoints/epoch_0002"
+    assert facts.eta_s == pytest.approx(7 * 8.0)
 
 
 def test_resumed_run_counts_a_repeated_epoch_once(tmp_path):
@@ -413,8 +426,8 @@ def test_resumed_run_counts_a_repeated_epoch_once(tmp_path):
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps(epoch_record(2, time.time() - 1, reward=0.9)) + "\n")
     facts = status.collect(run, lock_paths=[])
-    assert facts["epochs_done"] == 3
-    assert facts["reward_curve"] == pytest.approx([0.1, 0.2, 0.9])
+    assert facts.epochs_done == 3
+    assert facts.reward_curve == pytest.approx((0.1, 0.2, 0.9))
 
 
 def test_live_lock_holder_means_running_however_quiet(tmp_path):
@@ -428,10 +441,10 @@ def test_live_lock_holder_means_running_however_quiet(tmp_path):
         facts = status.collect(run, now=now, lock_paths=[tmp_path / "tpu.lock"])
     finally:
         lock.release()
-    assert (facts["state"], facts["rule"]) == ("running", "lock_holder")
-    assert facts["live_process"]["pid"] == os.getpid() and f"pid {os.getpid()}" in facts["decided_by"]
+    assert (facts.state, facts.rule) == ("running", "lock_holder")
+    assert facts.live_process.pid == os.getpid() and f"pid {os.getpid()}" in facts.decided_by
     # released: the same dir reads as stopped
-    assert status.collect(run, now=now, lock_paths=[tmp_path / "tpu.lock"])["state"] == "stopped"
+    assert status.collect(run, now=now, lock_paths=[tmp_path / "tpu.lock"]).state == "stopped"
 
 
 def test_lock_of_another_run_is_not_this_run(tmp_path):
@@ -444,36 +457,33 @@ def test_lock_of_another_run_is_not_this_run(tmp_path):
     other.mkdir()
     with AcceleratorLock(tmp_path / "tpu.lock", other).acquire():
         facts = status.collect(run, now=now, lock_paths=[tmp_path / "tpu.lock"])
-    assert facts["state"] == "stopped" and facts["live_process"] is None
-
-
-def _heartbeat(run_dir: Path, age: float) -> None:
-    (run_dir / status.HEARTBEAT_FILE).write_text(json.dumps({"time": time.time() - age, "pid": 4242, "hostname": "h",
-                                                             "interval_s": 10.0}))
+    assert facts.state == "stopped" and facts.live_process is None
 
 
 def test_heartbeat_file_and_run_dir_lock(tmp_path):
+    """The heartbeat the training process writes (rundir.Heartbeat) is what status reads: over a minute old with no
+    lock holder reads as dead; a held run dir lock as running; a fresh beat as running."""
     from ddpo_tpu.launch.lock import RunDirLock
-    from ddpo_tpu.rundir import HEARTBEAT_FILE
+    from ddpo_tpu.rundir import Heartbeat
 
-    assert status.HEARTBEAT_FILE == HEARTBEAT_FILE
-    # SIGKILLed mid-epoch 70 s ago, front end killed too: no exit recorded
+    # SIGKILLed mid-epoch, front end killed too: no exit recorded; looked at 70 s after its last beat
     run = make_run(tmp_path / "run", num_epochs=6, done=3, t0=time.time() - 100, tail=epoch_events(3, "training"))
-    age_files(run, 70)
-    _heartbeat(run, age=70)
-    facts = status.collect(run)  # the real probe: run_dir/lock and this host's accelerator lock
-    assert (facts["state"], facts["stop_reason"]) == ("stopped", "dead"), facts["decided_by"]
+    age_files(run, 0)
+    Heartbeat(run).beat()
+    later = time.time() + 70
+    facts = status.collect(run, now=later)  # the real probe: run_dir/lock and this host's accelerator lock
+    assert (facts.state, facts.stop_reason, facts.rule) == ("stopped", "dead", "heartbeat_dead"), facts.decided_by
+    assert facts.heartbeat_age_s == pytest.approx(70, abs=5) and f"pid {os.getpid()}" in facts.decided_by
     with RunDirLock(run):
-        assert status.collect(run)["rule"] == "lock_holder"
-    _heartbeat(run, age=5)
-    assert status.collect(run)["state"] == "running"
+        assert status.collect(run, now=later).rule == "lock_holder"
+    assert status.collect(run).state == "running"  # the same beat, read now: alive
 
 
 def test_not_started(tmp_path, capsys):
     write_config(tmp_path / "fresh")
     code, out, _ = run_cli(capsys, tmp_path / "fresh")
     assert code == 0 and "not started" in out
-    assert status.collect(tmp_path / "fresh", lock_paths=[])["state"] == "not started"
+    assert status.collect(tmp_path / "fresh", lock_paths=[]).state == "not started"
 
 
 def test_json_output_parses_and_has_the_fields(tmp_path, capsys):
@@ -482,10 +492,7 @@ def test_json_output_parses_and_has_the_fields(tmp_path, capsys):
     code, out, _ = run_cli(capsys, run, "--json")
     assert code == 0
     facts = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    for key in ("run_name", "state", "rule", "decided_by", "num_epochs", "epochs_done", "current_epoch", "phase",
-                "phase_detail", "last_event_time", "samples_per_s", "eta_s", "reward", "reward_curve", "epochs",
-                "last_error", "notes"):
-        assert key in facts
+    assert list(facts) == [f.name for f in dataclasses.fields(status.Facts)]  # every field, by its name
     assert facts["run_name"] == "js" and facts["state"] == "running"
     assert facts["num_epochs"] == 8 and facts["current_epoch"] == 4 and facts["phase"] == "training"
     assert facts["epochs"][0]["reward_mean"] == pytest.approx(0.1)
@@ -524,17 +531,50 @@ def test_torn_lines_and_runs_from_before_events(tmp_path, capsys):
     code, out, _ = run_cli(capsys, run)
     assert code == 0 and "truncated" in out
     facts = status.collect(run, lock_paths=[])
-    assert facts["metrics"]["truncated_last_line"] is True and facts["metrics"]["bad_lines"] == 0
-    assert facts["epochs_done"] == 3 and facts["state"] == "running" and facts["phase"] == "training"
+    assert facts.metrics.truncated_last_line is True and facts.metrics.bad_lines == 0
+    assert facts.epochs_done == 3 and facts.state == "running" and facts.phase == "training"
     text = (run / "metrics.jsonl").read_text().splitlines()
     text.insert(2, '{"time": 1, "kind": "st')  # a garbled line in the middle is skipped and counted
     (run / "metrics.jsonl").write_text("\n".join(text))
-    assert status.collect(run, lock_paths=[])["metrics"]["bad_lines"] == 1
+    assert status.collect(run, lock_paths=[]).metrics.bad_lines == 1
 
     (run / ev.EVENTS_FILE).unlink()  # a run from before events.jsonl: numbers from metrics, state from the rest
     facts = status.collect(run, lock_paths=[])
-    assert facts["epochs_done"] == 3 and facts["attempts"] == 0
-    assert any("no events.jsonl" in n for n in facts["notes"])
+    assert facts.epochs_done == 3 and facts.attempts == 0
+    assert any("no events.jsonl" in n for n in facts.notes)
+
+
+LAYOUT = {"tensors": 12, "sharded": 8, "bytes_total": 64 << 20, "bytes_per_device": 16 << 20}
+OLD_LAYOUT = {"tensors": 3, "sharded": 0, "bytes_total": 2 << 20, "bytes_per_device": 2 << 20}
+
+
+def _append(path: Path, *records: dict) -> None:
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize("where", ["own event", "run_start field", "metrics only", "nowhere"])
+def test_state_layout_from_events_else_metrics(tmp_path, capsys, where):
+    """The trainer records the state layout in events.jsonl (its own event, or a field of run_start); run dirs of
+    older versions have it only as a metrics.jsonl event line. events.jsonl wins where both are."""
+    run = make_run(tmp_path / "lay", done=2, tail=COMPLETE)
+    t = time.time()
+    if where != "nowhere":  # an older layout in metrics.jsonl: read only when events.jsonl has none
+        _append(run / "metrics.jsonl", {"time": t, "kind": "event", "event": "state_layout",
+                                        **(LAYOUT if where == "metrics only" else OLD_LAYOUT)})
+    if where == "own event":
+        _append(run / ev.EVENTS_FILE, {"time": t, "pid": 1, "event": "state_layout", **LAYOUT})
+    if where == "run_start field":
+        _append(run / ev.EVENTS_FILE, {"time": t, "pid": 1, **run_start(2).record(), "state_layout": LAYOUT})
+    facts = status.collect(run, lock_paths=[])
+    if where == "nowhere":
+        assert facts.state_layout is None and "\nlayout " not in run_cli(capsys, run)[1]
+        return
+    source = "metrics.jsonl" if where == "metrics only" else "events.jsonl"
+    assert facts.state_layout == status.Layout(**LAYOUT, source=source)
+    assert not any("does not know" in n for n in facts.notes)  # a layout event is read, not an unknown one
+    out = run_cli(capsys, run)[1]
+    assert f"layout      12 state tensors, 8 sharded: 16.0 MiB per device of 64.0 MiB (from {source})" in out
 
 
 def test_sparkline_width_and_flat_curve():
@@ -574,14 +614,14 @@ def test_host_time_per_phase_is_shown(tmp_path, capsys):
             for name, p in r["phases"].items():
                 p["host_seconds"] = {"sampling": 2.9, "training": 4.3}.get(name, 0.0)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    ht = status.collect(run, lock_paths=[])["host_time"]
-    assert ht["epoch"] == 1 and ht["host_s"] == pytest.approx(7.2) and ht["wall_s"] == pytest.approx(8.0)
-    assert ht["phases"]["training"] == {"host_s": 4.3, "wall_s": 4.5}
+    ht = status.collect(run, lock_paths=[]).host_time
+    assert ht.epoch == 1 and ht.host_s == pytest.approx(7.2) and ht.wall_s == pytest.approx(8.0)
+    assert ht.phases["training"] == status.HostPhase(host_s=4.3, wall_s=4.5)
     code, out, _ = run_cli(capsys, run)
     assert code == 0
     assert "90% of epoch 1 on the main thread" in out and "training 4.3/4.5 s" in out and "host-bound" in out
     old = make_run(tmp_path / "old", done=2, tail=COMPLETE)  # metrics of an older version: no host seconds
-    assert status.collect(old, lock_paths=[])["host_time"] is None
+    assert status.collect(old, lock_paths=[]).host_time is None
     assert "host time" not in run_cli(capsys, old)[1]
 
 
@@ -603,7 +643,7 @@ def test_host_bound_only_where_host_and_device_differ(tmp_path, capsys, accelera
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = run_cli(capsys, run)[1]
     assert "on the main thread" in out and ("host-bound" in out) == bound
-    assert status.collect(run, lock_paths=[])["host_time"]["device_is_host"] == (not bound)
+    assert status.collect(run, lock_paths=[]).host_time.device_is_host == (not bound)
 
 
 # --- end to end: the events a real run writes -----------------------------------------------------------------------
@@ -623,22 +663,22 @@ def test_a_killed_then_resumed_run_read_from_its_events(tmp_path, model_cache):
         worker = wait_for_event(run, "worker_started", proc)["worker_pid"]
         wait_for_event(run, "sampling_batch", proc)
         running = status.collect(run)
-        assert (running["state"], running["rule"]) == ("running", "lock_holder")
-        assert running["live_process"]["pid"] == worker and running["phase"] in ("sampling", "reward")
+        assert (running.state, running.rule) == ("running", "lock_holder")
+        assert running.live_process.pid == worker and running.phase in ("sampling", "reward")
         os.kill(worker, 9)
         assert proc.wait(timeout=120) == 1
     finally:
         if proc.poll() is None:
             proc.kill()
     killed = status.collect(run)
-    assert (killed["state"], killed["rule"]) == ("failed", "exit_code")
-    assert killed["last_error"] == {"line": "the training process was killed by SIGKILL", "current_attempt": True}
+    assert (killed.state, killed.rule) == ("failed", "exit_code")
+    assert killed.last_error == status.LastError("the training process was killed by SIGKILL", current_attempt=True)
 
     again = run_train(args, tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     done = status.collect(run)
-    assert (done["state"], done["rule"], done["attempts"], done["epochs_done"]) == ("finished", "complete", 2, 2)
-    assert done["last_error"]["current_attempt"] is False
+    assert (done.state, done.rule, done.attempts, done.epochs_done) == ("finished", "complete", 2, 2)
+    assert done.last_error.current_attempt is False
     kinds = [r["event"] for r in ev.read_events(run)]
     assert kinds.count("worker_started") == kinds.count("worker_exited") == 2
     assert kinds[-2:] == ["run_complete", "worker_exited"] and kinds.count("epoch_done") >= 2

@@ -15,13 +15,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from ddpo_tpu import storage
+from ddpo_tpu import storage_url
+from ddpo_tpu.catalog.algorithms import owner_of
 from ddpo_tpu.config import rules
-from ddpo_tpu.config.errors import ConfigError, Problem
+from ddpo_tpu.config.batch import MISSING, lookup
+from ddpo_tpu.config.resume import MOVED_KEYS
 from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.problems import ConfigError, Fix, Problem
 
 # hydra.run.dir / hydra.sweep.dir (conf/config.yaml): a local output_root as it is, a gs:// one's local staging dir
-OmegaConf.register_new_resolver("ddpo_local_root", storage.local_root, replace=True)
+OmegaConf.register_new_resolver("ddpo_local_root", storage_url.local_root, replace=True)
 
 
 def conf_dir() -> Path:
@@ -41,15 +44,41 @@ class Validated:
 
 
 def overridden_keys(overrides: Iterable[str]) -> frozenset[str]:
-    keys = set()
+    return frozenset(o.split("=", 1)[0].lstrip("+~") for o in moved(overrides))
+
+
+def moved(overrides: Iterable[str]) -> list[str]:
+    """Overrides of keys that moved (MOVED_KEYS) under their new names: old command lines keep working."""
+    out = []
     for o in overrides:
-        k = o.split("=", 1)[0].lstrip("+~")
-        keys.add(k)
-    return frozenset(keys)
+        head, eq, value = o.partition("=")
+        key = head.lstrip("+~")
+        out.append(f"{head[:len(head) - len(key)]}{MOVED_KEYS[key]}{eq}{value}" if key in MOVED_KEYS else o)
+    return out
+
+
+def migrate(tree: dict[str, Any]) -> dict[str, Any]:
+    """A config tree saved by an earlier version with its moved keys under their new names (in place)."""
+    for old, new in MOVED_KEYS.items():
+        section, _, name = old.partition(".")
+        if isinstance(tree.get(section), dict) and name in tree[section]:
+            value = tree[section].pop(name)
+            new_section, _, new_name = new.partition(".")
+            target = tree.get(new_section)
+            if isinstance(target, dict) and new_name in owner_keys(target.get("name")):
+                target.setdefault(new_name, value)
+    return tree
+
+
+def owner_keys(algorithm: Any) -> set[str]:
+    from ddpo_tpu.catalog import ALGORITHMS
+
+    return set(ALGORITHMS.get(algorithm).keys.model_fields) if algorithm in ALGORITHMS else set()
 
 
 def compose(overrides: list[str]) -> DictConfig:
     """Compose conf/config.yaml with command-line style overrides. Raises ConfigError on composition errors."""
+    overrides = moved(overrides)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -76,7 +105,8 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
     key = m.group(1) if m else "overrides"
     value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), "")
     if "not in struct" in msg or "Could not override" in msg:
-        return Problem(key, value, "unknown key", "check the spelling (see --cfg job for every key)")
+        return _foreign_algorithm_key(key, value) or Problem(key, value, "unknown key",
+                                                             "check the spelling (see --cfg job for every key)")
     m = re.search(r"Could not find '([^']+)'", msg)
     if m:
         group = m.group(1).split("/")[0]
@@ -88,6 +118,15 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
         return Problem(group, value, "no such option",
                        f"choose one of: {', '.join(options)}" if options else "see --help for the options")
     return Problem(key, value, first.rstrip(".:"), "see --help for the syntax")
+
+
+def _foreign_algorithm_key(key: str, value: Any) -> Problem | None:
+    """A key of another algorithm than the run's (algorithm.group_size under algorithm=ddpo)."""
+    owner = owner_of(key) if key.startswith("algorithm.") else None
+    if owner is None:
+        return None
+    return Problem(key, value, f"a {owner.title} setting; the run's algorithm does not read it",
+                   Fix.of({"algorithm": owner.name}, verb="add"))
 
 
 def grammar_problem(e: Exception) -> Problem:
@@ -117,8 +156,8 @@ def to_tree(cfg: DictConfig) -> dict[str, Any]:
 
 def _interpolation_problem(e: OmegaConfBaseException, cfg: DictConfig) -> Problem:
     key = getattr(e, "full_key", None) or "config"
-    raw = rules.lookup(OmegaConf.to_container(cfg, resolve=False), key)
-    value = "" if raw is rules._MISSING else raw
+    raw = lookup(OmegaConf.to_container(cfg, resolve=False), key)
+    value = "" if raw is MISSING else raw
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
     fix = "give a literal value or interpolate an existing key"
@@ -145,6 +184,7 @@ def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
 
 
 def validate_tree(tree: dict[str, Any], overridden: frozenset[str] = frozenset()) -> Validated:
+    tree = migrate(tree)
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -176,11 +216,17 @@ def _schema_problem(err: dict[str, Any], tree: dict[str, Any]) -> Problem:
             return Problem(key, None, "required key is missing", f"set {key} to one of: {choices}")
         return Problem(key, err.get("ctx", {}).get("tag"), f"no {loc[0] if loc else 'model'} of this name goes here",
                        f"choose one of: {choices}")
+    if kind == "not_registered":
+        ctx = err.get("ctx", {})
+        return Problem(key, value, f"no {ctx.get('what', 'entry')} of this name",
+                       f"choose one of: {ctx.get('choices', '')} (registered in ddpo_tpu/catalog)")
     if kind == "extra_forbidden":
+        if loc and loc[0] == "algorithm" and (p := _foreign_algorithm_key(key, value)) is not None:
+            return p
         if model is not None:
             valid = sorted(model.model_fields)
         else:
-            parent = rules.lookup(tree, ".".join(loc[:-1])) if len(loc) > 1 else tree
+            parent = lookup(tree, ".".join(loc[:-1])) if len(loc) > 1 else tree
             valid = sorted(k for k in parent if k != loc[-1]) if isinstance(parent, dict) else []
         return Problem(key, value, "unknown key", f"remove it; valid keys here: {', '.join(valid)}")
     if kind == "missing":

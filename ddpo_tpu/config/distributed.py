@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from ddpo_tpu.config.errors import Problem
+from ddpo_tpu.problems import Problem
 
 ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 

@@ -1,19 +1,44 @@
 """The typed schema of every config group. Unknown keys and wrong types are rejected with their dotted key.
 
-Only pydantic and the standard library are imported here: validation runs before torch is imported.
+Only pydantic, the standard library and the catalog are imported here: validation runs before torch is imported.
+What is registered in the catalog (model families, samplers, rewards, algorithms) is read from it, not listed here.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
+from pydantic_core import PydanticCustomError
+
+from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, Registry
+from ddpo_tpu.catalog.families import all_builders
 
 
 class _Strict(BaseModel):
     # strict: "4" is not an int and 1.5 is not an int; ints are accepted where floats are expected.
     # no inf/nan: Hydra parses `inf` and `nan` as floats, and no key of a run means either
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+def _registered(registry: Registry) -> Any:
+    """A name that must be registered in `registry` when the config is validated (so a spec registered at run time,
+    e.g. by a test, is accepted)."""
+
+    def check(name: str) -> str:
+        if name not in registry:
+            raise PydanticCustomError("not_registered", "no {what} of this name",
+                                      {"what": registry.what, "choices": ", ".join(registry.names())})
+        return name
+
+    return AfterValidator(check)
+
+
+def _builder(name: str | None) -> str | None:
+    if name is not None and name not in all_builders():
+        raise PydanticCustomError("not_registered", "no local model build of this name",
+                                  {"what": "local build", "choices": ", ".join(all_builders())})
+    return name
 
 
 class LoraConfig(_Strict):
@@ -25,8 +50,8 @@ class LoraConfig(_Strict):
 
 class ModelConfig(_Strict):
     name: str
-    family: Literal["sd1", "sd3"]    # ddpo_tpu/families: SD 1.x (UNet, DDIM) or SD 3 (MMDiT, flow matching)
-    builder: Literal["tiny", "sd14_topology", "sd14_random", "tiny_sd3", "digits"] | None
+    family: Annotated[str, _registered(FAMILIES)]  # ddpo_tpu/catalog/families.py: sd1, sd3, ...
+    builder: Annotated[str | None, AfterValidator(_builder)]  # a local build of the family (catalog), or null
     pretrained: str | None
     revision: str | None
     local_files_only: bool
@@ -38,60 +63,10 @@ class ModelConfig(_Strict):
 
 
 # --- rewards ----------------------------------------------------------------------------------------------------------
-# One model per reward with that reward's own keys; `name` picks the model (a discriminated union), so a key of another
-# reward, a wrong type or an unknown name is refused at compose time with its dotted key. Each reward's keys are also
-# those of a component of reward=weighted, which adds `weight` (and has no `host_workers`: the run's reward has them).
-# The keys are the reward constructor's keyword arguments (ddpo_tpu/rewards; a test keeps them equal).
-
-TINY = "tiny"  # clip_model / mlp_path / processor: the tiny local stand-in (rewards/from_config.py builds it)
-
-
-class _JpegKeys(_Strict):
-    quality: int = Field(default=95, ge=1, le=100)  # JPEG quality the size is measured at (the reference's 95)
-
-
-class JpegCompressibilityKeys(_JpegKeys):
-    name: Literal["jpeg_compressibility"]
-
-
-class JpegIncompressibilityKeys(_JpegKeys):
-    name: Literal["jpeg_incompressibility"]
-
-
-class AestheticKeys(_Strict):
-    name: Literal["aesthetic"]
-    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
-    mlp_path: str | None = None                        # LAION MLP weights (.pth/.safetensors) or `tiny`; required
-    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass (null: the whole batch)
-
-
-class ClipScoreKeys(_Strict):
-    name: Literal["clip_score"]
-    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
-
-
-class PickScoreKeys(_Strict):
-    name: Literal["pickscore"]
-    clip_model: str = Field(default="yuvalkirstain/PickScore_v1", min_length=1)  # CLIPModel: hub id, dir or `tiny`
-    processor: str = Field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", min_length=1)  # CLIPProcessor or `tiny`
-    batch_size: int | None = Field(default=None, ge=1)
-
-
-class RemoteKeys(_Strict):
-    name: Literal["remote"]
-    url: str                                           # http(s)://HOST:PORT/PATH (rules.py checks the form)
-    timeout_s: float = Field(default=30.0, gt=0)
-    retries: int = Field(default=3, ge=0, le=20)
-    backoff_s: float = Field(default=0.5, ge=0)
-    batch_size: int = Field(default=16, ge=1)
-    image_format: Literal["png", "raw"] = "png"
-    headers: dict[str, str] | None = None
-
-
-class DigitClassifierKeys(_Strict):
-    name: Literal["digit_classifier"]
-    target: int | None = Field(default=7, ge=0, le=9)  # P(this digit); null: P(the digit the prompt names)
-    cache_dir: str = Field(default="~/.cache/ddpo_tpu/models", min_length=1)  # where its classifier is built once
+# One model per reward with that reward's own keys (ddpo_tpu/catalog/rewards.py); `name` picks the model (a
+# discriminated union), so a key of another reward, a wrong type or an unknown name is refused at compose time with its
+# dotted key. Each reward's keys are also those of a component of reward=weighted, which adds `weight` (and has no
+# `host_workers`: the run's reward has them).
 
 
 class _RunReward(_Strict):
@@ -102,30 +77,14 @@ class _Component(_Strict):
     weight: float = 1.0
 
 
-class JpegCompressibilityConfig(_RunReward, JpegCompressibilityKeys): ...
-class JpegIncompressibilityConfig(_RunReward, JpegIncompressibilityKeys): ...
-class AestheticConfig(_RunReward, AestheticKeys): ...
-class ClipScoreConfig(_RunReward, ClipScoreKeys): ...
-class PickScoreConfig(_RunReward, PickScoreKeys): ...
-class RemoteConfig(_RunReward, RemoteKeys): ...
-class DigitClassifierConfig(_RunReward, DigitClassifierKeys): ...
+def _tagged_union(models: list[type[BaseModel]]) -> Any:
+    return Annotated[Union[tuple(models)], Field(discriminator="name")]  # noqa: UP007 -- built from a list
 
 
-class JpegCompressibilityComponent(_Component, JpegCompressibilityKeys): ...
-class JpegIncompressibilityComponent(_Component, JpegIncompressibilityKeys): ...
-class AestheticComponent(_Component, AestheticKeys): ...
-class ClipScoreComponent(_Component, ClipScoreKeys): ...
-class PickScoreComponent(_Component, PickScoreKeys): ...
-class RemoteComponent(_Component, RemoteKeys): ...
-class DigitClassifierComponent(_Component, DigitClassifierKeys): ...
-
-
+_LEAF_REWARDS = [r for r in REWARDS if not r.composite]
 # a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
-RewardComponent = Annotated[
-    JpegCompressibilityComponent | JpegIncompressibilityComponent | AestheticComponent | ClipScoreComponent
-    | PickScoreComponent | RemoteComponent | DigitClassifierComponent,
-    Field(discriminator="name"),
-]
+RewardComponent = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Component",
+                                              __base__=(_Component, r.keys)) for r in _LEAF_REWARDS])
 
 
 class WeightedConfig(_RunReward):
@@ -133,15 +92,13 @@ class WeightedConfig(_RunReward):
     components: list[RewardComponent] = Field(min_length=1)
 
 
-RewardConfig = Annotated[
-    JpegCompressibilityConfig | JpegIncompressibilityConfig | AestheticConfig | ClipScoreConfig | PickScoreConfig
-    | RemoteConfig | WeightedConfig | DigitClassifierConfig,
-    Field(discriminator="name"),
-]
+RewardConfig = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Config",
+                                           __base__=(_RunReward, r.keys)) for r in _LEAF_REWARDS]
+                             + [WeightedConfig])
 
 
 class SampleConfig(_Strict):
-    name: Literal["ddim", "flow_sde"]  # the sampler: DDIM (SD 1.x) or Flow-GRPO's SDE (SD 3)
+    name: Annotated[str, _registered(SAMPLERS)]  # the sampler (ddpo_tpu/catalog/samplers.py): ddim, flow_sde
     num_steps: int = Field(ge=1, le=1000)
     eta: float | None = Field(default=None, gt=0, le=1)              # ddim
     noise_level: float | None = Field(default=None, gt=0, le=1)      # flow_sde
@@ -177,12 +134,8 @@ class TrainConfig(_Strict):
     ema_every: int = Field(default=8, ge=1)          # optimizer steps between EMA updates (flow_grpo: 8)
 
 
-class AlgorithmConfig(_Strict):
-    name: Literal["ddpo", "grpo"]
-    group_size: int | None = Field(default=None, ge=2)   # grpo: samples per prompt in an epoch
-    kl_beta: float = Field(default=0.0, ge=0)             # grpo: weight of the KL penalty to the reference policy
-    global_std: bool = False                              # grpo: divide by the std of the whole epoch, not the group
-    drop_zero_advantage: bool = True                      # grpo: train only samples with advantage (flow_grpo's mask)
+# the algorithm's own keys (ddpo_tpu/catalog/algorithms.py), picked by `name`
+AlgorithmConfig = _tagged_union([a.keys for a in ALGORITHMS])
 
 
 class StatTrackingConfig(_Strict):
@@ -278,7 +231,6 @@ class XlaConfig(_Strict):
     sync_every_n_sampling_batches: int = Field(ge=1)
     sync_before_reward_gather: bool
     gather: Literal["device", "host"]
-    shuffle_timesteps: bool
     debug_level: int = Field(ge=0, le=2)
     flags: list[str]
     libtpu_init_args: list[str]
@@ -302,6 +254,8 @@ class RunConfig(_Strict):
 
     run_name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     output_root: str
+    # gs:// output roots: how long a request waits out an unreachable bucket before the run stops (ddpo_tpu/storage.py)
+    storage_timeout_s: float = Field(default=300.0, gt=0)
     seed: int = Field(ge=0, lt=2**31)
     num_epochs: int = Field(ge=1)
     save_freq: int = Field(ge=1)

@@ -8,7 +8,7 @@ the group, PPO-clip plus a closed-form KL penalty to the reference policy, the f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch import Tensor
@@ -17,6 +17,27 @@ from ddpo_tpu.ddpo.ppo import ppo_loss
 from ddpo_tpu.ddpo.grpo import TrainPlan
 from ddpo_tpu.ddpo.stat_tracking import PerPromptStatTracker, global_advantages
 from ddpo_tpu.families.base import StepScore
+
+class Algorithm(Protocol):
+    """What the loop asks of an algorithm (DDPO and GRPO below follow it; a new one is registered in the catalog)."""
+
+    name: str
+    stat_names: tuple[str, ...]   # the scalars loss() returns, in order (logged per update)
+    needs_reference: bool         # loss() takes the reference policy's step means (a KL term)
+    key_tokens: int               # tokens of a prompt's key (per-prompt statistics, groups)
+    shuffle_timesteps: bool       # each sample's trained timesteps in a random order
+    epoch_metrics: dict[str, float | int]
+
+    def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]: ...
+    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray: ...
+    def rekey(self, key_of) -> None: ...
+    def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray
+                   ) -> TrainPlan | None: ...
+    def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor, reference_mean: Tensor | None = None,
+             weights: Tensor | None = None) -> tuple[Tensor, ...]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 PLAN_STREAM = 3  # the host generator of GRPO's zero-advantage plan: (seed, epoch, 3), apart from the loop's 0-2
 
@@ -34,7 +55,7 @@ class DDPO:
         self.epoch_metrics: dict[str, float | int] = {}  # the last epoch's figures for its metrics line
         st = cfg.stat_tracking
         self.tracker = PerPromptStatTracker(st.buffer_size, st.min_count)
-        self.shuffle_timesteps = cfg.xla.shuffle_timesteps  # each sample's time axis in random order (ddpo-pytorch)
+        self.shuffle_timesteps = cfg.algorithm.shuffle_timesteps  # each sample's time axis in random order
 
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
         """Each batch's prompts, drawn batch by batch as the reference does."""
@@ -141,8 +162,11 @@ class GRPO:
         pass
 
 
-def make_algorithm(cfg) -> DDPO | GRPO:
-    return GRPO(cfg) if cfg.algorithm.name == "grpo" else DDPO(cfg)
+def make_algorithm(cfg) -> Algorithm:
+    """The run's algorithm, found through its catalog spec (ddpo_tpu/catalog/algorithms.py)."""
+    from ddpo_tpu.catalog import ALGORITHMS, load_object
+
+    return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
 
 
-__all__ = ["DDPO", "GRPO", "make_algorithm"]
+__all__ = ["Algorithm", "DDPO", "GRPO", "make_algorithm"]

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from ddpo_tpu import events as ev
-from ddpo_tpu.config.rules import activation_checkpointing, fused_timesteps, num_train_timesteps
+from ddpo_tpu.config.batch import num_train_timesteps
+from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.ddpo.algorithm import make_algorithm
 from ddpo_tpu.ddpo.checkpointing import CheckpointManager, StopRequest

@@ -146,6 +146,18 @@ def run_dir_lock_path(run_dir: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(run_dir) / "lock"
 
 
+def accelerator_lock_path(cfg) -> pathlib.Path | None:
+    """Where the host-wide accelerator lock of a run lives, or None when it takes no lock (lock_accelerator)."""
+    from ddpo_tpu.env import cache_root
+
+    enabled = cfg.lock_accelerator
+    if enabled == "auto":
+        enabled = cfg.tpu_topology.accelerator != "cpu"
+    if not enabled:
+        return None
+    return default_lock_path(cache_root(), cfg.tpu_topology.accelerator)
+
+
 def default_lock_path(cache_root: pathlib.Path, accelerator: str) -> pathlib.Path:
     """``cache_root/locks/<accelerator>.lock``; ``accelerator`` is a short name such as "tpu" (no path parts)."""
     name = str(accelerator).strip()

@@ -1,14 +1,20 @@
-"""What a distributed run needs from this machine, checked by the front end before a run dir exists (no torch
-import): the devices its processes will use, TorchTPU where a TPU topology runs on it, and a free rendezvous port.
-One line each, naming the key and the fix."""
+"""What a run needs from this machine, checked by the front end before a run dir exists (no torch import, well under
+a second): the devices its processes will use (NVIDIA GPUs for CUDA topologies, libtpu or TorchTPU for TPU ones), a
+free rendezvous port, a hub model that must come from the local Hugging Face cache, the tracker's names and
+credentials. One line each, naming the key and what to change; a key the command line did not set is named with where
+it came from (an experiment), so the fix says what to type instead.
+
+Not checked at compose time: --cfg, the tests and the pod launcher (ddpo-pod) compose TPU and GPU configs on machines
+without either."""
 
 from __future__ import annotations
 
 import glob
 import importlib.util
 import socket
+from pathlib import Path
 
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 
 LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
@@ -45,6 +51,43 @@ def _devices_problems(topo, found: int, what: str, why: str, fix: str) -> list[s
     return []
 
 
+def problems(cfg, overrides: list[str] = ()) -> list[str]:
+    """Everything this machine lacks for the run, one line each ([] when it has all). `overrides` are the command
+    line's, to say where a key the user did not type came from."""
+    return (cuda_problems(cfg) + distributed_problems(cfg) + tpu_runtime_problems(cfg)
+            + hub_cache_problems(cfg, overrides) + tracker_problems(cfg, overrides))
+
+
+def origin(key: str, overrides: list[str]) -> str:
+    """' (set by +experiment=NAME)' when the key's value came from an experiment and not from the command line."""
+    from ddpo_tpu.config.compose import overridden_keys
+
+    if key in overridden_keys(overrides):
+        return ""
+    experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
+    return f" (set by +experiment={experiment})" if experiment else " (the default)"
+
+
+def cuda_problems(cfg) -> list[str]:
+    """A CUDA topology on one device (tpu_topology=cuda, eager) needs a visible GPU; the distributed ones are
+    checked with their processes per node (distributed_problems)."""
+    topo = cfg.tpu_topology
+    if topo.accelerator != "cuda" or topo.execution == "distributed":
+        return []
+    return _devices_problems(topo, nvidia_gpus(), "NVIDIA GPU", "no driver, or CUDA_VISIBLE_DEVICES hides them",
+                             "run on a GPU machine, or tpu_topology=eager_cpu here")
+
+
+def tpu_runtime_problems(cfg) -> list[str]:
+    """A TPU topology on torch_xla needs libtpu (TorchTPU's own check is in distributed_problems)."""
+    topo = cfg.tpu_topology
+    if topo.torchtpu or not topo.accelerator.startswith("tpu") or importlib.util.find_spec("libtpu") is not None:
+        return []
+    return [f"tpu_topology={topo.name}: accelerator {topo.accelerator} needs the TPU runtime (libtpu), which is not "
+            f"installed here (on a TPU VM: pip install \"torch_xla[tpu]==2.9.0\"; elsewhere choose tpu_topology=cpu "
+            f"or tpu_topology=eager_cpu)"]
+
+
 def distributed_problems(cfg) -> list[str]:
     topo, d = cfg.tpu_topology, cfg.distributed
     if topo.execution != "distributed":
@@ -68,4 +111,100 @@ def distributed_problems(cfg) -> list[str]:
             out.append(f"distributed.rdzv_endpoint={d.rdzv_endpoint}: port {port} is in use on this host (another "
                        f"run or service) (choose a free port, or distributed.rdzv_endpoint=null on one node: torchrun "
                        f"then picks one)")
+    return out
+
+
+# --- the local Hugging Face cache ------------------------------------------------------------------------------------
+
+def is_hub_id(pretrained: str) -> bool:
+    """A hub repo id (org/name), not a local path: what from_pretrained looks up in the hub cache."""
+    if Path(pretrained).expanduser().exists() or pretrained.startswith(("/", ".", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(pretrained)
+    except HFValidationError:
+        return False
+    return True
+
+
+# the weights diffusers loads from a repo that also holds others: safetensors (not .bin), full precision (not the fp16
+# or non-EMA variants), no single-file checkpoints at the root
+DOWNLOAD_EXCLUDES = ("*.bin", "*fp16*", "*non_ema*", "*.ckpt")
+
+
+def model_folders(model) -> tuple[str, ...]:
+    """The subfolders of a diffusers checkpoint the model's loader reads (SD 3 with T5: its encoder too)."""
+    from ddpo_tpu.catalog import family
+
+    t5 = ("text_encoder_3", "tokenizer_3") if getattr(model, "text_encoder_3", False) else ()
+    return tuple(family(model.family).subfolders) + t5
+
+
+def download_command(model, local_dir: str | None = None) -> str:
+    """The `hf download` that fetches what the model's loader reads (model_index.json and its subfolders), no more."""
+    parts = ["hf download", model.pretrained, "--include model_index.json"]
+    parts += [f"--include '{s}/*'" for s in model_folders(model)]
+    parts += [f"--exclude '{x}'" for x in DOWNLOAD_EXCLUDES]
+    if model.revision:
+        parts.append(f"--revision {model.revision}")
+    if local_dir:
+        parts.append(f"--local-dir {local_dir}")
+    return " ".join(parts)
+
+
+def hub_cache_problems(cfg, overrides: list[str] = ()) -> list[str]:
+    """model.local_files_only=true with a hub id: the local Hugging Face cache must hold it (model_index.json and the
+    family's subfolders), or the training process fails after the run dir is written. Looked up in the cache's layout
+    (huggingface_hub's try_to_load_from_cache), never on the network."""
+    m = cfg.model
+    if m.pretrained is None or not m.local_files_only or not is_hub_id(m.pretrained):
+        return []
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    found = try_to_load_from_cache(m.pretrained, "model_index.json", revision=m.revision)
+    missing = ["model_index.json"]
+    if isinstance(found, str):
+        snapshot = Path(found).parent
+        missing = [f"{s}/" for s in model_folders(m) if not (snapshot / s).is_dir()]
+    if not missing:
+        return []
+    rev = f" (model.revision={m.revision})" if m.revision else ""
+    where = origin("model.pretrained", overrides)
+    return [f"model.pretrained={m.pretrained}{where}: model.local_files_only=true and the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) lacks {', '.join(missing)}{rev} (download it once: "
+            f"`{download_command(m)}`; or point model.pretrained=DIR at a local "
+            f"copy; or set model.local_files_only=false to download at start)"]
+
+
+# --- trackers --------------------------------------------------------------------------------------------------------
+
+# what wandb.init refuses in a project name (wandb/sdk/wandb_settings.py, validate_project, wandb 0.31; its limit of
+# 128 characters is the schema's)
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+def tracker_problems(cfg, overrides: list[str] = ()) -> list[str]:
+    """Names the tracker would refuse in the training process (a traceback after the run dir exists), and wandb's
+    credentials for an online run. TensorBoard takes no names; logger.group and logger.tags' lengths are schema
+    rules."""
+    logger = cfg.logger
+    if logger.name != "wandb" or logger.mode == "disabled":
+        return []
+    out = []
+    bad = sorted({c for c in logger.project if c in WANDB_PROJECT_FORBIDDEN})
+    if bad:
+        why = f"contains {' '.join(bad)}, which wandb refuses in a project name"
+        owner, _, name = logger.project.partition("/")
+        if bad == ["/"] and owner and name and "/" not in name and logger.entity is None:  # wandb's entity/project
+            fix = f"set logger.entity={owner} logger.project={name}"
+        else:
+            fix = (f"set logger.project={''.join('-' if c in WANDB_PROJECT_FORBIDDEN else c for c in logger.project)}"
+                   f"; a team or user goes in logger.entity")
+        out.append(f"logger.project={logger.project}{origin('logger.project', overrides)}: {why} ({fix})")
+    if logger.mode == "online" and envmod.wandb_credentials() is None:
+        out.append("logger.mode=online: wandb has no API key (WANDB_API_KEY is unset and ~/.netrc has no "
+                   "api.wandb.ai entry) (run `wandb login` or export WANDB_API_KEY=...; or set "
+                   "logger.mode=offline and `wandb sync` later)")
     return out

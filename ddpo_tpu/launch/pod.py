@@ -5,19 +5,24 @@
 
     ddpo-pod --tpu my-v6e-16 --zone europe-west4-a --dry-run -- \\
         +experiment=compressibility_parity tpu_topology=v6e-16 sample.num_batches_per_epoch=4 \\
-        train.gradient_accumulation_steps=2
+        train.gradient_accumulation_steps=2 model.pretrained=/data/sd14
 
 (`python -m ddpo_tpu.launch.pod` is the same.) A multi-host slice (v6e-16: 4 workers x 4 chips, v4-64: 8 x 4) needs
 the training command on EVERY worker: launched on worker 0 only, a v6e-16 run sees 4 of its 16 chips (and ddpo_tpu's
 runtime aborts: tpu_topology.processes does not match). This launcher
-1. composes and validates the config of every run locally, with the front end's own check (ddpo_tpu.train
-   compose_points); an invalid config prints one line per problem and exits 2 without touching the TPU,
+1. composes and validates the config of every run here, with the front end's own check (ddpo_tpu.launch.sweep);
+   an invalid config prints one line per problem and exits 2 without touching the TPU. What only the workers can
+   know is not judged here: the paths of launch/sweep.py WORKER_PATH_KEYS (a local model.pretrained, prompts.file,
+   reward.mlp_path, resume=PATH, xla.compilation_cache_dir) and the workers' machine (xla.flags names against their
+   XLA, libtpu, the Hugging Face cache, credentials, a busy TPU),
 2. reads tpu_topology.hosts from it: multi-host topologies run on --worker=all (one process per worker), single-host
    ones on --worker=0 only,
-3. runs `cd WORKDIR && VENV/bin/python -m ddpo_tpu.train OVERRIDES` through
+3. checks on those workers first, `VENV/bin/python -m ddpo_tpu.train --check OVERRIDES` (the front end's whole
+   validation, writing nothing): one worker's refusal (its lines prefixed with its hostname) starts nothing anywhere,
+4. runs `cd WORKDIR && VENV/bin/python -m ddpo_tpu.train OVERRIDES` through
    `gcloud compute tpus tpu-vm ssh NAME --zone ZONE [--project P] --worker=... --command '...'`, each override
    shell-quoted. No environment variable is set: the ones ddpo_tpu reads (PJRT_DEVICE, XLA_FLAGS, ...) are config
-   keys (ddpo_tpu/launch/env.py) and the front end refuses them.
+   keys (ddpo_tpu/env.py) and the front end refuses them.
 
 Actions (the default is to start training in the foreground, its output streamed back through SSH):
   --detach   start it under nohup + setsid, output appended to WORKDIR/logs/ddpo-pod-<hostname>.log on each worker,
@@ -29,10 +34,12 @@ Actions (the default is to start training in the foreground, its output streamed
 Training processes are found by their command line (VENV/bin/python -m ddpo_tpu.train) and working directory
 (WORKDIR); a start refuses (exit 3 on that worker) while one already runs there.
 
---dry-run prints the gcloud command line(s), one per invocation and ready to paste into a shell, and runs nothing.
+--dry-run prints the gcloud command line(s), one per invocation (the workers' check, then the start) and ready to
+paste into a shell, and runs nothing; paths that exist only on the workers are fine there.
 SSH to TPU VMs is flaky: a gcloud exit code 255 (SSH connection failure) is retried up to --retries times with
 exponential backoff (a foreground training run that had been going for longer than a minute is not re-run).
-Exit code: gcloud's (the remote command's), or 2 when the config or the arguments are refused.
+Exit code: gcloud's (the remote command's: 2 or 3 when a worker's check refuses), or 2 when the config or the
+arguments are refused here.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import sys
 import time
 
 from ddpo_tpu.events import EVENTS_FILE
-from ddpo_tpu.launch.env import OWNED_VARIABLES
+from ddpo_tpu.env import OWNED_VARIABLES
 
 PROG = "ddpo-pod"
 TRAIN_MODULE = "ddpo_tpu.train"
@@ -117,6 +124,16 @@ def build_remote_command(overrides: list[str], workdir: str = "~/ddpo_tpu", venv
             f"echo \"$(hostname): started {TRAIN_MODULE} (pid $!), log $PWD/$log\"")
 
 
+def build_check_command(overrides: list[str], workdir: str = "~/ddpo_tpu", venv: str = ".venv") -> str:
+    """The front end's whole check on a worker (`python -m ddpo_tpu.train --check ...`: worker-side paths, XLA flag
+    names, libtpu, the model cache, a busy TPU), writing nothing: its error lines prefixed with the worker's
+    hostname, its exit code passed on (0 when the worker can run it)."""
+    check = " ".join([_python(venv), "-m", TRAIN_MODULE, "--check", *(shlex.quote(o) for o in overrides)])
+    return (f"{_cd(workdir)}; out=$({check} 2>&1 >/dev/null); code=$?; "
+            f"if [ -n \"$out\" ]; then printf '%s\\n' \"$out\" | {_PREFIX} >&2; fi; "
+            f"if [ $code -eq 0 ]; then echo \"$(hostname): check passed\"; fi; exit $code")
+
+
 def build_status_command(workdir: str = "~/ddpo_tpu", output_root: str = "outputs", lines: int = 5,
                          venv: str = ".venv") -> str:
     """Show the training processes of WORKDIR and `ddpo-status --brief --events LINES` of the newest run dir under
@@ -149,19 +166,23 @@ def worker_flag(hosts: int | None) -> str:
 
 
 def build_gcloud_commands(args: argparse.Namespace, hosts: int | None) -> list[list[str]]:
-    """The gcloud invocations of this action, each as an argv list (run without a local shell)."""
+    """The gcloud invocations of this action in order, each as an argv list (run without a local shell): a start is
+    the workers' check, then the start."""
     if args.status:
-        remote = build_status_command(args.workdir, getattr(args, "output_root", "outputs"), args.lines, args.venv)
+        remotes = [build_status_command(args.workdir, getattr(args, "output_root", "outputs"), args.lines, args.venv)]
     elif args.stop:
-        remote = build_stop_command(args.workdir)
+        remotes = [build_stop_command(args.workdir)]
     else:
-        remote = build_remote_command(args.overrides, args.workdir, args.venv, args.detach)
-    check_no_owned_variables(remote)
-    cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.tpu, "--zone", args.zone]
-    if args.project:
-        cmd += ["--project", args.project]
-    cmd += [worker_flag(hosts), *args.gcloud_flag, "--command", remote]
-    return [cmd]
+        remotes = [build_check_command(args.overrides, args.workdir, args.venv),
+                   build_remote_command(args.overrides, args.workdir, args.venv, args.detach)]
+    commands = []
+    for remote in remotes:
+        check_no_owned_variables(remote)
+        cmd = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.tpu, "--zone", args.zone]
+        if args.project:
+            cmd += ["--project", args.project]
+        commands.append(cmd + [worker_flag(hosts), *args.gcloud_flag, "--command", remote])
+    return commands
 
 
 def check_no_owned_variables(remote: str) -> None:
@@ -197,14 +218,14 @@ def split_overrides(tokens: list[str]) -> tuple[list[str], bool]:
 
 
 def validated_topology(overrides: list[str], multirun: bool):
-    """The front end's validation of every run (every sweep point); returns (topology, output_root). What it checks
-    about this machine (libtpu, credentials, locks, earlier job dirs) belongs to the workers and is not checked here:
-    each worker's front end checks it before it writes anything."""
-    from ddpo_tpu.config.errors import ConfigError
-    from ddpo_tpu.train import compose_points
+    """The front end's validation of every run (every sweep point); returns (topology, output_root, the worker-side
+    paths left to the workers' check). What it checks about the machine (libtpu, credentials, the model cache, locks,
+    earlier job dirs) and what the paths hold belong to the workers: their check runs before anything starts."""
+    from ddpo_tpu.problems import ConfigError
+    from ddpo_tpu.launch.sweep import compose_points
 
     try:
-        points = compose_points(overrides, multirun)
+        points = compose_points(overrides, multirun, defer_paths=True)
     except ConfigError as e:
         raise Refused([str(p) for p in e.problems] or [e.context]) from None
     errors = [line for p in points for line in p.problems]
@@ -216,7 +237,7 @@ def validated_topology(overrides: list[str], multirun: bool):
         names = ", ".join(sorted({f"{t.name} ({t.hosts} hosts)" for t, _ in found}))
         raise Refused([f"tpu_topology: the sweep mixes topologies with different host counts ({names}); one slice "
                        f"has one; launch each topology on its own slice"])
-    return found[0]
+    return (*found[0], list(dict.fromkeys(line for p in points for line in p.deferred)))
 
 
 # --- running ----------------------------------------------------------------------------------------------------------
@@ -315,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         if not overrides and not (args.status or args.stop):
             raise Refused(["no training overrides given (e.g. -- +experiment=compressibility_parity "
                            "tpu_topology=v6e-16 ...); the topology decides which workers run"])
-        topo, args.output_root = None, "outputs"
+        topo, args.output_root, worker_paths = None, "outputs", []
         if overrides or multirun:
-            topo, args.output_root = validated_topology(overrides, multirun)
+            topo, args.output_root, worker_paths = validated_topology(overrides, multirun)
         args.overrides = (["-m"] if multirun else []) + overrides
     except Refused as e:
         for line in e.lines:
@@ -325,18 +346,23 @@ def main(argv: list[str] | None = None) -> int:
         _say("nothing was run.")
         return EXIT_REFUSED
     _announce(args, topo)
+    for path in worker_paths:
+        _say(f"{path}: not on this machine; the workers' check looks for it before anything starts")
     commands = build_gcloud_commands(args, None if topo is None else topo.hosts)
     if args.dry_run:
         for cmd in commands:
             _say(f"each worker runs: {cmd[-1]}")
             print(shlex.join(cmd))
         return 0
-    foreground = not (args.detach or args.status or args.stop)
+    starting = not (args.status or args.stop)
     code = 0
-    for cmd in commands:
+    for i, cmd in enumerate(commands):
+        is_start = starting and i == len(commands) - 1
         code = run_with_retry(cmd, retries=args.retries, backoff_s=args.backoff,
-                              no_retry_after_s=NO_RETRY_AFTER_S if foreground else None)
+                              no_retry_after_s=NO_RETRY_AFTER_S if is_start and not args.detach else None)
         if code != 0:
+            if starting and not is_start:
+                _say(f"a worker's check refused the run (exit {code}; its lines are above): nothing was started")
             break
     if code == 0 and args.detach:
         where = ["--tpu", args.tpu, "--zone", args.zone] + (["--project", args.project] if args.project else [])

@@ -47,7 +47,7 @@ def training_command(cfg=None) -> list[str]:
     of this node."""
     if cfg is None or cfg.tpu_topology.execution != "distributed":
         return [sys.executable, "-m", WORKER_MODULE]
-    from ddpo_tpu.launch.env import node_rank
+    from ddpo_tpu.env import node_rank
 
     topo, d = cfg.tpu_topology, cfg.distributed
     if d.rdzv_endpoint is None:  # one node: torchrun's c10d store on this host, on a port it picks
@@ -65,7 +65,7 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
     and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
     front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
     while either process lives."""
-    from ddpo_tpu.launch.env import RUN_DIR_LOCK_FD_VARIABLE
+    from ddpo_tpu.env import RUN_DIR_LOCK_FD_VARIABLE
 
     run_dir = Path(log_path).parent
     record = EventLog(run_dir, echo=_silent)
@@ -90,10 +90,13 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with open(log_path, "ab", buffering=0) as log, _LiveStatus(follow) as live:
+        with _Tee(log_path) as log, _LiveStatus(follow) as live:
             assert proc.stdout is not None
             for line in iter(proc.stdout.readline, b""):
-                log.write(line)
+                if not log.write(line):  # the run dir's disk failed (read-only, full): say so once, stop the run
+                    live.show(log.failure_line())
+                    if proc.poll() is None:  # it checkpoints at its next safe point, if its disk lets it
+                        proc.send_signal(signal.SIGTERM)
                 live.show(line)
             returncode = proc.wait()
             code, how = reported_exit(returncode)
@@ -106,11 +109,56 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
                         f"last checkpoint)\n").encode()
                 log.write(line)
                 live.show(line)
-            record.emit(WorkerExited(code=code, message=how))
+            record.emit(WorkerExited(code=code, message=how or log.reason()))
             return code
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+class _Tee:
+    """train.log, appended a line at a time. A write the disk refuses (read-only, full, gone) is not the front end's
+    crash: the first one is kept in `error`, write() says False once, and later lines only reach the console."""
+
+    def __init__(self, path: Path):
+        self.path, self.file, self.error = Path(path), None, None
+
+    def __enter__(self):
+        try:
+            self.file = open(self.path, "ab", buffering=0)
+        except OSError as e:
+            self.error = e
+            self._reported = False
+        return self
+
+    def write(self, line: bytes) -> bool:
+        """False the first time the log cannot be written (opened or appended); True otherwise."""
+        if self.error is None:
+            try:
+                self.file.write(line)
+                return True
+            except OSError as e:
+                self.error, self._reported = e, False
+        if self._reported:
+            return True
+        self._reported = True
+        return False
+
+    def reason(self) -> str:
+        return "" if self.error is None else f"{self.path} could not be written ({self.error.strerror or self.error})"
+
+    def failure_line(self) -> bytes:
+        return (f"error: {self.reason()}: the training process was sent SIGTERM, to stop at its next safe point and "
+                f"checkpoint if its disk allows (make the run dir's disk writable or free space, then run the same "
+                f"command: it resumes from the last checkpoint)\n").encode()
+
+    def __exit__(self, *exc):
+        if self.file is not None:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+        return False
 
 
 def reported_exit(returncode: int) -> tuple[int, str]:

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddpo_tpu.catalog import family
+
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
 
-SUBFOLDERS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+SUBFOLDERS = family("sd1").subfolders  # what a local SD 1.x checkpoint dir holds (the catalog's)
 _EXPECTED = "expected " + ", ".join(f"{s}/" for s in SUBFOLDERS)
 _TINY_HINT = "e.g. model=tiny for the local test model"
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import Tensor
 
+from ddpo_tpu.catalog import family
 from ddpo_tpu.models.loading import frozen
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ _TINY_CLIP_WIDTHS = (32, 48)  # CLIP-L, CLIP-G stand-ins
 _TINY_JOINT_ATTENTION_DIM = 96  # > 32 + 48: the CLIP features are zero-padded, as SD3 pads 2048 to 4096
 _TINY_HEADS, _TINY_HEAD_DIM = 2, 16
 
-SD3_SUBFOLDERS = ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+SD3_SUBFOLDERS = family("sd3").subfolders  # what a local SD 3 checkpoint dir holds (the catalog's)
 _REQUIRED_FILES = (
     "model_index.json",
     "transformer/config.json",

@@ -64,9 +64,9 @@ class PromptError(ValueError):
     that configuration key.
     """
 
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
+    def __init__(self, key: str, value: object, reason: str, fix: str):
+        self.key, self.value, self.reason, self.fix = key, value, reason, fix
+        super().__init__(f"{key}={value}: {reason} (fix: {fix})")
 
 
 # --------------------------------------------------------------------------- assets
@@ -120,20 +120,20 @@ def _resolve_user_file(key: str, value: str, what: str) -> pathlib.Path:
     """Path given under ``prompts.<key>``: an existing file, or (like the
     reference) the bare name of a shipped asset such as ``simple_animals.txt``."""
     shipped = ", ".join(shipped_assets())
-    fix = f"fix: give an existing UTF-8 text file with one {what} per line, or the name of a shipped list ({shipped})"
+    fix = f"give an existing UTF-8 text file with one {what} per line, or the name of a shipped list ({shipped})"
     if not isinstance(value, (str, pathlib.PurePath)) or not str(value).strip():
-        raise PromptError(f"prompts.{key}={value!r}: not a file path ({fix})", key=f"prompts.{key}")
+        raise PromptError(f"prompts.{key}", repr(value), "not a file path", fix)
     path = pathlib.Path(str(value)).expanduser()
     if path.is_file():
         return path
     if path.exists():
-        raise PromptError(f"prompts.{key}={value}: not a regular file ({fix})", key=f"prompts.{key}")
+        raise PromptError(f"prompts.{key}", value, "not a regular file", fix)
     if path.name == str(value):  # bare name: fall back to the shipped assets
         try:
             return asset_path(str(value))
         except FileNotFoundError:
             pass
-    raise PromptError(f"prompts.{key}={value}: file not found ({fix})", key=f"prompts.{key}")
+    raise PromptError(f"prompts.{key}", value, "file not found", fix)
 
 
 def _load_user_file(key: str, value: str, what: str) -> list[str]:
@@ -141,20 +141,14 @@ def _load_user_file(key: str, value: str, what: str) -> list[str]:
     try:
         lines = _read_lines(path)
     except UnicodeDecodeError as e:
-        raise PromptError(
-            f"prompts.{key}={value}: not UTF-8 text ({e}) (fix: save the file as UTF-8 text, one {what} per line)",
-            key=f"prompts.{key}",
-        ) from e
+        raise PromptError(f"prompts.{key}", value, f"not UTF-8 text ({e})",
+                          f"save the file as UTF-8 text, one {what} per line") from e
     except OSError as e:
-        raise PromptError(
-            f"prompts.{key}={value}: cannot be read ({e}) (fix: check the path and its permissions)",
-            key=f"prompts.{key}",
-        ) from e
+        raise PromptError(f"prompts.{key}", value, f"cannot be read ({e})",
+                          "check the path and its permissions") from e
     if not lines:
-        raise PromptError(
-            f"prompts.{key}={value}: the file is empty (no non-empty lines) (fix: put one {what} per line)",
-            key=f"prompts.{key}",
-        )
+        raise PromptError(f"prompts.{key}", value, "the file is empty (no non-empty lines)",
+                          f"put one {what} per line")
     return lines
 
 
@@ -263,11 +257,8 @@ def _reject_unused(name: str, **unused: str | None) -> None:
     for key, value in unused.items():
         if value is not None:
             users = "from_file" if key == "file" else "nouns_activities"
-            raise PromptError(
-                f"prompts.{key}={value}: only used with prompts.name={users}, but prompts.name={name} "
-                f"(fix: drop prompts.{key} or set it to null)",
-                key=f"prompts.{key}",
-            )
+            raise PromptError(f"prompts.{key}", value, f"only used with prompts.name={users}, but "
+                              f"prompts.name={name}", f"drop prompts.{key} or set it to null")
 
 
 def make_prompt_source(
@@ -283,10 +274,7 @@ def make_prompt_source(
     that the chosen source does not use is an error.  Raises :class:`PromptError`.
     """
     if name not in PROMPT_SETS:
-        raise PromptError(
-            f"prompts.name={name!r}: unknown prompt set (fix: use one of {', '.join(PROMPT_SETS)})",
-            key="prompts.name",
-        )
+        raise PromptError("prompts.name", repr(name), "unknown prompt set", f"use one of {', '.join(PROMPT_SETS)}")
     if name == "imagenet_animals":
         _reject_unused(name, file=file, nouns_file=nouns_file, activities_file=activities_file)
         classes = _load_asset(IMAGENET_CLASSES_FILE)
@@ -310,8 +298,6 @@ def make_prompt_source(
     # from_file
     _reject_unused(name, nouns_file=nouns_file, activities_file=activities_file)
     if file is None:
-        raise PromptError(
-            "prompts.file is required when prompts.name=from_file (fix: prompts.file=/path/to/prompts.txt)",
-            key="prompts.file",
-        )
+        raise PromptError("prompts.file", None, "required when prompts.name=from_file",
+                          "prompts.file=/path/to/prompts.txt")
     return PromptSource(name, [_load_user_file("file", file, "prompt")])

@@ -3,13 +3,13 @@ the run trains on."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpo_tpu.config.schema import TINY
+from ddpo_tpu.catalog import REWARDS, TINY, RewardSpec
+from ddpo_tpu.rewards.base import REWARDS as IMPLEMENTATIONS
 from ddpo_tpu.rewards.base import Reward, make_reward
-
-_TORCH_REWARDS = ("aesthetic", "clip_score", "pickscore")  # rewards that run a torch model and take a `device`
 _NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "components"}
 
 
@@ -20,12 +20,19 @@ def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callab
     Torch rewards stay on a CUDA device; on XLA and the CPU they run on the host CPU (an XLA device would compile
     their graphs beside the training ones). Remote rewards get `should_stop`, so a SIGTERM ends a hanging request
     within a second."""
+    for spec in _specs(cfg):  # importing a reward's module registers its implementation
+        if spec.name not in IMPLEMENTATIONS:
+            importlib.import_module(spec.module)
     reward = make_reward(cfg.name, **reward_kwargs(cfg, Path(model_cache_dir).expanduser(), device))
     if should_stop is not None:
         for r in (reward, *getattr(reward, "components", ())):
             if hasattr(r, "should_stop"):
                 r.should_stop = should_stop
     return reward
+
+
+def _specs(cfg) -> list[RewardSpec]:
+    return [REWARDS.get(cfg.name), *(REWARDS.get(c.name) for c in getattr(cfg, "components", ()))]
 
 
 def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
@@ -36,7 +43,7 @@ def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
         kwargs["components"] = [{"name": c.name, "weight": c.weight, **reward_kwargs(c, cache_dir, device)}
                                 for c in cfg.components]
     kwargs.update(_stand_ins(cfg, cache_dir))
-    if cfg.name in _TORCH_REWARDS and getattr(device, "type", None) == "cuda":
+    if REWARDS.get(cfg.name).torch and getattr(device, "type", None) == "cuda":
         kwargs["device"] = str(device)
     return kwargs
 

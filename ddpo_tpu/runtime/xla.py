@@ -1,7 +1,7 @@
 """torch_xla backends: one device, or SPMD over a mesh of every device of every host (one process per host).
 
 The only module of ddpo_tpu that imports torch_xla; it is imported by the training process after the launcher has
-fixed PJRT_DEVICE, XLA_FLAGS, LIBTPU_INIT_ARGS, CPU_NUM_DEVICES (launch/env.py).
+fixed PJRT_DEVICE, XLA_FLAGS, LIBTPU_INIT_ARGS, CPU_NUM_DEVICES (env.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.runtime as xr
 
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.launch import env as envmod
+from ddpo_tpu import env as envmod
 from ddpo_tpu.runtime.base import Counters, Runtime, StateLayout
 
 

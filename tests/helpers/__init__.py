@@ -23,7 +23,7 @@ FAST_XLA_CPU = "xla.flags=[" + ",".join(f'"{f}"' for f in FAST_XLA_FLAGS) + "]"
 
 def clean_env(**extra: str) -> dict[str, str]:
     """os.environ without the variables ddpo_tpu owns (and HYDRA_FULL_ERROR), the repo on PYTHONPATH, plus extra."""
-    from ddpo_tpu.launch.env import OWNED_VARIABLES
+    from ddpo_tpu.env import OWNED_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

@@ -13,16 +13,18 @@ import os
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
-from ddpo_tpu.config.schema import RunConfig
+# a validated ddpo_tpu.config.schema.RunConfig: not imported, so this module stands on the bottom floor (storage_url
+# and storage_faults read the cache root and the emulator host from it)
+RunConfig = Any
 
 # legacy or owned variable -> the config key that replaces it
 OWNED_VARIABLES: dict[str, str] = {
     "DDPO_TPU_SYNC_EVERY_STEP": "xla.sync_every_n_denoising_steps",
     "DDPO_TPU_SYNC_EVERY_BATCH": "xla.sync_every_n_sampling_batches",
     "DDPO_TPU_USE_ACCELERATE_GATHER": "xla.gather (device or host)",
-    "DDPO_TPU_SHUFFLE_TIMESTEPS": "xla.shuffle_timesteps",
+    "DDPO_TPU_SHUFFLE_TIMESTEPS": "algorithm.shuffle_timesteps",
     "XLA_USE_BF16": "train.mixed_precision=bf16 (and model.dtype)",
     "XLA_DOWNCAST_BF16": "train.mixed_precision=bf16 (and model.dtype)",
     "PT_XLA_DEBUG": "xla.debug_level",
@@ -113,18 +115,6 @@ def compilation_cache_dir(cfg: RunConfig) -> str | None:
     if value == "auto":
         return str(cache_root() / "xla_cache") if cfg.tpu_topology.accelerator.startswith("tpu") else None
     return None if value is None else str(Path(value).expanduser())
-
-
-def accelerator_lock_path(cfg: RunConfig) -> Path | None:
-    """Where the host-wide accelerator lock lives, or None when this run takes no lock (lock_accelerator)."""
-    enabled = cfg.lock_accelerator
-    if enabled == "auto":
-        enabled = cfg.tpu_topology.accelerator != "cpu"
-    if not enabled:
-        return None
-    from ddpo_tpu.launch.lock import default_lock_path
-
-    return default_lock_path(cache_root(), cfg.tpu_topology.accelerator)
 
 
 def runtime_variables(cfg: RunConfig) -> dict[str, str]:

@@ -1,0 +1,105 @@
+"""RL algorithms: each one's keys under `algorithm.` (a pydantic model), its implementation (a class following the
+`Algorithm` protocol of ddpo_tpu/ddpo/algorithm.py, imported by the training process), the config sections it reads
+besides its own keys, and its rules. Adding an algorithm: its keys and spec here, its class, conf/algorithm/<name>.yaml.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from pydantic import Field
+
+from ddpo_tpu.catalog.registry import Registry
+from ddpo_tpu.catalog.rewards import Keys
+from ddpo_tpu.problems import Fix, Problem
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    title: str
+    keys: type[Keys]
+    module: str                      # "package.module:Class"
+    # sections read besides algorithm.*: a key under one the algorithm does not read is ignored (config/enablement.py)
+    reads: tuple[str, ...] = ()
+    # (cfg, totals) -> problems: what its keys need of the rest of the config (totals: config/batch.py Totals)
+    problems: Callable[[Any, Any], list[Problem]] = lambda cfg, totals: []
+
+
+ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
+
+
+class DdpoKeys(Keys):
+    name: Literal["ddpo"]
+    # each sample's trained timesteps in a random order (ddpo-pytorch), drawn on the device with fixed shapes;
+    # was xla.shuffle_timesteps (config/compose.py maps the old key)
+    shuffle_timesteps: bool = True
+
+
+class GrpoKeys(Keys):
+    name: Literal["grpo"]
+    group_size: int = Field(ge=2)                  # samples per prompt in an epoch
+    kl_beta: float = Field(default=0.0, ge=0)      # weight of the KL penalty to the reference policy
+    global_std: bool = False                       # divide by the std of the whole epoch, not the group's
+    drop_zero_advantage: bool = True               # train only samples with advantage (flow_grpo's mask)
+
+
+def _divisor_near(n: int, want: int) -> int | None:
+    sizes = [g for g in range(2, n + 1) if n % g == 0]
+    return min(sizes, key=lambda g: (abs(g - want), g)) if sizes else None
+
+
+def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
+    a, n = cfg.algorithm, tot.samples_per_epoch
+    problems: list[Problem] = []
+    batch = cfg.sample.batch_size * tot.replicas
+    if n % a.group_size:
+        near = _divisor_near(n, a.group_size)
+        per = cfg.sample.batch_size * cfg.sample.num_batches_per_epoch
+        problems.append(Problem("algorithm.group_size", a.group_size,
+                                f"{per} samples x {tot.replicas} replicas = {n} samples per epoch do not split into "
+                                f"groups of {a.group_size}",
+                                Fix.of({"algorithm.group_size": near}, verb="try") if near else
+                                "raise sample.batch_size or sample.num_batches_per_epoch"))
+    elif batch % a.group_size:
+        # flow_grpo's DistributedKRepeatSampler: each sampling batch holds whole groups (batch / group_size prompts)
+        near = _divisor_near(batch, a.group_size)
+        problems.append(Problem("algorithm.group_size", a.group_size,
+                                f"a sampling batch of {cfg.sample.batch_size} x {tot.replicas} replicas = {batch} "
+                                f"samples does not hold whole groups of {a.group_size} (flow_grpo draws each group "
+                                f"inside one sampling batch)",
+                                Fix.of({"algorithm.group_size": near}, verb="try") if near else
+                                "raise sample.batch_size"))
+    if a.kl_beta > 0 and not cfg.model.lora.enabled:
+        problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
+                                "adapter off; a full fine-tune has no adapter",
+                                Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    if (a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
+            and tot.train_timesteps >= cfg.sample.num_steps):
+        problems.append(Problem("train.timestep_fraction", cfg.train.timestep_fraction,
+                                "the last CPS step is deterministic (std 0), so its KL term is 0/0",
+                                Fix.of({"train.timestep_fraction": 0.99}, verb="train fewer steps, e.g.",
+                                       note="(flow_grpo)")))
+    return problems
+
+
+def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:
+    st = cfg.stat_tracking
+    if st.min_count > st.buffer_size:
+        return [Problem("stat_tracking.min_count", st.min_count,
+                        f"can never be reached with stat_tracking.buffer_size={st.buffer_size}",
+                        Fix.of({"stat_tracking.min_count": st.buffer_size}, note="or fewer"))]
+    return []
+
+
+ALGORITHMS.register(AlgorithmSpec(
+    "ddpo", "DDPO", DdpoKeys, "ddpo_tpu.ddpo.algorithm:DDPO", reads=("stat_tracking",), problems=_ddpo_problems))
+ALGORITHMS.register(AlgorithmSpec(
+    "grpo", "GRPO", GrpoKeys, "ddpo_tpu.ddpo.algorithm:GRPO", problems=_grpo_problems))
+
+
+def owner_of(key: str) -> AlgorithmSpec | None:
+    """The algorithm whose keys include `key` (a dotted algorithm.* key), for a key set under another algorithm."""
+    field = key.removeprefix("algorithm.")
+    return next((a for a in ALGORITHMS if field in a.keys.model_fields and field != "name"), None)

@@ -1,0 +1,178 @@
+"""Model families: one spec each holding what validation and loading need to know about a family without torch.
+
+A spec is read by the schema (which names are families and local builds), the rules (sampler, keys only the family
+reads, checkpoint folders, LoRA layers, the memory model), `families.load_family` (the torch module, imported when a
+run starts) and the docs. Adding a family: a spec registered here (or from your own module with `FAMILIES.register`),
+its torch module (a `ModelFamily` subclass with `load(cfg, rt)`), and a YAML under conf/model/. docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ddpo_tpu.catalog.registry import Registry
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class FamilyMemory:
+    """Per-chip memory figures of an SD-sized member of the family at 512 px (estimates for the HBM rules; each
+    figure says how it was measured). Per-evaluation figures are keyed by train.mixed_precision ("no", "bf16")."""
+
+    activation_gib_per_eval_512: Mapping[str, float]    # kept for the backward of one denoiser evaluation
+    checkpointed_gib_per_eval_512: Mapping[str, float]  # the same with activation checkpointing
+    # (model config, fsdp, weight dtype) -> GiB held through training besides a micro-step's activations
+    resident_gib: Callable[[Any, int, str], float]
+    # fsdp -> GiB per chip of a full fine-tune (no LoRA) with AdamW
+    full_finetune_gib: Callable[[int], float]
+    fsdp_splits_frozen_weights: bool = False  # whether a larger mesh.fsdp lowers resident_gib (a fix to offer)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str                     # model.family
+    title: str                    # for people: "Stable Diffusion 1.x (UNet, DDIM)"
+    module: str                   # "package.module:Class", the ModelFamily subclass (imported by the training process)
+    sampler: str                  # the sampler it samples with (catalog/samplers.py)
+    denoiser: str                 # what is trained: "UNet", "transformer" (console, messages)
+    subfolders: tuple[str, ...]   # what a local diffusers checkpoint dir must hold for its loader
+    example_hub_id: str           # a real checkpoint, for fixes and docs
+    builders: tuple[str, ...] = ()           # model.builder values: local builds (tests, smoke runs, benchmarks)
+    full_size_builders: tuple[str, ...] = () # the builds at real widths: memory is estimated for them too
+    lora_layers: tuple[str, ...] = ()        # paths of the adaptable layers inside a block (config/lora.py)
+    lora_example: str = ""                   # a target to show in a fix
+    # model keys only this family reads, with the value that means "unused" (another family refuses other values)
+    own_keys: Mapping[str, Any] = field(default_factory=dict)
+    # model.resolution: None = the family does not read it; else the multiple of pixels a size must be
+    resolution_multiple: int | None = None
+    memory: FamilyMemory | None = None       # None: no HBM estimate for this family
+
+
+FAMILIES: Registry[FamilySpec] = Registry("model family")
+
+
+def family(name: str) -> FamilySpec:
+    return FAMILIES.get(name)
+
+
+def family_of_builder(builder: str) -> FamilySpec | None:
+    return next((f for f in FAMILIES if builder in f.builders), None)
+
+
+def all_builders() -> tuple[str, ...]:
+    return tuple(b for f in FAMILIES for b in f.builders)
+
+
+# --- SD 1.x ----------------------------------------------------------------------------------------------------------
+# Activation memory of one SD 1.x UNet evaluation at 512 px (64x64 latents) kept for the backward pass, per sample, on
+# XLA. Two parts: (1) 2.3 GiB measured on eager CPU with the full-width random SD 1.4 build (model=sd14_random, LoRA,
+# float32: peak RSS of a forward + backward at batch 1 and 2), halved for bf16 autocast; eager CPU attention does not
+# keep its score matrices; (2) XLA lowers attention to matmul + softmax and keeps each softmax for the backward:
+# 8 heads x S^2 x 4 bytes (softmax runs in float32 under autocast) over SD 1.4's 16 self-attentions (5 each at 4096,
+# 1024 and 256 tokens, 1 at 64) = 2.7 GiB. On XLA CPU one training evaluation at full width did not fit in 24 GiB in
+# either precision (benchmarks/RESULTS.md). An estimate for the HBM rule, not a TPU figure.
+# Measured by: python scripts/bench.py --sd14-activations (the eager part, unchecked rows: 1.53 GiB per sample
+# today, below the 2.3 kept here from the first measurement; the bf16 1.2 is half of it, not measured).
+SD1_ATTENTION_SCORES_GIB_512 = 2.7
+SD1_EAGER_GIB = {"no": 2.3, "bf16": 1.2}
+# With activation checkpointing (diffusers' gradient checkpointing: every block keeps only its input and the backward
+# runs it again; `python scripts/bench.py --checkpointing`): (1) the eager part shrinks by what eager CPU measured at
+# full width per sample (batch 2 - batch 1 peak RSS): SD 1.4's UNet 1.53 -> 0.43 GiB (x 0.28); (2) the XLA scores:
+# the forward graph hands no score matrix to the backward graph (AOTAutograd's partition on XLA tensors); what the
+# backward then holds at once is XLA's schedule: on XLA CPU the peak RSS of one compiled forward + backward of SD
+# 1.4's topology at 4096 tokens fell from 11.0 to 5.6 GiB above its baseline (x 0.51).
+SD1_CKPT_EAGER_RATIO, CKPT_XLA_SCORES_RATIO = 0.28, 0.51
+# frozen UNet + VAE + text encoder, LoRA and Adam state, sampling buffers (float32 weights): an estimate, no probe
+SD1_RESIDENT_GIB = 6.0
+# A full UNet fine-tune: 860M weights x (weight, gradient, 2 AdamW moments) x 4 bytes = 12.8 GiB, split by fsdp,
+# plus ~3 GiB that stays whole (VAE, text encoder, 1-D tensors, activations of a small batch)
+SD1_FULL_STATE_GIB, SD1_FULL_WHOLE_GIB = 12.8, 3.0
+
+SD1 = FAMILIES.register(FamilySpec(
+    name="sd1", title="Stable Diffusion 1.x (UNet, DDIM)", module="ddpo_tpu.families.sd1:SD1Family",
+    sampler="ddim", denoiser="UNet",
+    subfolders=("unet", "vae", "text_encoder", "tokenizer", "scheduler"),
+    example_hub_id="CompVis/stable-diffusion-v1-4",
+    builders=("tiny", "sd14_topology", "sd14_random", "digits"), full_size_builders=("sd14_random",),
+    lora_layers=("attn1.to_k", "attn1.to_out.0", "attn1.to_q", "attn1.to_v", "attn2.to_k", "attn2.to_out.0",
+                 "attn2.to_q", "attn2.to_v", "conv", "conv1", "conv2", "conv_in", "conv_out", "conv_shortcut",
+                 "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "time_emb_proj", "time_embedding.linear_1",
+                 "time_embedding.linear_2"),
+    lora_example="attn1.to_q",
+    memory=FamilyMemory(
+        activation_gib_per_eval_512={k: v + SD1_ATTENTION_SCORES_GIB_512 for k, v in SD1_EAGER_GIB.items()},
+        checkpointed_gib_per_eval_512={k: round(v * SD1_CKPT_EAGER_RATIO
+                                                + CKPT_XLA_SCORES_RATIO * SD1_ATTENTION_SCORES_GIB_512, 2)
+                                       for k, v in SD1_EAGER_GIB.items()},
+        resident_gib=lambda model, fsdp, dtype: SD1_RESIDENT_GIB,
+        full_finetune_gib=lambda fsdp: SD1_FULL_STATE_GIB / fsdp + SD1_FULL_WHOLE_GIB,
+    ),
+))
+
+# --- SD 3 / 3.5 ------------------------------------------------------------------------------------------------------
+# One SD 3.5 Medium transformer evaluation at 512 px (1024 image tokens + 77 CLIP + 128 T5 text tokens, flow_grpo's
+# max_sequence_length), LoRA rank 32 as model=sd35_medium. (1) SD3_EAGER_GIB: 2.9 GiB in float32 measured on eager CPU
+# with SD 3.5 Medium's transformer at full width (1536, 24 heads of 64, RMS qk-norm) and random weights, 2 and 3
+# layers deep, with and without dual attention, batch 1 and 2 (`python scripts/bench.py --sd3-activations`; peak RSS
+# over a forward + backward, 2.87, and the bytes autograd saves, 2.80): per sample 0.24 for the first and last layers
+# with the embeddings, 0.10 per middle joint layer, 0.14 per middle dual-attention layer, extrapolated to 24 layers.
+# bf16 (frozen weights bfloat16 under bf16 autocast): 2.1 = float32's x 0.74, the bf16 / float32 ratio of a 1-layer
+# build at batch 1 and 2. (2) XLA's softmaxes, as for SD 1.x: 24 heads x S^2 x 4 bytes over the 24 joint attentions
+# (S = 1229) and the image-only attentions of dual layers 1-12 (S = 1024) = 4.4 GiB. An estimate, not a TPU figure.
+SD3_ATTENTION_SCORES_GIB_512 = (24 * 24 * 1229 ** 2 + 12 * 24 * 1024 ** 2) * 4 / GIB  # 4.37
+SD3_EAGER_GIB = {"no": 2.9, "bf16": 2.1}
+# activation checkpointing: SD 3.5 Medium's transformer 2.9 -> 0.75 GiB per sample on eager CPU (x 0.26; 24 layers
+# extrapolated from 2-3 as above, counting each layer's recomputation as if kept: an upper bound;
+# `python scripts/bench.py --checkpointing`), the XLA scores as SD 1.x's
+SD3_CKPT_EAGER_RATIO = 0.26
+# SD 3.5 Medium's parts in billions of values (the diffusers / transformers classes built with the checkpoint's configs
+# on the meta device): the transformer's weights (split over mesh.fsdp with the training state) and its positional
+# table (a buffer, whole on every chip); CLIP-L and CLIP-G; T5-XXL's encoder (model.text_encoder_3); the VAE (float32).
+# Measured by: python scripts/bench.py --sd3-parameters
+SD35_MEDIUM_BILLIONS = {"transformer": 2.243, "pos_embed": 0.227, "clips": 0.124 + 0.695, "t5": 4.762, "vae": 0.084}
+# plus LoRA's 18.8M values x (weight, gradient, 2 AdamW moments, EMA) in float32 (0.35 GiB), an epoch's trajectories
+# and prompt embeddings (0.6 GiB at flow_grpo's 144 samples a chip) and ~1 GiB for the runtime and fragmentation
+SD3_STATE_GIB = 2.0
+
+
+def _sd3_resident_gib(model, fsdp: int, dtype: str) -> float:
+    b = SD35_MEDIUM_BILLIONS
+    size = 2 if dtype == "bfloat16" else 4
+    frozen = b["transformer"] / fsdp + b["pos_embed"] + b["clips"] + (b["t5"] if model.text_encoder_3 else 0.0)
+    return (frozen * size + b["vae"] * 4) * 1e9 / GIB + SD3_STATE_GIB
+
+
+def _sd3_full_finetune_gib(fsdp: int) -> float:
+    # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp, the rest whole
+    b = SD35_MEDIUM_BILLIONS
+    whole = (b["pos_embed"] + b["clips"] + b["vae"]) * 4 * 1e9 / GIB + SD3_STATE_GIB
+    return b["transformer"] * 16 * 1e9 / GIB / fsdp + whole
+
+
+SD3 = FAMILIES.register(FamilySpec(
+    name="sd3", title="Stable Diffusion 3 / 3.5 (MMDiT, flow matching)", module="ddpo_tpu.families.sd3:SD3Family",
+    sampler="flow_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"),
+    example_hub_id="stabilityai/stable-diffusion-3.5-medium",
+    builders=("tiny_sd3",),
+    lora_layers=("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                 "attn.to_out.0", "attn.to_q", "attn.to_v", "attn2.to_k", "attn2.to_out.0", "attn2.to_q",
+                 "attn2.to_v", "context_embedder", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                 "ff_context.net.2", "norm1.linear", "norm1_context.linear", "norm_out.linear", "pos_embed.proj",
+                 "proj_out", "time_text_embed.text_embedder.linear_1", "time_text_embed.text_embedder.linear_2",
+                 "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2"),
+    lora_example="attn.add_q_proj",
+    own_keys={"text_encoder_3": False},
+    resolution_multiple=16,  # VAE factor 8 x the transformer's 2x2 patches
+    memory=FamilyMemory(
+        activation_gib_per_eval_512={k: v + SD3_ATTENTION_SCORES_GIB_512 for k, v in SD3_EAGER_GIB.items()},
+        checkpointed_gib_per_eval_512={k: round(v * SD3_CKPT_EAGER_RATIO
+                                                + CKPT_XLA_SCORES_RATIO * SD3_ATTENTION_SCORES_GIB_512, 2)
+                                       for k, v in SD3_EAGER_GIB.items()},
+        resident_gib=_sd3_resident_gib,
+        full_finetune_gib=_sd3_full_finetune_gib,
+        fsdp_splits_frozen_weights=True,
+    ),
+))

@@ -1,0 +1,146 @@
+"""Rewards: each one's config keys (a pydantic model: the reward constructor's keyword arguments), the module that
+registers its torch/numpy implementation, and what the schema cannot say about its keys. The schema builds the
+`reward` group (and reward=weighted's components) from this registry, so a reward is known by registering it here.
+Adding a reward: its keys class and spec here, its module (a `@register_reward` constructor, ddpo_tpu/rewards) and
+conf/reward/<name>.yaml."""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ddpo_tpu.catalog.registry import Registry
+from ddpo_tpu.problems import Fix, Problem
+
+TINY = "tiny"  # clip_model / mlp_path / processor: the tiny local stand-in (rewards/from_config.py builds it)
+
+
+class Keys(BaseModel):
+    # strict: "4" is not an int and 1.5 is not an int; ints are accepted where floats are expected.
+    # no inf/nan: Hydra parses `inf` and `nan` as floats, and no key of a run means either
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    name: str
+    title: str
+    keys: type[Keys]     # with `name: Literal[<name>]`
+    module: str          # importing it registers the implementation (ddpo_tpu.rewards.base.register_reward)
+    torch: bool = False  # runs a torch model and takes a `device`
+    # the schema cannot say: (keys, dotted prefix) -> problems (files that must exist, URLs, pairs of stand-ins)
+    problems: Callable[[Any, str], list[Problem]] = lambda keys, prefix: []
+    composite: bool = False  # holds other rewards (weighted): not itself a component
+
+
+REWARDS: Registry[RewardSpec] = Registry("reward")
+
+
+class _JpegKeys(Keys):
+    quality: int = Field(default=95, ge=1, le=100)  # JPEG quality the size is measured at (the reference's 95)
+
+
+class JpegCompressibilityKeys(_JpegKeys):
+    name: Literal["jpeg_compressibility"]
+
+
+class JpegIncompressibilityKeys(_JpegKeys):
+    name: Literal["jpeg_incompressibility"]
+
+
+class AestheticKeys(Keys):
+    name: Literal["aesthetic"]
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
+    mlp_path: str | None = None                        # LAION MLP weights (.pth/.safetensors) or `tiny`; required
+    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass (null: the whole batch)
+
+
+class ClipScoreKeys(Keys):
+    name: Literal["clip_score"]
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
+
+
+class PickScoreKeys(Keys):
+    name: Literal["pickscore"]
+    clip_model: str = Field(default="yuvalkirstain/PickScore_v1", min_length=1)  # CLIPModel: hub id, dir or `tiny`
+    processor: str = Field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", min_length=1)  # CLIPProcessor or `tiny`
+    batch_size: int | None = Field(default=None, ge=1)
+
+
+class RemoteKeys(Keys):
+    name: Literal["remote"]
+    url: str                                           # http(s)://HOST:PORT/PATH (checked below)
+    timeout_s: float = Field(default=30.0, gt=0)
+    retries: int = Field(default=3, ge=0, le=20)
+    backoff_s: float = Field(default=0.5, ge=0)
+    batch_size: int = Field(default=16, ge=1)
+    image_format: Literal["png", "raw"] = "png"
+    headers: dict[str, str] | None = None
+
+
+class DigitClassifierKeys(Keys):
+    name: Literal["digit_classifier"]
+    target: int | None = Field(default=7, ge=0, le=9)  # P(this digit); null: P(the digit the prompt names)
+    cache_dir: str = Field(default="~/.cache/ddpo_tpu/models", min_length=1)  # where its classifier is built once
+
+
+def _tiny_pair(a: str, b: str) -> Callable[[Any, str], list[Problem]]:
+    """A tiny stand-in comes in pairs: the tiny MLP takes the tiny CLIP's embeddings, the tiny processor the tiny
+    model's vocabulary (rewards/from_config.py builds them)."""
+
+    def check(r: Any, prefix: str) -> list[Problem]:
+        if (getattr(r, a) == TINY) == (getattr(r, b) == TINY):
+            return []
+        real, tiny = (a, b) if getattr(r, b) == TINY else (b, a)
+        return [Problem(f"{prefix}.{tiny}", TINY, f"the tiny stand-in only pairs with a tiny {real} "
+                        f"({prefix}.{real}={getattr(r, real)})",
+                        Fix.of({f"{prefix}.{real}": TINY}, note=f"or set {prefix}.{tiny} to a real one"))]
+
+    return check
+
+
+def _aesthetic_problems(r: AestheticKeys, prefix: str) -> list[Problem]:
+    if not r.mlp_path:
+        return [Problem(f"{prefix}.mlp_path", r.mlp_path, "the aesthetic reward needs the LAION aesthetic MLP weights",
+                        f"download sac+logos+ava1-l14-linearMSE.pth and set {prefix}.mlp_path=PATH")]
+    if r.mlp_path != TINY and not os.path.isfile(os.path.expanduser(r.mlp_path)):
+        return [Problem(f"{prefix}.mlp_path", r.mlp_path, "file not found", "give the path of the MLP weights")]
+    return _tiny_pair("clip_model", "mlp_path")(r, prefix)
+
+
+def url_problems(key: str, url: Any) -> list[Problem]:
+    """An http(s) URL with a host and a valid port."""
+    fix = f"set {key}=http://HOST:PORT/PATH, e.g. http://127.0.0.1:8765/score"
+    if not isinstance(url, str) or not url.strip():
+        return [Problem(key, url, "the reward server's URL is required", fix)]
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or any(c.isspace() for c in url):
+        return [Problem(key, url, "not an http:// or https:// URL with a host", fix)]
+    try:
+        parsed.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0-65535
+    except ValueError as e:
+        return [Problem(key, url, str(e), fix)]
+    return []
+
+
+REWARDS.register(RewardSpec("jpeg_compressibility", "smaller JPEG files", JpegCompressibilityKeys,
+                            "ddpo_tpu.rewards.jpeg"))
+REWARDS.register(RewardSpec("jpeg_incompressibility", "larger JPEG files", JpegIncompressibilityKeys,
+                            "ddpo_tpu.rewards.jpeg"))
+REWARDS.register(RewardSpec("aesthetic", "LAION aesthetic predictor on CLIP ViT-L/14", AestheticKeys,
+                            "ddpo_tpu.rewards.aesthetic", torch=True, problems=_aesthetic_problems))
+REWARDS.register(RewardSpec("clip_score", "CLIP image-text similarity", ClipScoreKeys, "ddpo_tpu.rewards.clip_score",
+                            torch=True))
+REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScoreKeys, "ddpo_tpu.rewards.pickscore",
+                            torch=True, problems=_tiny_pair("clip_model", "processor")))
+REWARDS.register(RewardSpec("remote", "a reward server over HTTP", RemoteKeys, "ddpo_tpu.rewards.remote",
+                            problems=lambda r, prefix: url_problems(f"{prefix}.url", r.url)))
+REWARDS.register(RewardSpec("digit_classifier", "P(digit) of a small MNIST classifier (the digits demo)",
+                            DigitClassifierKeys, "ddpo_tpu.rewards.digits"))
+# reward=weighted: a weighted sum of the others; its keys are built by the schema from the components above
+REWARDS.register(RewardSpec("weighted", "a weighted sum of rewards", Keys, "ddpo_tpu.rewards.weighted",
+                            composite=True))

@@ -1,0 +1,28 @@
+"""Samplers: the `sample.name` values, the keys each one reads (the others must stay unset) and the sampler config
+group that picks it with the reference's values (a fix offers it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddpo_tpu.catalog.registry import Registry
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    name: str
+    title: str
+    keys: tuple[str, ...]  # the sample.* keys it needs (every sampler key it does not list must stay null)
+    group: str             # conf/sampler/<group>.yaml: the reference's settings
+
+
+SAMPLERS: Registry[SamplerSpec] = Registry("sampler")
+
+SAMPLERS.register(SamplerSpec("ddim", "DDIM with log-probs (DDPO)", keys=("eta",), group="ddim50"))
+SAMPLERS.register(SamplerSpec("flow_sde", "Flow-GRPO's SDE with log-probs", keys=("noise_level", "sde_type"),
+                              group="flow_sde10"))
+
+
+def sampler_keys() -> tuple[str, ...]:
+    """Every sampler-specific key of the sample group."""
+    return tuple(dict.fromkeys(k for s in SAMPLERS for k in s.keys))

@@ -1,0 +1,87 @@
+"""Keys that only matter when another key enables them, as data: setting one where it cannot take effect (the EMA's
+decay with the EMA off, evaluation prompts with evaluation off, XLA flags on an eager topology...) is refused in one
+line naming what enables it, instead of starting a run that silently ignores it. A key is judged when the user set it
+(on the command line or in a sweep); the defaults and groups that carry such keys for every run are left alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ddpo_tpu.catalog import ALGORITHMS
+from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
+from ddpo_tpu.problems import Fix, Problem
+
+
+@dataclass(frozen=True)
+class Dependent:
+    keys: tuple[str, ...]             # dotted keys, or prefixes ending in "." for a whole section
+    active: Callable[[RunConfig], bool]
+    because: str                      # why it is not read: "train.ema=false"
+    fix: Fix | str                    # what enables it
+
+
+_XLA = lambda c: c.tpu_topology.execution in ("xla", "xla_spmd")  # noqa: E731
+
+DEPENDENTS: tuple[Dependent, ...] = (
+    Dependent(("train.ema_decay", "train.ema_every"), lambda c: c.train.ema, "train.ema=false",
+              Fix.of({"train.ema": True})),
+    Dependent(("evaluation.seed", "evaluation.prompts", "evaluation.num_steps", "evaluation.deterministic"),
+              lambda c: c.evaluation.every_n_epochs > 0, "evaluation.every_n_epochs=0",
+              Fix.of({"evaluation.every_n_epochs": 1}, note="(or another period)")),
+    Dependent(("logger.project", "logger.entity", "logger.group", "logger.tags", "logger.notes", "logger.mode",
+               "logger.tensorboard"), lambda c: c.logger.name != "none", "logger=none",
+              "add logger=wandb or logger=tensorboard"),
+    Dependent(("tpu_topology.mesh.",), lambda c: c.tpu_topology.execution in MULTI_DEVICE,
+              "this topology drives one device", "use a multi-device topology, e.g. tpu_topology=cpu_spmd4"),
+    Dependent(("xla.flags", "xla.libtpu_init_args", "xla.step_compiler", "xla.compilation_cache_dir",
+               "xla.profile_steps", "xla.debug_level", "xla.gather", "xla.sync_before_reward_gather"), _XLA,
+              "the topology does not run torch_xla", "use an XLA topology (tpu_topology=cpu, v6e-8, ...)"),
+    Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",
+              "tpu_topology.execution is not distributed", "use a distributed topology, e.g. tpu_topology=cpu_dist2"),
+)
+
+
+def _dependents(cfg: RunConfig) -> tuple[Dependent, ...]:
+    """The table, plus the sections an algorithm reads besides its own keys (stat_tracking: DDPO's, not GRPO's)."""
+    readers = {section: [a.name for a in ALGORITHMS if section in a.reads] for a in ALGORITHMS for section in a.reads}
+    extra = tuple(Dependent((f"{section}.",), lambda c, names=tuple(names): c.algorithm.name in names,
+                            f"algorithm={cfg.algorithm.name} does not read it",
+                            f"add algorithm={names[0]}" if len(names) == 1 else f"use one of: {', '.join(names)}")
+                  for section, names in readers.items())
+    return DEPENDENTS + extra
+
+
+def _matches(key: str, pattern: str) -> bool:
+    return key.startswith(pattern) if pattern.endswith(".") else key == pattern or key.startswith(pattern + ".")
+
+
+def ignored_problems(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str]) -> list[Problem]:
+    from ddpo_tpu.config.batch import lookup
+
+    problems: list[Problem] = []
+    for dep in _dependents(cfg):
+        touched = sorted(k for k in overridden if any(_matches(k, p) for p in dep.keys))
+        if touched and not dep.active(cfg):
+            key = touched[0]
+            problems.append(Problem(key, lookup(tree, key), f"not read: {dep.because}", dep.fix))
+    problems.extend(_ema_problems(cfg))
+    every = cfg.evaluation.every_n_epochs
+    if every > cfg.num_epochs:
+        problems.append(Problem("evaluation.every_n_epochs", every,
+                                f"the run has {cfg.num_epochs} epochs, so no evaluation would run",
+                                Fix.of({"evaluation.every_n_epochs": cfg.num_epochs}, note="or fewer, or 0 for none")))
+    return problems
+
+
+def _ema_problems(cfg: RunConfig) -> list[Problem]:
+    t, s = cfg.train, cfg.sample
+    if not t.ema:
+        return []
+    per_epoch = (s.batch_size * s.num_batches_per_epoch * t.num_inner_epochs) // (t.batch_size
+                                                                                * t.gradient_accumulation_steps)
+    steps = per_epoch * cfg.num_epochs
+    if 0 < steps < t.ema_every:
+        return [Problem("train.ema_every", t.ema_every, f"the run has {steps} optimizer steps, so the EMA would never "
+                        "be updated", Fix.of({"train.ema_every": max(1, steps)}, verb="try", note="or fewer"))]
+    return []

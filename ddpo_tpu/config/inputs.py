@@ -1,0 +1,129 @@
+"""Inputs named by the config, checked before a run dir exists: the run's name and output root, a checkpoint to
+resume, prompt files, XLA flags, the compilation cache, profile steps. Paths that live on other machines (a pod's
+workers) are checked there (launch/pod.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ddpo_tpu.config.batch import Totals
+from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.problems import Fix, Problem
+
+# what XLA_FLAGS and LIBTPU_INIT_ARGS accept: space-separated --name or --name=value (anything else aborts the runtime)
+_FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
+    problems: list[Problem] = []
+    if set(cfg.run_name) <= {"."}:  # "." is output_root itself and ".." its parent (the launch directory)
+        problems.append(Problem("run_name", cfg.run_name, "names the output root or its parent, not a run dir",
+                                "use a name with a letter or digit, e.g. run_name=ddpo"))
+    if not cfg.output_root.strip():  # an empty root puts the run dir at the filesystem root
+        problems.append(Problem("output_root", repr(cfg.output_root), "empty path",
+                                Fix.of({"output_root": "outputs"}, note="or another directory")))
+    url = storage_url_problem(cfg.output_root)  # gs://BUCKET/PREFIX (the bucket itself is checked before a run starts)
+    if url is not None:
+        problems.append(Problem("output_root", cfg.output_root, *url))
+    elif _ONE_SLASH.match(cfg.output_root):  # gs:/bucket would become a local directory named "gs:"
+        problems.append(Problem("output_root", cfg.output_root, "a URL needs two slashes after its scheme",
+                                Fix.of({"output_root": _ONE_SLASH.sub(r"\1://", cfg.output_root, count=1)},
+                                       verb="did you mean")))
+    problems.extend(resume_problems(cfg.resume))
+    problems.extend(prompt_problems(cfg))
+    problems.extend(_xla_problems(cfg, tot))
+    return problems
+
+
+def resume_problems(resume: str) -> list[Problem]:
+    if resume in ("auto", "never"):
+        return []
+    path = Path(resume).expanduser()
+    if not path.exists():
+        return [Problem("resume", resume, "no such checkpoint",
+                        Fix.of({"resume": "auto"}, {"resume": "never"}, verb="use",
+                               note="or an existing checkpoint path"))]
+    if not _holds_checkpoint(path):
+        return [Problem("resume", resume, "not a checkpoint: neither a checkpoints/epoch_NNNN dir with state.json "
+                        "nor a run dir or checkpoints dir holding one",
+                        "use resume=auto, resume=never, or the path of a checkpoint")]
+    return []
+
+
+def prompt_problems(cfg: RunConfig) -> list[Problem]:
+    """Build the prompt source as the training process will (same reader): missing, binary or empty files."""
+    from ddpo_tpu.prompts import PromptError, make_prompt_source
+
+    p = cfg.prompts
+    if p.name == "from_file" and not p.file:
+        return [Problem("prompts.file", p.file, "prompts=from_file needs a file", "set prompts.file=PATH")]
+    try:
+        make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file)
+    except PromptError as e:
+        return [Problem(e.key, e.value, e.reason, e.fix)]
+    return []
+
+
+def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
+    problems: list[Problem] = []
+    xla = cfg.xla
+    examples = {"flags": "--xla_dump_to=/tmp/dump", "libtpu_init_args": "--xla_enable_async_all_gather=true"}
+    for key, example in examples.items():
+        for i, flag in enumerate(getattr(xla, key)):
+            if not _FLAG.fullmatch(flag):
+                problems.append(Problem(f"xla.{key}[{i}]", repr(flag), "not a flag of the form --name or "
+                                        "--name=value (no spaces)", f"e.g. 'xla.{key}=[\"{example}\"]'"))
+    cache = xla.compilation_cache_dir
+    if cache not in (None, "auto"):
+        if not cache.strip():
+            problems.append(Problem("xla.compilation_cache_dir", repr(cache), "empty path",
+                                    "use auto, null or a directory"))
+        elif (url := storage_url_problem(cache)) is not None or _ONE_SLASH.match(cache) or "://" in cache:
+            problems.append(Problem("xla.compilation_cache_dir", cache, url[0] if url else
+                                    "the compilation cache is a local directory, not a bucket",
+                                    "use a local directory, auto or null"))
+        else:
+            blocker = _nearest_existing(Path(cache).expanduser())
+            if not blocker.is_dir():
+                problems.append(Problem("xla.compilation_cache_dir", cache, f"{blocker} is a file, not a directory",
+                                        "use a directory, created if missing; or auto or null"))
+    if any(s < 0 for s in xla.profile_steps):
+        problems.append(Problem("xla.profile_steps", xla.profile_steps, "steps are >= 0", "list step numbers"))
+    elif xla.profile_steps and tot.samples_per_epoch % tot.total_train_batch == 0:  # else a batch rule fires
+        steps = int(tot.updates_per_epoch) * cfg.num_epochs
+        late = [s for s in xla.profile_steps if s >= steps]
+        if late:
+            problems.append(Problem("xla.profile_steps", xla.profile_steps,
+                                    f"step(s) {late} never run: {int(tot.updates_per_epoch)} optimizer steps per "
+                                    f"epoch x {cfg.num_epochs} epochs = global steps 0-{steps - 1}",
+                                    f"list steps below {steps}"))
+    return problems
+
+
+def storage_url_problem(value: str) -> tuple[str, str] | None:
+    from ddpo_tpu.storage_url import url_problem
+
+    return url_problem(value)
+
+
+_CHECKPOINT_NAME = re.compile(r"^epoch_\d{4,}$")
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """What checkpoint.find_resume accepts: a checkpoint dir, or a dir whose checkpoints/ (or itself) holds one."""
+    if (path / "state.json").is_file():
+        return True
+    for root in (path, path / "checkpoints"):
+        if root.is_dir() and any(_CHECKPOINT_NAME.match(c.name) and (c / "state.json").is_file()
+                                 for c in root.iterdir()):
+            return True
+    return False
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path

@@ -1,0 +1,85 @@
+"""Topology rules: chips, hosts and processes that add up, the execution that drives them, and a mesh that covers
+them. The distributed execution's own rules are in config/distributed.py."""
+
+from __future__ import annotations
+
+from ddpo_tpu.config.batch import pick
+from ddpo_tpu.config.distributed import distributed_problems
+from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
+from ddpo_tpu.problems import Fix, Problem
+
+
+def topology_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Problem]:
+    problems: list[Problem] = []
+    topo = cfg.tpu_topology
+    if topo.hosts * topo.chips_per_host != topo.chips:
+        problems.append(Problem("tpu_topology.chips", topo.chips,
+                                f"{topo.hosts} hosts x {topo.chips_per_host} chips per host = "
+                                f"{topo.hosts * topo.chips_per_host}",
+                                Fix.of({"tpu_topology.chips": topo.hosts * topo.chips_per_host})))
+    if topo.processes != "auto" and topo.processes != topo.expected_processes:
+        per = "device" if topo.execution == "distributed" else "host"
+        problems.append(Problem("tpu_topology.processes", topo.processes,
+                                f"one training process runs per {per} and there are {topo.expected_processes} "
+                                f"{per}s", Fix.of({"tpu_topology.processes": topo.expected_processes},
+                                                  note="(or auto)")))
+    if topo.execution == "distributed":
+        problems.extend(distributed_problems(cfg, overridden))
+    elif topo.execution == "eager":
+        if topo.pjrt_device is not None and not topo.accelerator.startswith("tpu"):
+            problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
+                                    "eager execution does not use PJRT", Fix.of({"tpu_topology.pjrt_device": None})))
+        if topo.accelerator.startswith("tpu"):
+            problems.append(Problem("tpu_topology.execution", topo.execution,
+                                    "TPUs run through XLA or TorchTPU",
+                                    "set tpu_topology.execution=xla_spmd (or xla for one chip), or distributed for "
+                                    "TorchTPU"))
+    else:
+        want = {"cpu": "CPU", "cuda": "CUDA"}.get(topo.accelerator, "TPU")
+        if topo.pjrt_device != want:
+            problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
+                                    f"accelerator {topo.accelerator} runs on PJRT device {want}",
+                                    Fix.of({"tpu_topology.pjrt_device": want})))
+    if topo.execution in ("eager", "xla") and topo.chips != 1:
+        problems.append(Problem("tpu_topology.execution", topo.execution,
+                                f"{topo.execution} drives one device but the topology has {topo.chips} chips",
+                                Fix.of({"tpu_topology.execution": "xla_spmd"}, {"tpu_topology.execution":
+                                                                                "distributed"},
+                                       note="to use them all")))
+    if topo.execution in MULTI_DEVICE and topo.hosts * topo.chips_per_host == topo.chips:
+        problems.extend(_mesh_problems(cfg, overridden))
+    return problems
+
+
+def _mesh_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Problem]:
+    problems: list[Problem] = []
+    topo = cfg.tpu_topology
+    mesh = topo.mesh
+    if mesh.dp * mesh.fsdp != topo.chips:
+        if topo.chips % mesh.fsdp == 0:
+            fix = Fix.of({"tpu_topology.mesh.dp": topo.chips // mesh.fsdp})
+        else:
+            fix = Fix.of({"tpu_topology.mesh.dp": topo.chips, "tpu_topology.mesh.fsdp": 1})
+        k = pick(("tpu_topology.mesh.dp", "tpu_topology.mesh.fsdp"), overridden)
+        problems.append(Problem(k, mesh.dp if k.endswith(".dp") else mesh.fsdp,
+                                f"mesh dp {mesh.dp} x fsdp {mesh.fsdp} = {mesh.dp * mesh.fsdp} devices but the "
+                                f"topology has {topo.chips} chips", fix))
+    if mesh.layout == "host_local" and (mesh.dp, mesh.fsdp) != (topo.hosts, topo.chips_per_host):
+        problems.append(Problem("tpu_topology.mesh.layout", mesh.layout,
+                                "host_local puts dp across hosts and fsdp within one",
+                                Fix.of({"tpu_topology.mesh.dp": topo.hosts,
+                                        "tpu_topology.mesh.fsdp": topo.chips_per_host})))
+    if topo.hosts > 1 and mesh.fsdp > 1 and topo.chips_per_host % mesh.fsdp:
+        # a checkpoint is put together from one host's shards, so every fsdp group must sit inside a host
+        problems.append(Problem("tpu_topology.mesh.fsdp", mesh.fsdp,
+                                f"fsdp groups must fit inside one host ({topo.chips_per_host} chips) so each host "
+                                f"holds whole parameters",
+                                Fix.of({"tpu_topology.mesh.fsdp": topo.chips_per_host,
+                                        "tpu_topology.mesh.dp": topo.chips // topo.chips_per_host})))
+    if cfg.xla.gather == "host" and topo.hosts > 1 and topo.execution == "xla_spmd":
+        problems.append(Problem("xla.gather", "host", "a host-side gather sees only this host's shards on a pod",
+                                Fix.of({"xla.gather": "device"})))
+    if topo.accelerator == "cpu" and topo.hosts != 1 and topo.execution == "xla_spmd":
+        problems.append(Problem("tpu_topology.hosts", topo.hosts, "PJRT CPU runs on one host",
+                                Fix.of({"tpu_topology.hosts": 1})))
+    return problems

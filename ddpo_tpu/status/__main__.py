@@ -1,0 +1,5 @@
+import sys
+
+from ddpo_tpu.status.cli import main
+
+sys.exit(main())
