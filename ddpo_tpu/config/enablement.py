@@ -49,6 +49,8 @@ DEPENDENTS: tuple[Dependent, ...] = (
                                                         {"sample.sde_window.placement": "sliding"})),
     Dependent(("train.timestep_fraction",), lambda c: c.sample.sde_window.size is None,
               "an SDE window trains its own steps (sample.sde_window.size)", Fix.of({"sample.sde_window.size": None})),
+    Dependent(("storage_timeout_s",), lambda c: c.output_root.startswith("gs://"), "output_root is local",
+              "use output_root=gs://BUCKET/PREFIX"),
     Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",
               "tpu_topology.execution is not distributed", "use a distributed topology, e.g. tpu_topology=cpu_dist2"),
 )
