@@ -142,3 +142,33 @@ def test_a_sliding_window_compiles_nothing_after_epoch_0_on_xla(tmp_path, model_
     epochs = read_metrics(tmp_path / "outputs" / "flow_grpo_smoke", "epoch")
     assert len(epochs) == 3 and epochs[0]["new_compilations"] > 0
     assert [e["new_compilations"] for e in epochs[1:]] == [0, 0]  # the window moved every epoch
+
+
+@pytest.mark.slow
+def test_a_random_window_run_resumes_to_the_same_weights(tmp_path, model_cache):
+    """Stopped after epoch 1 and resumed, a run with random windows ends where an uninterrupted one ends: the windows
+    of epoch 2 are drawn from the seed, not from anything the first process held."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.runtime import make_runtime
+
+    def fit(run_dir, epochs: int):
+        v = compose_and_validate([*FLOW, f"model.cache_dir={model_cache}", "reward.host_workers=0",
+                                  f"num_epochs={epochs}", "save_freq=1", "sample.batch_size=8",
+                                  "sample.num_batches_per_epoch=1", "train.batch_size=4",
+                                  "train.gradient_accumulation_steps=2", "sample.sde_window.size=2",
+                                  "sample.sde_window.range=[0,5]"])
+        run_dir.mkdir(exist_ok=True)
+        t = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(run_dir), tree=v.tree,
+                         stop=SimpleNamespace(requested=False))
+        t.resume()
+        t.fit()
+
+    fit(tmp_path / "whole", 3)
+    fit(tmp_path / "split", 2)
+    fit(tmp_path / "split", 3)  # resumes after epoch 1
+    whole, split = (load_file(tmp_path / d / "weights" / "final.safetensors") for d in ("whole", "split"))
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)

@@ -6,7 +6,7 @@ window. Sampling runs every step either way (the ODE costs what the SDE does), s
 
 Memory-model constants: none (speed).
 
-    python scripts/bench.py --sde-window                  # about 6 minutes on 2 cores
+    python scripts/bench.py --sde-window                  # about 12 minutes on 2 quiet cores
     python -m benchmarks.probes.sde_window --sizes 1 2 --steps 6
 """
 
@@ -25,6 +25,8 @@ RUN_ARGS = ["+experiment=flow_grpo_smoke", "num_epochs=2", "save_freq=2", "rewar
 def add_arguments(ap) -> None:
     runner.add_shared(ap, "--sizes", type=int, nargs="+", default=[1, 2, 3], help="window sizes (beside no window)")
     runner.add_shared(ap, "--window-steps", type=int, default=10, help="sample.num_steps of the window runs")
+    runner.add_shared(ap, "--repeats", type=int, default=3,
+                      help="rounds over the sizes, interleaved (a load that drifts hits every size alike); medians")
 
 
 def run_point(size: int | None, steps: int, root: Path) -> dict:
@@ -42,17 +44,31 @@ def run_point(size: int | None, steps: int, root: Path) -> dict:
 
 
 def run(args, report: runner.Report) -> None:
-    rows = []
+    import statistics
+
+    sizes = (None, *args.sizes)
+    rounds: dict = {size: [] for size in sizes}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in (None, *args.sizes):
-            rows.append(runner.progress(run_point(size, args.window_steps, Path(tmp))))
-    base = next((r["training_s"] for r in rows if r["window"] == "none" and "training_s" in r), None)
+        for r in range(args.repeats):  # none, 1, 2, none, 1, 2, ...
+            for size in sizes:
+                rounds[size].append(runner.progress(run_point(size, args.window_steps, Path(tmp) / str(r))))
+    rows = []
+    for size, runs in rounds.items():
+        ok = [x for x in runs if "training_s" in x]
+        if not ok:
+            rows.append(runs[-1])
+            continue
+        median = lambda k: round(statistics.median(x[k] for x in ok), 2)
+        rows.append({**ok[0], "runs": len(ok), "wall_s": median("wall_s"), "sampling_s": median("sampling_s"),
+                     "training_s": median("training_s")})
+    base = next((r for r in rows if r["window"] == "none" and "training_s" in r), None)
     for r in rows:
         if base and "training_s" in r:
-            r["training_vs_none"] = round(r["training_s"] / base, 3)
-            r["trained_vs_none"] = round(r["trained_timesteps"] / rows[0]["trained_timesteps"], 3)
+            r["training_vs_none"] = round(r["training_s"] / base["training_s"], 3)
+            r["trained_vs_none"] = round(r["trained_timesteps"] / base["trained_timesteps"], 3)
     report.add("SDE windows (flow_grpo_smoke on the tiny SD3 model, eager CPU, 16 samples and 2 optimizer steps an "
-               f"epoch, {args.window_steps} steps; the last of 2 epochs):\n\n{runner.table(rows)}")
+               f"epoch, {args.window_steps} steps; the last of 2 epochs, median of {args.repeats} interleaved "
+               f"rounds):\n\n{runner.table(rows)}")
 
 
 if __name__ == "__main__":
