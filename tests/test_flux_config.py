@@ -100,3 +100,8 @@ def test_larger_chips_hold_flux_without_fsdp(overrides):
     cfg = compose_and_validate([*PARITY, "tpu_topology.mesh.fsdp=1", "tpu_topology.mesh.dp=8", *overrides]).cfg
     assert memory.resident_gib(cfg) == pytest.approx(36.0, abs=0.1)
     assert memory.activation_budget(cfg) > memory.training_activation_gib(cfg, 1)
+
+
+def test_the_parity_trains_every_sample_as_train_flux_does():
+    assert compose_and_validate(PARITY).cfg.algorithm.drop_zero_advantage is False
+    assert "parity" in problems([*PARITY, "algorithm.drop_zero_advantage=true"])["algorithm.drop_zero_advantage"].reason
