@@ -9,19 +9,21 @@ ignores it (its spec says guidance="embedded" and the rules keep train.cfg false
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
-from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
-from ddpo_tpu.families.sd1 import adapters_off, decoded_prompts
+from ddpo_tpu.families.base import Cond
+from ddpo_tpu.families.sd3 import SD3Family
 
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for FLUX's T5 prompt (train_flux.py compute_text_embeddings)
 
 
-class FluxFamily(ModelFamily):
+class FluxFamily(SD3Family):
+    """SD 3's flow family with FLUX's conditioning, packing, schedule and one-pass velocity: the sampling step, the
+    score step (Flow-GRPO's step on ``FlowTables``), the per-prompt keys (CLIP-L's decoding, as train_flux.py) and the
+    reference policy (the adapter off) are SD3Family's."""
+
     name = "flux"
 
     def __init__(self, cfg, rt, components):
@@ -74,50 +76,21 @@ class FluxFamily(ModelFamily):
             embeds, pooled = self.rt.shard_batch(embeds), self.rt.shard_batch(pooled)
         return embeds, pooled
 
-    def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:
-        """Per-prompt statistics keys as flow_grpo's train_flux.py makes them: tokenizers[0] (CLIP-L) decoding."""
-        return decoded_prompts(self.c.tokenizer, prompts, max_length)
-
-    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, tables: FlowTables) -> Tensor:
+    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                  detach_uncond: bool = False) -> Tensor:
+        """The one guided pass; `uncond` (which the loop always hands the sampling step) is ignored: train.cfg and
+        train.cfg_detach_uncond are false for this family (config/components.py)."""
         from ddpo_tpu.models.flux import flux_velocity
 
         x = x.to(self.dtype)
         guidance = None
         if self.model.config.guidance_embeds:  # the scale as the embedding's input, float32 as the pipeline
             guidance = torch.full((x.shape[0],), float(self.cfg.sample.guidance_scale), device=x.device)
-        return flux_velocity(self.call_denoiser(), x, tables.timestep_at(idx), guidance, cond[0], cond[1],
-                             self.img_ids, self.txt_ids)
-
-    def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):
-        s = self.cfg.sample
-        tables = tables or self.tables
-
-        def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
-            del uncond  # guidance-distilled: no unconditional pass
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                v = self._velocity(x, idx, cond, tables)
-            if deterministic:  # the ODE (flow_grpo evaluates with noise_level 0)
-                return tables.ode_step(v.float(), idx, x), torch.zeros(x.shape[0], device=x.device)
-            prev, log_prob, _, _ = tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type, noise=z)
-            return prev, log_prob
-
-        return denoise_step
+        return flux_velocity(self.call_denoiser(), x, (tables or self.tables).timestep_at(idx), guidance, cond[0],
+                             cond[1], self.img_ids, self.txt_ids)
 
     def schedule(self, num_steps: int) -> FlowTables:
         return self.tables if num_steps == self.num_steps else self._tables(num_steps)
-
-    def make_score_step(self, autocast):
-        s = self.cfg.sample
-
-        def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
-            del uncond  # train.cfg is false for this family (config/components.py): never an unconditional half
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                v = self._velocity(x, idx, cond, self.tables)
-            _, log_prob, mean, std = self.tables.step(v.float(), idx, x, s.noise_level, sde_type=s.sde_type,
-                                                      prev_sample=x_prev)
-            return StepScore(log_prob, mean, std)
-
-        return score_step
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
@@ -125,6 +98,3 @@ class FluxFamily(ModelFamily):
 
         images = decode_flux(self.c.vae, latents, self.latent_size, self.latent_size)
         return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
-
-    def reference(self):
-        return adapters_off(self.model, self.cfg.model)
