@@ -9,7 +9,7 @@ its torch module (a `ModelFamily` subclass with `load(cfg, rt)`), and a YAML und
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from ddpo_tpu.catalog.registry import Registry
 
@@ -51,7 +51,7 @@ class FamilySpec:
     # how sample.guidance_scale is applied: "cfg" = classifier-free guidance (an unconditional pass beside the
     # conditional one, train.cfg repeats it at train time); "embedded" = a guidance-distilled model reads the scale
     # as an input embedding (one pass, no unconditional prompt; train.cfg must be false)
-    guidance: str = "cfg"
+    guidance: Literal["cfg", "embedded"] = "cfg"
 
 
 FAMILIES: Registry[FamilySpec] = Registry("model family")
