@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import runner  # noqa: E402
 from benchmarks.probes import (checkpointing, full_width, host_overhead, lazy_checkpointing, pipeline,  # noqa: E402
                                sd3_activations, sd3_parameters, sd14_activations, step_estimate, training_runs)
+from benchmarks.probes import flux_activations  # noqa: E402
 
 # flag -> (help, the probes it runs, in order); the first flag given wins, as before
 MODES = {
@@ -55,6 +56,8 @@ MODES = {
                         [host_overhead, step_estimate]),
     "--full-width": ("only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU", [full_width]),
     "--sd3-parameters": ("only SD 3.5 Medium's parameter counts (meta device, seconds)", [sd3_parameters]),
+    "--flux-activations": ("only FLUX.1-dev's parameter counts and training-activation probes (full width, 1-2 "
+                           "blocks of each kind, eager CPU)", [flux_activations]),
 }
 DEFAULT = [training_runs, pipeline]
 PROBES = list(dict.fromkeys([*DEFAULT, *(m for _, probes in MODES.values() for m in probes)]))

@@ -148,36 +148,18 @@ def test_ode_sampling_loop_reproduces_the_pipeline(comps):
 
 # --- the catalog's figures against the real configs (meta device) --------------------------------------------------
 
-def flux1_dev_parts():
-    """FLUX.1-dev's parts as its repo's config.json files describe them (transformer/, text_encoder/ = CLIP-L,
-    text_encoder_2/ = T5-XXL (google/t5-v1_1-xxl), vae/), built on the meta device."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    with torch.device("meta"):
-        return dict(
-            transformer=FluxTransformer2DModel(
-                patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=(16, 56, 56)),
-            clip=CLIPTextModel(CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072,
-                                              num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
-                                              hidden_act="quick_gelu", projection_dim=768)),
-            t5=T5EncoderModel(T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24,
-                                       num_heads=64, feed_forward_proj="gated-gelu")),
-            vae=AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
-                              down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                              layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False))
-
-
 def test_memory_figures_are_flux1_devs_parameter_counts():
-    from ddpo_tpu.catalog.families import FLUX1_DEV_BILLIONS
+    """The catalog's FLUX1_DEV_BILLIONS are what `scripts/bench.py --flux-activations` counts on the meta device, and
+    its attention-score figure the probe's arithmetic."""
+    from benchmarks.probes.flux_activations import attention_scores_gib, billions
+    from ddpo_tpu.catalog.families import FLUX1_DEV_BILLIONS, FLUX_ATTENTION_SCORES_GIB_512
 
-    for name, model in flux1_dev_parts().items():
-        assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(FLUX1_DEV_BILLIONS[name], abs=1e-3)
+    assert billions() == FLUX1_DEV_BILLIONS
+    assert FLUX_ATTENTION_SCORES_GIB_512 == pytest.approx(attention_scores_gib(), rel=1e-12)
 
 
 def test_lora_layer_table_matches_the_tiny_and_the_real_transformer():
+    from benchmarks.probes.flux_activations import parts
     from ddpo_tpu.launch import lora_targets
     from ddpo_tpu.models import flux
 
@@ -196,5 +178,5 @@ def test_lora_layer_table_matches_the_tiny_and_the_real_transformer():
 
     with torch.device("meta"):
         tiny = layers(flux._build_transformer())
-    assert tiny == layers(flux1_dev_parts()["transformer"]) == set(family("flux").lora_layers)
+    assert tiny == layers(parts()["transformer"]) == set(family("flux").lora_layers)
     assert not lora_targets.is_known("attn1.to_q", "flux") and lora_targets.is_known("proj_mlp", "flux")

@@ -183,9 +183,10 @@ SD3 = FAMILIES.register(FamilySpec(
 
 # --- FLUX.1 ----------------------------------------------------------------------------------------------------------
 # FLUX.1-dev's parts in billions of values (diffusers' FluxTransformer2DModel and AutoencoderKL, transformers'
-# CLIPTextModel and T5EncoderModel built with the checkpoint's configs on the meta device; tests/test_flux_model.py
-# counts them again): the transformer (19 double-stream blocks of 0.340 and 38 single-stream blocks of 0.142), CLIP-L,
-# T5-XXL's encoder, the VAE (float32). The transformer has no positional table (RoPE from the ids).
+# CLIPTextModel and T5EncoderModel built with the checkpoint's configs on the meta device): the transformer (19
+# double-stream blocks of 0.340 and 38 single-stream blocks of 0.142), CLIP-L, T5-XXL's encoder, the VAE (float32).
+# The transformer has no positional table (RoPE from the ids).
+# Measured by: python scripts/bench.py --flux-activations (tests/test_flux_model.py counts them again)
 FLUX1_DEV_BILLIONS = {"transformer": 11.901, "clip": 0.123, "t5": 4.762, "vae": 0.084}
 # flow_grpo's LoRA (rank 64 on the attention and feed-forward layers, model=flux1_dev): 179.3M values x (weight,
 # gradient, 2 AdamW moments, EMA) in float32 = 3.3 GiB; an epoch's trajectories and prompt embeddings (36 samples a
@@ -193,18 +194,18 @@ FLUX1_DEV_BILLIONS = {"transformer": 11.901, "clip": 0.123, "t5": 4.762, "vae": 
 # and fragmentation. Whole on every chip (the estimate does not split the trained state over fsdp).
 FLUX_STATE_GIB = 0.1793 * 20 * 1e9 / GIB + 0.1 + 1.0
 # One FLUX.1-dev transformer evaluation at 512 px: 1024 image tokens + 128 T5 tokens (flow_grpo's
-# max_sequence_length), LoRA as model=flux1_dev. (1) FLUX_EAGER_GIB, float32: the bytes autograd saves in the forward
-# of the transformer at full width (3072, 24 heads of 128) with random weights on eager CPU, 1-2 double and 1-2 single
-# blocks deep, batch 1 (`PYTHONPATH=. python scripts/flux_activations.py`, 90 s): 0.400 GiB with one block of each
-# kind and the embedders, 0.240 per further double block, 0.159 per further single block (the first block keeps less:
-# its input needs no gradient), extrapolated to 19 + 38 blocks: 10.6 GiB. Per sample: SD 3.5's probe found the batch-0
-# intercept under 2% of a sample.
+# max_sequence_length), LoRA as model=flux1_dev. (1) FLUX_EAGER_GIB, float32: the bytes autograd saves in a forward +
+# backward of the transformer at full width (3072, 24 heads of 128) with random weights on eager CPU, 1-2 double and
+# 1-2 single blocks deep, batch 1: 0.400 GiB with one block of each kind and the embedders, 0.239 per further double
+# block, 0.159 per further single block (the first block keeps less: its input needs no gradient), extrapolated to
+# 19 + 38 blocks: 10.61 GiB (peak RSS: 10.79). Per sample: SD 3.5's probe found the batch-0 intercept under 2%.
+# Measured by: python scripts/bench.py --flux-activations (benchmarks/RESULTS.md 2026-11-25 02:02)
 # bf16: float32's x 0.74, the ratio SD 3.5's probe measured (an estimate: bf16 matmuls are too slow to probe here).
 # (2) XLA's softmaxes, as for SD 1.x and SD 3: 24 heads x S^2 x 4 bytes over the 57 joint attentions (S = 1152).
 # Activation checkpointing: the eager part x SD 3.5's measured 0.26 (the same kind of transformer block; not probed
 # for FLUX), the scores as SD 1.x's. An estimate for the HBM rule, not a TPU figure.
-FLUX_ATTENTION_SCORES_GIB_512 = 57 * 24 * 1152 ** 2 * 4 / GIB  # 6.76
-FLUX_EAGER_F32_GIB = round(0.3999 + 18 * 0.2395 + 37 * 0.1594, 2)  # 10.61
+FLUX_ATTENTION_SCORES_GIB_512 = 57 * 24 * 1152 ** 2 * 4 / GIB  # 6.76 (the probe's attention_scores_gib())
+FLUX_EAGER_F32_GIB = 10.61  # the probe's saved-bytes "57_blocks_eager"
 FLUX_EAGER_GIB = {"no": FLUX_EAGER_F32_GIB, "bf16": round(FLUX_EAGER_F32_GIB * 0.74, 2)}
 
 
