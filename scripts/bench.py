@@ -43,6 +43,7 @@ from benchmarks import runner  # noqa: E402
 from benchmarks.probes import (checkpointing, full_width, host_overhead, lazy_checkpointing, pipeline,  # noqa: E402
                                sd3_activations, sd3_parameters, sd14_activations, sde_window, step_estimate,
                                training_runs)
+from benchmarks.probes import flux_activations  # noqa: E402
 
 # flag -> (help, the probes it runs, in order); the first flag given wins, as before
 MODES = {
@@ -59,6 +60,8 @@ MODES = {
     "--full-width": ("only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU", [full_width]),
     "--sd3-parameters": ("only SD 3.5 Medium's parameter counts (meta device, seconds)", [sd3_parameters]),
     "--sde-window": ("only Flow-GRPO's training time with and without SDE windows (tiny SD3, eager CPU)", [sde_window]),
+    "--flux-activations": ("only FLUX.1-dev's parameter counts and training-activation probes (full width, 1-2 "
+                           "blocks of each kind, eager CPU)", [flux_activations]),
 }
 DEFAULT = [training_runs, pipeline]
 PROBES = list(dict.fromkeys([*DEFAULT, *(m for _, probes in MODES.values() for m in probes)]))

@@ -146,6 +146,15 @@ def guidance_problems(cfg: RunConfig) -> list[Problem]:
     train.cfg_detach_uncond needs an unconditional half at train time to detach."""
     t, s = cfg.train, cfg.sample
     problems: list[Problem] = []
+    spec = family(cfg.model.family)
+    if spec.guidance == "embedded":  # guidance-distilled: the scale is an input of the one pass, sampling and training
+        for key, value in (("cfg", t.cfg), ("cfg_detach_uncond", t.cfg_detach_uncond)):
+            if value:
+                problems.append(Problem(f"train.{key}", True, f"the {cfg.model.family} family is guidance-distilled: "
+                                        f"sample.guidance_scale={s.guidance_scale} is its guidance embedding's "
+                                        "value, there is no unconditional pass to repeat or detach",
+                                        Fix.of({f"train.{key}": False})))
+        return problems
     if s.guidance_scale > 1 and not t.cfg:
         problems.append(Problem("train.cfg", False, f"sampling is guided (sample.guidance_scale={s.guidance_scale}) "
                                 "but training scores the steps without guidance: the policy ratio is off-policy "
