@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import queue
-import re
 import shutil
 import threading
 import time
@@ -44,12 +43,12 @@ from typing import Any, Callable
 
 from ddpo_tpu.storage_faults import (FAILED, StorageError, default_timeout_s, gcsfs_missing, quiet_gcsfs, retry,
                                      unresolvable)
+from ddpo_tpu import checkpoint_layout as layout
 from ddpo_tpu.storage_url import SCHEME, Url, is_url, local_root, parse, remote_run_dir, url_problem  # noqa: F401
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
-CHECKPOINTS = "checkpoints"
-_CKPT = re.compile(r"^epoch_(\d{4,})$")
+CHECKPOINTS = layout.CHECKPOINTS
 # files the live sync sends between epochs (small, changing)
 LIVE_FILES = ("events.jsonl", "heartbeat.json", "metrics.jsonl", "train.log")
 LIVE_SYNC_S = 30.0
@@ -144,9 +143,9 @@ def group_checkpoints(names: list[str]) -> Listing:
     dirs: dict[int, tuple[str, set[str]]] = {}
     for name in names:
         head, _, tail = name.partition("/")
-        m = _CKPT.match(head)
-        if m and tail:
-            dirs.setdefault(int(m.group(1)), (head, set()))[1].add(tail)
+        epoch = layout.epoch_of(head)
+        if epoch is not None and tail:
+            dirs.setdefault(epoch, (head, set()))[1].add(tail)
     complete = {e: d for e, (d, files) in dirs.items() if MANIFEST in files}
     return Listing(complete, {e: d for e, (d, _files) in dirs.items() if e not in complete})
 
@@ -214,8 +213,7 @@ def delete_checkpoint(fs, url: Url, name: str, timeout: float | None = None) -> 
 # --- restore (front end, before anything of this attempt is written) --------------------------------------------------
 
 def _local_complete(ckpt_root: Path) -> dict[int, Path]:
-    found = ckpt_root.iterdir() if ckpt_root.is_dir() else ()
-    return {int(m.group(1)): p for p in found if (m := _CKPT.match(p.name)) and (p / "state.json").is_file()}
+    return {layout.epoch_of(p.name): p for p in layout.complete(ckpt_root)}
 
 
 def local_checkpoint(path: Path) -> dict[str, bytes] | None:

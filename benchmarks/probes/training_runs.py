@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import runner
-from ddpo_tpu import events as ev
 
 RUN_ARGS = ["+experiment=smoke", "num_epochs=3", "save_freq=3", "reward.host_workers=0",
             "sample.num_batches_per_epoch=1", "train.gradient_accumulation_steps=2"]
@@ -54,7 +53,9 @@ def run_point(backend: str, steps: int, root: Path, overrides: list[str] = ()) -
         return {"backend": backend, "steps": steps, "error": runner.failure(proc, 500)}
     recs = runner.read_records(root / name)
     epochs = [r for r in recs if r["kind"] == "epoch"]
-    layout = next(r for r in ev.read_events(root / name) if r["event"] == "state_layout")  # a fact: events.jsonl
+    from ddpo_tpu import events as ev
+
+    layout = next(e for e in ev.read_events(root / name) if e["event"] == "state_layout")  # an event, not a metric
     last = epochs[-1]["phases"]
     micro = (8 // 4) * steps  # train batches per epoch x train timesteps
     return {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ddpo_tpu.checkpoint_layout import holds_checkpoint
 from ddpo_tpu.config.batch import Totals
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem
@@ -45,7 +46,7 @@ def resume_problems(resume: str) -> list[Problem]:
         return [Problem("resume", resume, "no such checkpoint",
                         Fix.of({"resume": "auto"}, {"resume": "never"}, verb="use",
                                note="or an existing checkpoint path"))]
-    if not _holds_checkpoint(path):
+    if not holds_checkpoint(path):
         return [Problem("resume", resume, "not a checkpoint: neither a checkpoints/epoch_NNNN dir with state.json "
                         "nor a run dir or checkpoints dir holding one",
                         "use resume=auto, resume=never, or the path of a checkpoint")]
@@ -106,20 +107,6 @@ def storage_url_problem(value: str) -> tuple[str, str] | None:
     from ddpo_tpu.storage_url import url_problem
 
     return url_problem(value)
-
-
-_CHECKPOINT_NAME = re.compile(r"^epoch_\d{4,}$")
-
-
-def _holds_checkpoint(path: Path) -> bool:
-    """What checkpoint.find_resume accepts: a checkpoint dir, or a dir whose checkpoints/ (or itself) holds one."""
-    if (path / "state.json").is_file():
-        return True
-    for root in (path, path / "checkpoints"):
-        if root.is_dir() and any(_CHECKPOINT_NAME.match(c.name) and (c / "state.json").is_file()
-                                 for c in root.iterdir()):
-            return True
-    return False
 
 
 def _nearest_existing(path: Path) -> Path:
