@@ -13,6 +13,8 @@ def _value(v: Any) -> str:
         return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
+    if isinstance(v, (list, tuple)):  # Hydra's list syntax, without spaces (one shell word)
+        return "[" + ",".join(_value(x) for x in v) + "]"
     return str(v)
 
 

@@ -282,11 +282,11 @@ def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: N
     keep = None
     if chosen is not None:
         keep, source, files = chosen
-        name = f"epoch_{keep:04d}"
+        name = layout.name(keep)
         have = local.get(keep)
         out.checkpoint = str(url.join(CHECKPOINTS, name)) if source == "bucket" else str(local_ckpts / name)
         if source == "bucket" and not (have is not None and local_checkpoint(have) == files):
-            tmp = local_ckpts / f".tmp-{name}-restore"
+            tmp = layout.temporary(local_ckpts, keep, "restore")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             for fname, data in files.items():

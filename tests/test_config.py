@@ -85,7 +85,9 @@ def test_a_fix_is_data_rendered_to_text():
 def test_experiment_list_is_the_tested_one():
     shipped = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
     # the flow-matching experiments are composed in tests/test_algorithms.py, digits in tests/test_digits_learns.py
-    flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35", "nft_smoke"]  # nft: test_nft.py
+    flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35"]
+    flow += ["flux_grpo_smoke", "flux_grpo_pickscore"]  # composed in tests/test_flux_config.py
+    flow += ["nft_smoke"]  # composed in tests/test_nft.py
     assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
         "a new experiment needs a compose test here"
 

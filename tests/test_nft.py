@@ -110,6 +110,14 @@ def test_nft_is_cfg_free():
     assert "sample.guidance_scale=1" in found["sample.guidance_scale"]
 
 
+def test_nft_runs_on_flux_with_its_embedded_guidance_and_without_an_sde_window():
+    flux = ["+experiment=flux_grpo_smoke", "algorithm=nft", "~algorithm.kl_beta"]
+    cfg = compose_and_validate(flux).cfg  # guidance_scale 3.5 is FLUX's embedding input, not CFG
+    assert cfg.algorithm.name == "nft" and cfg.model.family == "flux" and cfg.sample.guidance_scale == 3.5
+    found = problems([*NFT_SMOKE, "sample.sde_window.size=2"])
+    assert "no window to train" in found["sample.sde_window.size"]
+
+
 def test_nft_groups_split_the_epoch_and_each_sampling_batch():
     found = problems([*NFT_SMOKE, "algorithm.group_size=5"])
     assert "do not split into groups of 5" in found["algorithm.group_size"]

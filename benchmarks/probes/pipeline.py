@@ -60,7 +60,7 @@ def compare(steps: int, topo: str, overrides: list[str] = ()) -> dict:
         traj = sample_trajectory(step, steps, cond, uncond, torch.randn(shape, generator=g),
                                  torch.randn((steps, *shape), generator=g), rt=rt,
                                  sync_every=cfg.xla.sync_every_n_denoising_steps if topo != "eager_cpu" else 0)
-        return rt.to_host(decode_to_uint8(pipe.vae, traj.latents[:, -1]))
+        return rt.to_host(decode_to_uint8(pipe.vae, traj.sample))
 
     def theirs():
         out = pipe(prompts, num_inference_steps=steps, guidance_scale=5.0, eta=1.0, output_type="pt",

@@ -122,6 +122,10 @@ def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
         problems.append(Problem("sample.guidance_scale", cfg.sample.guidance_scale,
                                 "DiffusionNFT is CFG-free: it samples and trains the conditional velocity alone",
                                 Fix.of({"sample.guidance_scale": 1})))
+    if cfg.sample.sde_window.size is not None:
+        problems.append(Problem("sample.sde_window.size", cfg.sample.sde_window.size, "DiffusionNFT trains on the "
+                                "clean samples, not on recorded steps: it has no window to train",
+                                Fix.of({"sample.sde_window.size": None})))
     return problems
 
 

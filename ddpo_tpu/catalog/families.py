@@ -9,7 +9,7 @@ its torch module (a `ModelFamily` subclass with `load(cfg, rt)`), and a YAML und
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 from ddpo_tpu.catalog.registry import Registry
 
@@ -48,6 +48,10 @@ class FamilySpec:
     # model.resolution: None = the family does not read it; else the multiple of pixels a size must be
     resolution_multiple: int | None = None
     memory: FamilyMemory | None = None       # None: no HBM estimate for this family
+    # how sample.guidance_scale is applied: "cfg" = classifier-free guidance (an unconditional pass beside the
+    # conditional one, train.cfg repeats it at train time); "embedded" = a guidance-distilled model reads the scale
+    # as an input embedding (one pass, no unconditional prompt; train.cfg must be false)
+    guidance: Literal["cfg", "embedded"] = "cfg"
 
 
 FAMILIES: Registry[FamilySpec] = Registry("model family")
@@ -173,6 +177,75 @@ SD3 = FAMILIES.register(FamilySpec(
                                        for k, v in SD3_EAGER_GIB.items()},
         resident_gib=_sd3_resident_gib,
         full_finetune_gib=_sd3_full_finetune_gib,
+        fsdp_splits_frozen_weights=True,
+    ),
+))
+
+# --- FLUX.1 ----------------------------------------------------------------------------------------------------------
+# FLUX.1-dev's parts in billions of values (diffusers' FluxTransformer2DModel and AutoencoderKL, transformers'
+# CLIPTextModel and T5EncoderModel built with the checkpoint's configs on the meta device): the transformer (19
+# double-stream blocks of 0.340 and 38 single-stream blocks of 0.142), CLIP-L, T5-XXL's encoder, the VAE (float32).
+# The transformer has no positional table (RoPE from the ids).
+# Measured by: python scripts/bench.py --flux-activations (tests/test_flux_model.py counts them again)
+FLUX1_DEV_BILLIONS = {"transformer": 11.901, "clip": 0.123, "t5": 4.762, "vae": 0.084}
+# flow_grpo's LoRA (rank 64 on the attention and feed-forward layers, model=flux1_dev): 179.3M values x (weight,
+# gradient, 2 AdamW moments, EMA) in float32 = 3.3 GiB; an epoch's trajectories and prompt embeddings (36 samples a
+# chip as flow_grpo: 7 packed latents of 1024 x 64 and 128 x 4096 T5 features each) ~0.1 GiB; ~1 GiB for the runtime
+# and fragmentation. Whole on every chip (the estimate does not split the trained state over fsdp).
+FLUX_STATE_GIB = 0.1793 * 20 * 1e9 / GIB + 0.1 + 1.0
+# One FLUX.1-dev transformer evaluation at 512 px: 1024 image tokens + 128 T5 tokens (flow_grpo's
+# max_sequence_length), LoRA as model=flux1_dev. (1) FLUX_EAGER_GIB, float32: the bytes autograd saves in a forward +
+# backward of the transformer at full width (3072, 24 heads of 128) with random weights on eager CPU, 1-2 double and
+# 1-2 single blocks deep, batch 1: 0.400 GiB with one block of each kind and the embedders, 0.239 per further double
+# block, 0.159 per further single block (the first block keeps less: its input needs no gradient), extrapolated to
+# 19 + 38 blocks: 10.61 GiB (peak RSS: 10.79). Per sample: SD 3.5's probe found the batch-0 intercept under 2%.
+# Measured by: python scripts/bench.py --flux-activations (benchmarks/RESULTS.md 2026-11-25 02:02)
+# bf16: float32's x 0.74, the ratio SD 3.5's probe measured (an estimate: bf16 matmuls are too slow to probe here).
+# (2) XLA's softmaxes, as for SD 1.x and SD 3: 24 heads x S^2 x 4 bytes over the 57 joint attentions (S = 1152).
+# Activation checkpointing: the eager part x SD 3.5's measured 0.26 (the same kind of transformer block; not probed
+# for FLUX), the scores as SD 1.x's. An estimate for the HBM rule, not a TPU figure.
+FLUX_ATTENTION_SCORES_GIB_512 = 57 * 24 * 1152 ** 2 * 4 / GIB  # 6.76 (the probe's attention_scores_gib())
+FLUX_EAGER_F32_GIB = 10.61  # the probe's saved-bytes "57_blocks_eager"
+FLUX_EAGER_GIB = {"no": FLUX_EAGER_F32_GIB, "bf16": round(FLUX_EAGER_F32_GIB * 0.74, 2)}
+
+
+def _flux_resident_gib(model, fsdp: int, dtype: str) -> float:
+    b = FLUX1_DEV_BILLIONS
+    size = 2 if dtype == "bfloat16" else 4
+    return ((b["transformer"] / fsdp + b["clip"] + b["t5"]) * size + b["vae"] * 4) * 1e9 / GIB + FLUX_STATE_GIB
+
+
+def _flux_full_finetune_gib(fsdp: int) -> float:
+    # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; the text encoders in
+    # bfloat16 (as flow_grpo casts them) and the VAE in float32 whole, and the epoch's samples and runtime
+    b = FLUX1_DEV_BILLIONS
+    whole = ((b["clip"] + b["t5"]) * 2 + b["vae"] * 4) * 1e9 / GIB + 1.1
+    return b["transformer"] * 16 * 1e9 / GIB / fsdp + whole
+
+
+FLUX = FAMILIES.register(FamilySpec(
+    name="flux", title="FLUX.1 (MMDiT, flow matching, guidance-distilled)", module="ddpo_tpu.families.flux:FluxFamily",
+    sampler="flow_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"),
+    example_hub_id="black-forest-labs/FLUX.1-dev",
+    builders=("tiny_flux",),
+    lora_layers=("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                 "attn.to_out.0", "attn.to_q", "attn.to_v", "context_embedder", "ff.net.0.proj", "ff.net.2",
+                 "ff_context.net.0.proj", "ff_context.net.2", "norm.linear", "norm1.linear", "norm1_context.linear",
+                 "norm_out.linear", "proj_mlp", "proj_out", "time_text_embed.guidance_embedder.linear_1",
+                 "time_text_embed.guidance_embedder.linear_2", "time_text_embed.text_embedder.linear_1",
+                 "time_text_embed.text_embedder.linear_2", "time_text_embed.timestep_embedder.linear_1",
+                 "time_text_embed.timestep_embedder.linear_2", "x_embedder"),
+    lora_example="attn.to_q",
+    resolution_multiple=16,  # VAE factor 8 x the 2x2 packing of the latents
+    guidance="embedded",     # FLUX.1-dev is guidance-distilled: sample.guidance_scale is the guidance embedding's input
+    memory=FamilyMemory(
+        activation_gib_per_eval_512={k: v + FLUX_ATTENTION_SCORES_GIB_512 for k, v in FLUX_EAGER_GIB.items()},
+        checkpointed_gib_per_eval_512={k: round(v * SD3_CKPT_EAGER_RATIO
+                                                + CKPT_XLA_SCORES_RATIO * FLUX_ATTENTION_SCORES_GIB_512, 2)
+                                       for k, v in FLUX_EAGER_GIB.items()},
+        resident_gib=_flux_resident_gib,
+        full_finetune_gib=_flux_full_finetune_gib,
         fsdp_splits_frozen_weights=True,
     ),
 ))

@@ -14,13 +14,14 @@ class SamplerSpec:
     title: str
     keys: tuple[str, ...]  # the sample.* keys it needs (every sampler key it does not list must stay null)
     group: str             # conf/sampler/<group>.yaml: the reference's settings
+    windows: bool = False  # can run the SDE inside a window of its steps and the ODE elsewhere (sample.sde_window)
 
 
 SAMPLERS: Registry[SamplerSpec] = Registry("sampler")
 
 SAMPLERS.register(SamplerSpec("ddim", "DDIM with log-probs (DDPO)", keys=("eta",), group="ddim50"))
 SAMPLERS.register(SamplerSpec("flow_sde", "Flow-GRPO's SDE with log-probs", keys=("noise_level", "sde_type"),
-                              group="flow_sde10"))
+                              group="flow_sde10", windows=True))
 
 
 def sampler_keys() -> tuple[str, ...]:

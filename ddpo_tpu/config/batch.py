@@ -12,7 +12,10 @@ from ddpo_tpu.problems import Fix, Problem
 
 
 def num_train_timesteps(cfg: RunConfig) -> int:
-    """Denoising steps trained per sample. int() as the reference does (not round())."""
+    """Denoising steps trained per sample: an SDE window's steps (flow_grpo's fast trainer trains all of them), else
+    int(steps x train.timestep_fraction) as the references do (int, not round)."""
+    if cfg.sample.sde_window.size is not None:
+        return cfg.sample.sde_window.size
     return int(cfg.sample.num_steps * cfg.train.timestep_fraction)
 
 

@@ -35,6 +35,7 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
             if key not in needed and getattr(s, key) is not None:
                 problems.append(Problem(f"sample.{key}", getattr(s, key), f"the {s.name} sampler does not read it",
                                         Fix.of({f"sample.{key}": None})))
+    problems.extend(window_problems(cfg))
     if (m.builder is None) == (m.pretrained is None):
         problems.append(Problem("model.pretrained", m.pretrained,
                                 "set exactly one of model.pretrained (hub id or local dir) and model.builder",
@@ -64,6 +65,29 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
         problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
                                 Fix.of({"train.mixed_precision": "bf16"}, {"model.dtype": "float32"})))
     return problems
+
+
+def window_problems(cfg: RunConfig) -> list[Problem]:
+    """An SDE window needs a sampler that has one, and must fit inside its range and the steps."""
+    s = cfg.sample
+    w, T = s.sde_window, s.num_steps
+    if w.size is None:
+        return []
+    if not SAMPLERS.get(s.name).windows:
+        able = [x.group for x in SAMPLERS if x.windows]
+        return [Problem("sample.sde_window.size", w.size, f"the {s.name} sampler has no SDE window",
+                        Fix.of({"sample.sde_window.size": None}, note=f"(windows: sampler={', '.join(able)})"))]
+    lo, hi = w.range if w.range is not None else (0, T)
+    if w.range is not None and not lo < hi <= T:
+        return [Problem("sample.sde_window.range", w.range, f"[lo, hi) must satisfy lo < hi <= {T} "
+                        f"(sample.num_steps)", Fix.of({"sample.sde_window.range": [0, T]}, verb="try"))]
+    if w.size > hi - lo:
+        return [Problem("sample.sde_window.size", w.size, f"larger than the {hi - lo} steps it may cover "
+                        f"([{lo}, {hi}))", Fix.of({"sample.sde_window.size": hi - lo}, note="or fewer"))]
+    if w.placement in ("fixed", "sliding") and not lo <= w.start <= hi - w.size:
+        return [Problem("sample.sde_window.start", w.start, f"a window of {w.size} starting there leaves "
+                        f"[{lo}, {hi})", Fix.of({"sample.sde_window.start": lo}, verb="try"))]
+    return []
 
 
 def _families():
@@ -122,6 +146,15 @@ def guidance_problems(cfg: RunConfig) -> list[Problem]:
     train.cfg_detach_uncond needs an unconditional half at train time to detach."""
     t, s = cfg.train, cfg.sample
     problems: list[Problem] = []
+    spec = family(cfg.model.family)
+    if spec.guidance == "embedded":  # guidance-distilled: the scale is an input of the one pass, sampling and training
+        for key, value in (("cfg", t.cfg), ("cfg_detach_uncond", t.cfg_detach_uncond)):
+            if value:
+                problems.append(Problem(f"train.{key}", True, f"the {cfg.model.family} family is guidance-distilled: "
+                                        f"sample.guidance_scale={s.guidance_scale} is its guidance embedding's "
+                                        "value, there is no unconditional pass to repeat or detach",
+                                        Fix.of({f"train.{key}": False})))
+        return problems
     if s.guidance_scale > 1 and not t.cfg:
         problems.append(Problem("train.cfg", False, f"sampling is guided (sample.guidance_scale={s.guidance_scale}) "
                                 "but training scores the steps without guidance: the policy ratio is off-policy "

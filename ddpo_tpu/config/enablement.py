@@ -37,6 +37,20 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("xla.flags", "xla.libtpu_init_args", "xla.step_compiler", "xla.compilation_cache_dir",
                "xla.profile_steps", "xla.debug_level", "xla.gather", "xla.sync_before_reward_gather"), _XLA,
               "the topology does not run torch_xla", "use an XLA topology (tpu_topology=cpu, v6e-8, ...)"),
+    Dependent(("sample.sde_window.placement", "sample.sde_window.start", "sample.sde_window.range",
+               "sample.sde_window.shift_every", "sample.sde_window.stride"),
+              lambda c: c.sample.sde_window.size is not None, "sample.sde_window.size=null (no window)",
+              "set sample.sde_window.size=N"),
+    Dependent(("sample.sde_window.shift_every", "sample.sde_window.stride"),
+              lambda c: c.sample.sde_window.placement == "sliding", "the window does not slide",
+              Fix.of({"sample.sde_window.placement": "sliding"})),
+    Dependent(("sample.sde_window.start",), lambda c: c.sample.sde_window.placement != "random",
+              "a random window draws its start", Fix.of({"sample.sde_window.placement": "fixed"},
+                                                        {"sample.sde_window.placement": "sliding"})),
+    Dependent(("train.timestep_fraction",), lambda c: c.sample.sde_window.size is None,
+              "an SDE window trains its own steps (sample.sde_window.size)", Fix.of({"sample.sde_window.size": None})),
+    Dependent(("storage_timeout_s",), lambda c: c.output_root.startswith("gs://"), "output_root is local",
+              "use output_root=gs://BUCKET/PREFIX"),
     Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",
               "tpu_topology.execution is not distributed", "use a distributed topology, e.g. tpu_topology=cpu_dist2"),
 )
@@ -60,10 +74,12 @@ def ignored_problems(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset
     from ddpo_tpu.config.batch import lookup
 
     problems: list[Problem] = []
+    said: set[str] = set()  # one line per key: the first reason it is not read
     for dep in _dependents(cfg):
-        touched = sorted(k for k in overridden if any(_matches(k, p) for p in dep.keys))
+        touched = sorted(k for k in overridden if any(_matches(k, p) for p in dep.keys) and k not in said)
         if touched and not dep.active(cfg):
             key = touched[0]
+            said.update(touched)
             problems.append(Problem(key, lookup(tree, key), f"not read: {dep.because}", dep.fix))
     problems.extend(_ema_problems(cfg))
     every = cfg.evaluation.every_n_epochs

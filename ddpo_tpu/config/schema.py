@@ -97,6 +97,20 @@ RewardConfig = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys
                              + [WeightedConfig])
 
 
+class SdeWindowConfig(_Strict):
+    """SDE steps only inside a window of the denoising steps, the ODE elsewhere; only the window's steps are stored and
+    trained (MixGRPO, Flow-GRPO-Fast). Samplers with windows: catalog/samplers.py."""
+
+    size: int | None = Field(default=None, ge=1)  # steps in the window (null: no window, every step is the SDE's)
+    # how it moves: fixed (at `start`), sliding (MixGRPO: from `start`, `stride` steps every `shift_every` epochs,
+    # back to `start` past the range's end), random (Flow-GRPO-Fast: a new start for every sampling batch)
+    placement: Literal["fixed", "sliding", "random"] = "random"
+    start: int = Field(default=0, ge=0)
+    range: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=2, max_length=2)  # [lo, hi)
+    shift_every: int = Field(default=1, ge=1)
+    stride: int = Field(default=1, ge=1)
+
+
 class SampleConfig(_Strict):
     name: Annotated[str, _registered(SAMPLERS)]  # the sampler (ddpo_tpu/catalog/samplers.py): ddim, flow_sde
     num_steps: int = Field(ge=1, le=1000)
@@ -106,6 +120,7 @@ class SampleConfig(_Strict):
     guidance_scale: float = Field(ge=1)
     batch_size: int = Field(ge=1)
     num_batches_per_epoch: int = Field(ge=1)
+    sde_window: SdeWindowConfig = SdeWindowConfig()
 
 
 class TrainConfig(_Strict):

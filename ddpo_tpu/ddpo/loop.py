@@ -33,6 +33,7 @@ from ddpo_tpu.ddpo.checkpointing import CheckpointManager, StopRequest
 from ddpo_tpu.ddpo.reporting import PhaseClock, Reporter
 from ddpo_tpu.ddpo.state import TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
+from ddpo_tpu.diffusion.window import sde_window_at
 from ddpo_tpu.families import Cond, load_family
 from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir import RunDir
@@ -149,6 +150,9 @@ class Trainer:
         autocast = lambda: rt.autocast(self.mixed)
         self.denoise_step = rt.compile_step(self.family.make_denoise_step(
             autocast, deterministic=self.algorithm.ode_sampling))
+        # an SDE window: the steps outside it are the ODE's, a graph of its own (the same for every window position)
+        self.ode_step = (rt.compile_step(self.family.make_denoise_step(autocast, deterministic=True))
+                         if cfg.sample.sde_window.size is not None else None)
         # evaluation: the sampling step, or its own (another step count, the noise-free step): a graph of its own
         ev_cfg = cfg.evaluation
         self.eval_steps = ev_cfg.num_steps or self.family.num_steps
@@ -227,7 +231,8 @@ class Trainer:
             return self.reward(images, prompts)
         return self.pool.submit(self.reward, images, prompts)
 
-    def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False
+    def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False,
+                      sde_window: tuple[int, int] | None = None
                       ) -> tuple[Trajectory, Cond, np.ndarray]:
         """One batch: initial latents and per-step noise from `gen`, the trajectory, its images on the host."""
         cfg, rt = self.cfg, self.rt
@@ -237,9 +242,10 @@ class Trainer:
         noise = torch.randn((T, B, *shape), generator=gen)
         cond = self.family.encode(prompts)
         traj = sample_trajectory(step, T, cond, self.uncond_sample, init, noise, rt=rt,
-                                 sync_every=cfg.xla.sync_every_n_denoising_steps)
+                                 sync_every=cfg.xla.sync_every_n_denoising_steps, window=sde_window,
+                                 ode_step=self.ode_step)
         with rt.autocast(self.mixed):
-            images = self.family.decode(traj.latents[:, -1])
+            images = self.family.decode(traj.sample)
         return traj, cond, rt.to_host(images).numpy()  # the one device-to-host copy of this batch
 
     def sample_epoch(self, epoch: int) -> SampledEpoch:
@@ -251,7 +257,8 @@ class Trainer:
         out = SampledEpoch([], [], [], [], None)
         n = cfg.sample.num_batches_per_epoch
         for b, prompts in enumerate(self.algorithm.epoch_prompts(self.prompts, n, self.global_batch, prompt_rng)):
-            traj, cond, images = self._sample_batch(prompts, noise_gen)
+            where = sde_window_at(cfg.sample.sde_window, self.family.num_steps, cfg.seed, epoch, b)  # None: all SDE
+            traj, cond, images = self._sample_batch(prompts, noise_gen, sde_window=where)
             # the images of this process's rows (all of them unless distributed), scored here
             out.pending_rewards.append(self._score(images, prompts[rt.local_rows(len(prompts))]))
             out.trajectories.append(traj)

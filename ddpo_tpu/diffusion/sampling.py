@@ -20,9 +20,14 @@ from ddpo_tpu.runtime.base import Runtime
 
 @dataclass
 class Trajectory:
-    latents: Tensor        # (B, T + 1, C, h, w): x_T ... x_0
+    latents: Tensor        # (B, T + 1, C, h, w): x_T ... x_0 (with an SDE window: the window's W steps, W + 1)
     log_probs: Tensor      # (B, T): log pi(x_{t-1} | x_t) at sampling time
     step_indices: Tensor   # (B, T): position in the schedule of each step (0 = noisiest)
+    final: Tensor | None = None  # (B, C, h, w): x_0, the sample (latents[:, -1] unless an SDE window ends earlier)
+
+    @property
+    def sample(self) -> Tensor:
+        return self.final if self.final is not None else self.latents[:, -1]
 
 
 def guided_noise_pred(unet, latents: Tensor, timesteps: Tensor, cond: Tensor, uncond: Tensor | None,
@@ -53,26 +58,36 @@ def make_denoise_step(unet, tables: DDIMTables, *, eta: float, guidance_scale: f
 
 @torch.no_grad()
 def sample_trajectory(step, num_steps: int, cond, uncond, init_latents: Tensor, noise: Tensor, *, rt: Runtime,
-                      sync_every: int) -> Trajectory:
+                      sync_every: int, window: tuple[int, int] | None = None, ode_step=None) -> Trajectory:
     """Run a sampler of `num_steps` steps. `step` is a denoising step (x, step index, noise, cond, uncond) ->
     (x_prev, log_prob), e.g. make_denoise_step's, possibly compiled. `init_latents` (B,C,h,w) and `noise`
     (T,B,C,h,w) are host tensors drawn from the run's generator, so every backend samples the same trajectory for
-    the same seed. `cond`/`uncond` (a tensor or a tuple of tensors) pass through to the step."""
+    the same seed. `cond`/`uncond` (a tensor or a tuple of tensors) pass through to the step.
+
+    `window` [first, end): only those steps are `step`'s (the SDE); the others are `ode_step`'s (the deterministic
+    step, its log-prob ignored), and only the window is recorded: latents x_first ... x_end, the window's log-probs
+    and step indices. The same two graphs serve every position of the window (the step index is data)."""
+    first, end = window if window is not None else (0, num_steps)
     dtype = (cond[0] if isinstance(cond, tuple) else cond).dtype
     x = rt.shard_batch(init_latents.to(rt.device, dtype=dtype))
     batch = x.shape[0]  # the rows this process samples (all of them unless distributed)
-    latents, log_probs, indices = [x], [], []
+    latents, log_probs, indices = [], [], []
     for i in range(num_steps):
+        if i == first:
+            latents.append(x)
         # an index per sample, uploaded as data: the traced graph is the same for every i
         idx = torch.full((batch,), i, dtype=torch.long).to(rt.device)
         z = rt.shard_batch(noise[i].to(rt.device, dtype=x.dtype))
-        x, log_prob = step(x, idx, z, cond, uncond)
-        latents.append(x)
-        log_probs.append(log_prob)
-        indices.append(idx)
+        inside = first <= i < end
+        x, log_prob = (step if inside else ode_step)(x, idx, z, cond, uncond)
+        if inside:
+            latents.append(x)
+            log_probs.append(log_prob)
+            indices.append(idx)
         if sync_every and (i + 1) % sync_every == 0 and i + 1 < num_steps:
             rt.sync()
-    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), torch.stack(indices, dim=1))
+    return Trajectory(torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), torch.stack(indices, dim=1),
+                      final=x if end < num_steps else None)
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from ddpo_tpu.status.sweep import Sweep, is_sweep_dir, render_sweep, render_swee
 
 EXIT_OK = 0
 EXIT_NO_RUN = 2
+EXIT_UNREADABLE = 1  # a bucket that cannot be reached or read
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,11 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"ddpo-status: {e}", file=sys.stderr)
             return EXIT_NO_RUN
+    from ddpo_tpu.storage import StorageError
+
     try:
         found = report(args.run_dir, args.stale_after)
     except FileNotFoundError as e:
         print(f"ddpo-status: {e}", file=sys.stderr)
         return EXIT_NO_RUN
+    except StorageError as e:  # a bucket that cannot be reached or read: one line (unreachable vs denied), not a trace
+        print(f"ddpo-status: {e}", file=sys.stderr)
+        return EXIT_UNREADABLE
     if args.json:
         print(json.dumps(found.to_json(), indent=1, default=str, allow_nan=False))
     elif isinstance(found, Sweep):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpo_tpu import checkpoint_layout as layout
 from ddpo_tpu import events as ev
 from ddpo_tpu.rundir import HEARTBEAT_FILE
 
@@ -247,7 +248,8 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = LOG_
 
 def _list_checkpoints(path: Path) -> list[tuple[str, float]]:
     try:
-        entries = [(p.name, p.stat().st_mtime) for p in path.iterdir() if not p.name.startswith(".")]
+        # checkpoint names only (a bucket listing makes their dirs before their files: not `is_complete`)
+        entries = [(p.name, p.stat().st_mtime) for p in path.iterdir() if layout.epoch_of(p.name) is not None]
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(entries, key=lambda x: x[1])

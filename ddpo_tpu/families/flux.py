@@ -1,0 +1,100 @@
+"""FLUX.1: a guidance-distilled MMDiT predicting velocity on packed 2x2 latents, conditioned on T5-XXL's token
+sequence and CLIP-L's pooled vector, sampled with Flow-GRPO's SDE (the same step as SD 3's, diffusion/flow.py) on
+FluxPipeline's schedule (sigmas shifted by mu, which grows with the image's token count).
+
+Guidance is an input (the guidance embedding reads sample.guidance_scale): one transformer pass per step, at sampling
+and at training, as flow_grpo's train_flux.py. The loop hands every step an unconditional conditioning; this family
+ignores it (its spec says guidance="embedded" and the rules keep train.cfg false).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.diffusion.flow import FlowTables
+from ddpo_tpu.families.base import Cond
+from ddpo_tpu.families.sd3 import SD3Family
+
+T5_TOKENS = 128  # flow_grpo's max_sequence_length for FLUX's T5 prompt (train_flux.py compute_text_embeddings)
+
+
+class FluxFamily(SD3Family):
+    """SD 3's flow family with FLUX's conditioning, packing, schedule and one-pass velocity: the sampling step, the
+    score step (Flow-GRPO's step on ``FlowTables``), the per-prompt keys (CLIP-L's decoding, as train_flux.py) and the
+    reference policy (the adapter off) are SD3Family's."""
+
+    name = "flux"
+
+    def __init__(self, cfg, rt, components):
+        from ddpo_tpu.models.flux import latent_image_ids, text_ids
+
+        self.cfg, self.rt, self.c = cfg, rt, components
+        self.model = components.transformer
+        self.dtype = self.model.dtype
+        pixels = cfg.model.resolution or int(components.vae.config.sample_size)
+        # FluxPipeline.prepare_latents: a latent side a multiple of 2 (the packing)
+        self.latent_size = 2 * (pixels // (components.vae_scale_factor * 2))
+        tokens = (self.latent_size // 2) ** 2
+        channels = int(self.model.config.in_channels)  # 4 x the VAE's latent channels
+        self.latent_shape = (tokens, channels)          # packed: what the sampler and trainer hold
+        self.tables = self._tables(cfg.sample.num_steps)
+        self.num_steps = self.tables.num_steps
+        self.img_ids = latent_image_ids(self.latent_size, self.latent_size, rt.device, self.dtype)
+        self.txt_ids = text_ids(T5_TOKENS, rt.device, self.dtype)
+
+    @classmethod
+    def load(cls, cfg, rt) -> "FluxFamily":
+        from pathlib import Path
+
+        from ddpo_tpu.models.flux import ensure_tiny_flux, load_flux
+        from ddpo_tpu.models.lora import make_trainable
+
+        m = cfg.model
+        dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
+        if m.builder is not None:
+            source, revision, local = ensure_tiny_flux(Path(m.cache_dir).expanduser()), None, True
+        else:
+            source, revision, local = m.pretrained, m.revision, m.local_files_only
+        comps = load_flux(source, revision=revision, local_files_only=local, dtype=dtype)
+        make_trainable(comps.transformer, m)  # adapter weights drawn from torch's global generator (seeded)
+        for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
+            setattr(comps, name, getattr(comps, name).to(rt.device))
+        return cls(cfg, rt, comps)
+
+    def _tables(self, num_steps: int) -> FlowTables:
+        from ddpo_tpu.models.flux import flux_tables
+
+        return flux_tables(self.c.scheduler, num_steps, self.latent_shape[0], self.rt.device)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> Cond:
+        from ddpo_tpu.models.flux import encode_prompts_flux
+
+        embeds, pooled = encode_prompts_flux(self.c, prompts, self.rt.device, max_sequence_length=T5_TOKENS)
+        if len(prompts) > 1:
+            embeds, pooled = self.rt.shard_batch(embeds), self.rt.shard_batch(pooled)
+        return embeds, pooled
+
+    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                  detach_uncond: bool = False) -> Tensor:
+        """The one guided pass; `uncond` (which the loop always hands the sampling step) is ignored: train.cfg and
+        train.cfg_detach_uncond are false for this family (config/components.py)."""
+        from ddpo_tpu.models.flux import flux_velocity
+
+        x = x.to(self.dtype)
+        guidance = None
+        if self.model.config.guidance_embeds:  # the scale as the embedding's input, float32 as the pipeline
+            guidance = torch.full((x.shape[0],), float(self.cfg.sample.guidance_scale), device=x.device)
+        return flux_velocity(self.call_denoiser(), x, (tables or self.tables).timestep_at(idx), guidance, cond[0],
+                             cond[1], self.img_ids, self.txt_ids)
+
+    def schedule(self, num_steps: int) -> FlowTables:
+        return self.tables if num_steps == self.num_steps else self._tables(num_steps)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        from ddpo_tpu.models.flux import decode_flux
+
+        images = decode_flux(self.c.vae, latents, self.latent_size, self.latent_size)
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
