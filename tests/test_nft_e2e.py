@@ -1,6 +1,6 @@
 """DiffusionNFT end to end on the tiny SD3 model: a run killed mid-epoch and resumed ends byte-identical to an
-uninterrupted one (the old policy, a separate copy of the weights, restored from the checkpoint), and on XLA CPU
-nothing compiles after epoch 0."""
+uninterrupted one (the old policy, a separate copy of the weights, restored from the checkpoint), on XLA CPU nothing
+compiles after epoch 0, and two distributed ranks train what one process trains."""
 
 from __future__ import annotations
 
@@ -53,3 +53,20 @@ def test_xla_compiles_nothing_after_the_first_epoch(tmp_path, model_cache):
     assert epochs[0]["new_compilations"] > 0
     for e in epochs[1:]:
         assert e["new_compilations"] == 0, e["phases"]
+
+
+def test_two_distributed_ranks_train_what_one_process_trains(tmp_path, model_cache):
+    # the same global batches: 2 ranks x (8 sampled, 4 trained) against one process with 16 and 8; each rank draws
+    # the global train batch's noise and keeps its rows
+    common = ["+experiment=nft_smoke", "sample.num_batches_per_epoch=2", "train.gradient_accumulation_steps=2",
+              "reward.host_workers=0", "num_epochs=2", f"model.cache_dir={model_cache}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    for args, cwd in ((["sample.batch_size=16", "train.batch_size=8"], one),
+                      (["sample.batch_size=8", "train.batch_size=4", "tpu_topology=cpu_dist2",
+                        "distributed.compile=none"], two)):
+        proc = run_train([*common, *args], cwd, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+    got, want = (read_metrics(d / "outputs" / "nft_smoke", "step") for d in (two, one))
+    assert len(got) == len(want) == 4
+    assert [s["loss"] for s in got] == pytest.approx([s["loss"] for s in want], rel=1e-5)
