@@ -2,8 +2,8 @@
 probabilities, flow matching on the forward process toward the implicit positive policy) on the tiny SD3 model raises
 the mean JPEG compressibility over its 20 epochs on eager CPU, by more than the epoch-to-epoch noise explains. Compared
 with a frozen-policy control: the same run at train.learning_rate=1e-9 samples the same prompts and noise every epoch,
-so the per-epoch difference removes what the prompts and noise do to the reward. Both run in-process (about 2.5
-minutes each on one thread)."""
+so the per-epoch difference removes what the prompts and noise do to the reward. Both run in-process (about 3
+minutes for the two on one thread)."""
 
 from __future__ import annotations
 
