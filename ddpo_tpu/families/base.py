@@ -17,6 +17,16 @@ from torch import Tensor
 Cond = tuple[Tensor, ...]  # a batch's conditioning, batch first (SD 1.x: (text embeds,); SD 3: (embeds, pooled))
 
 
+def checkpoint_source(model, ensure_tiny) -> tuple:
+    """(path or hub id, revision, local_files_only) of a model config: its local build (made once by `ensure_tiny`
+    in model.cache_dir), else model.pretrained as configured."""
+    from pathlib import Path
+
+    if model.builder is not None:
+        return ensure_tiny(Path(model.cache_dir).expanduser()), None, True
+    return model.pretrained, model.revision, model.local_files_only
+
+
 class StepScore(NamedTuple):
     """A recorded step re-scored under the current weights."""
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
-from ddpo_tpu.families.base import Cond
+from ddpo_tpu.families.base import Cond, checkpoint_source
 from ddpo_tpu.families.sd3 import SD3Family
 
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for FLUX's T5 prompt (train_flux.py compute_text_embeddings)
@@ -43,24 +43,14 @@ class FluxFamily(SD3Family):
         self.img_ids = latent_image_ids(self.latent_size, self.latent_size, rt.device, self.dtype)
         self.txt_ids = text_ids(T5_TOKENS, rt.device, self.dtype)
 
-    @classmethod
-    def load(cls, cfg, rt) -> "FluxFamily":
-        from pathlib import Path
+    PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # moved to the device by SD3Family.load
 
+    @staticmethod
+    def load_components(m, dtype):
         from ddpo_tpu.models.flux import ensure_tiny_flux, load_flux
-        from ddpo_tpu.models.lora import make_trainable
 
-        m = cfg.model
-        dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
-        if m.builder is not None:
-            source, revision, local = ensure_tiny_flux(Path(m.cache_dir).expanduser()), None, True
-        else:
-            source, revision, local = m.pretrained, m.revision, m.local_files_only
-        comps = load_flux(source, revision=revision, local_files_only=local, dtype=dtype)
-        make_trainable(comps.transformer, m)  # adapter weights drawn from torch's global generator (seeded)
-        for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-            setattr(comps, name, getattr(comps, name).to(rt.device))
-        return cls(cfg, rt, comps)
+        source, revision, local = checkpoint_source(m, ensure_tiny_flux)
+        return load_flux(source, revision=revision, local_files_only=local, dtype=dtype)
 
     def _tables(self, num_steps: int) -> FlowTables:
         from ddpo_tpu.models.flux import flux_tables

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
-from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
+from ddpo_tpu.families.base import Cond, ModelFamily, StepScore, checkpoint_source
 from ddpo_tpu.families.sd1 import adapters_off, decoded_prompts
 
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for the T5 part of the prompt (zeros without T5)
@@ -29,26 +29,28 @@ class SD3Family(ModelFamily):
         self.latent_shape = (tc.in_channels, size, size)
         self.dtype = self.model.dtype
 
+    PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")  # moved to the device
+
     @classmethod
     def load(cls, cfg, rt) -> "SD3Family":
-        from pathlib import Path
-
         from ddpo_tpu.models.lora import make_trainable
-        from ddpo_tpu.models.sd3 import ensure_tiny_sd3, load_sd3
 
         m = cfg.model
-        dtype = torch.bfloat16 if m.dtype == "bfloat16" else torch.float32
-        if m.builder is not None:
-            source, revision, local = ensure_tiny_sd3(Path(m.cache_dir).expanduser()), None, True
-        else:
-            source, revision, local = m.pretrained, m.revision, m.local_files_only
-        comps = load_sd3(source, revision=revision, local_files_only=local, dtype=dtype, load_t5=m.text_encoder_3)
+        comps = cls.load_components(m, torch.bfloat16 if m.dtype == "bfloat16" else torch.float32)
         make_trainable(comps.transformer, m)  # adapter weights drawn from torch's global generator (seeded)
-        for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-            part = getattr(comps, name)
+        for name in cls.PARTS:
+            part = getattr(comps, name, None)
             if part is not None:
                 setattr(comps, name, part.to(rt.device))
         return cls(cfg, rt, comps)
+
+    @staticmethod
+    def load_components(m, dtype):
+        """The pipeline's parts from the model config: its local build or its checkpoint, through from_pretrained."""
+        from ddpo_tpu.models.sd3 import ensure_tiny_sd3, load_sd3
+
+        source, revision, local = checkpoint_source(m, ensure_tiny_sd3)
+        return load_sd3(source, revision=revision, local_files_only=local, dtype=dtype, load_t5=m.text_encoder_3)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Cond:
