@@ -75,7 +75,7 @@ def test_hub_model_missing_from_the_local_cache(tmp_path, monkeypatch):
     cfg = compose_and_validate(["model=sd14", "model.local_files_only=true", "model.revision=null"]).cfg
     snap = hub_snapshot(cache, SD14, ("unet", "vae", "text_encoder", "tokenizer"))
     (problem,) = machine.hub_cache_problems(cfg, ["model=sd14", "model.local_files_only=true"])
-    assert "lacks scheduler/" in problem and "(the default)" in problem
+    assert "lacks scheduler/" in problem and "(set by model=sd14)" in problem  # the group chosen on the command line
     (snap / "scheduler").mkdir()
     assert machine.hub_cache_problems(cfg, []) == []
     # a local dir, a build, or a run allowed to download: nothing to look up

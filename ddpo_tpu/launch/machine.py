@@ -59,11 +59,17 @@ def problems(cfg, overrides: list[str] = ()) -> list[str]:
 
 
 def origin(key: str, overrides: list[str]) -> str:
-    """' (set by +experiment=NAME)' when the key's value came from an experiment and not from the command line."""
+    """Where a key the user did not type came from: ' (set by GROUP=OPTION)' for a group chosen on the command line,
+    ' (set by +experiment=NAME)', or ' (the default)'."""
     from ddpo_tpu.config.compose import overridden_keys
 
     if key in overridden_keys(overrides):
         return ""
+    # a group chosen on the command line (model=sd14 for model.pretrained) beats an experiment's choice of it
+    group = next((o.lstrip("+") for o in reversed(overrides)
+                  if "=" in o and key.startswith(o.lstrip("+~").split("=", 1)[0] + ".")), None)
+    if group is not None:
+        return f" (set by {group})"
     experiment = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith("experiment=")), None)
     return f" (set by +experiment={experiment})" if experiment else " (the default)"
 
