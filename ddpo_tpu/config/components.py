@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu.catalog import ALGORITHMS, REWARDS, SAMPLERS, family
+from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, family
 from ddpo_tpu.catalog.families import family_of_builder
 from ddpo_tpu.catalog.samplers import sampler_keys
 from ddpo_tpu.config.batch import Totals
@@ -49,7 +49,7 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
                                 else f"set model.family={other.name}"))
     for key, unused in _others_keys(m.family).items():
         if getattr(m, key) != unused:
-            owners = [f.name for f in _families() if key in f.own_keys]
+            owners = [f.name for f in FAMILIES if key in f.own_keys]
             problems.append(Problem(f"model.{key}", getattr(m, key), f"only the {', '.join(owners)} family reads it",
                                     Fix.of({f"model.{key}": unused})))
     if m.resolution is not None:
@@ -90,16 +90,10 @@ def window_problems(cfg: RunConfig) -> list[Problem]:
     return []
 
 
-def _families():
-    from ddpo_tpu.catalog import FAMILIES
-
-    return list(FAMILIES)
-
-
 def _others_keys(name: str) -> dict[str, Any]:
     """Model keys other families own (with their unused value) that this family does not read."""
     own = family(name).own_keys
-    return {k: v for f in _families() if f.name != name for k, v in f.own_keys.items() if k not in own}
+    return {k: v for f in FAMILIES if f.name != name for k, v in f.own_keys.items() if k not in own}
 
 
 def pretrained_problems(pretrained: str, family_name: str) -> list[Problem]:

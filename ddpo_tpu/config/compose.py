@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
 from ddpo_tpu import storage_url
-from ddpo_tpu.catalog.algorithms import owner_of
+from ddpo_tpu.catalog.algorithms import ALGORITHMS, owner_of
 from ddpo_tpu.config import rules
 from ddpo_tpu.config.batch import MISSING, lookup
 from ddpo_tpu.config.resume import MOVED_KEYS
@@ -71,8 +71,7 @@ def migrate(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def owner_keys(algorithm: Any) -> set[str]:
-    from ddpo_tpu.catalog import ALGORITHMS
-
+    """The keys of a registered algorithm (none for an unknown name: the schema names that problem)."""
     return set(ALGORITHMS.get(algorithm).keys.model_fields) if algorithm in ALGORITHMS else set()
 
 
