@@ -59,21 +59,6 @@ class Loaded:
     run_id: str
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 @dataclass
 class Pending:
     """A checkpoint written and fsynced under its temporary name: not a checkpoint until commit() renames it.
@@ -95,7 +80,7 @@ class Pending:
             shutil.rmtree(old)
         else:
             os.replace(self.tmp, final)
-        _fsync_dir(ckpt_root)
+        layout.fsync_dir(ckpt_root)
         rotate(ckpt_root, limit)
         return final
 
@@ -116,14 +101,14 @@ def prepare(ckpt_root: Path, *, epoch: int, global_step: int, trainable: dict[st
     torch.save(optimizer, buf)
     files["optimizer.pt"] = buf.getvalue()
     for name, data in files.items():
-        _write(tmp / name, data)
+        layout.write_synced(tmp / name, data)
     # state.json guards itself (it must parse and hold every key); the other files by their sha256
     state = {"format": FORMAT, "epoch": epoch, "global_step": global_step, "run_id": run_id, "tracker": tracker,
              "config_hash": config_hash(tree), "config": resume_relevant(tree),
              "sha256": {name: _sha256(data) for name, data in files.items()}}
     files[STATE_FILE] = (json.dumps(state, indent=1, default=str) + "\n").encode()
-    _write(tmp / STATE_FILE, files[STATE_FILE])  # last: the guard of the others
-    _fsync_dir(tmp)
+    layout.write_synced(tmp / STATE_FILE, files[STATE_FILE])  # last: the guard of the others
+    layout.fsync_dir(tmp)
     return Pending(ckpt_root, tmp, final, files)
 
 

@@ -9,6 +9,7 @@ to `.old-epoch_NNNN-TAG` before it is deleted. Leftovers of either kind are what
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -59,3 +60,21 @@ def leftovers(root: Path) -> list[Path]:
 def holds_checkpoint(path: Path) -> bool:
     """What resume=PATH accepts: a checkpoint dir, or a dir whose checkpoints/ (or itself) holds a complete one."""
     return (path / STATE_FILE).is_file() or bool(complete(path)) or bool(complete(path / CHECKPOINTS))
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write a checkpoint file and fsync it (the trainer's write and the bucket copy's download both use it): a
+    checkpoint is renamed into place only after every file in it is on disk."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

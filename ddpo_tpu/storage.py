@@ -228,13 +228,6 @@ def local_checkpoint(path: Path) -> dict[str, bytes] | None:
     return files if ok else None
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 @dataclass
 class Restored:
     checkpoint: str | None            # the checkpoint the run continues from (None: from the start)
@@ -290,7 +283,7 @@ def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: N
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             for fname, data in files.items():
-                _write_file(tmp / fname, data)
+                layout.write_synced(tmp / fname, data)
             if have is not None:
                 shutil.rmtree(have)
             os.replace(tmp, local_ckpts / name)
@@ -311,7 +304,7 @@ def restore(run_dir: Path, url: Url, say: Callable[[str], None] = lambda line: N
             data = _cat(fs, url.join(name), timeout_s)
         except FileNotFoundError:
             continue
-        _write_file(run_dir / name, data)
+        layout.write_synced(run_dir / name, data)
         out.downloaded.append(name)
     if out.checkpoint or out.downloaded or out.removed:
         say(f"ddpo_tpu: bucket {url}: continuing from {out.checkpoint or 'the start (no complete checkpoint)'}"
