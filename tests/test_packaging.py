@@ -24,11 +24,15 @@ print(conf_dir(), v.cfg.parity.name)
 
 def test_wheel_ships_conf_and_uses_it(tmp_path):
     out = tmp_path / "wheel"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w",
                             str(out), str(REPO)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert build.returncode == 0, build.stderr[-2000:]
+    # a data folder missing from pyproject's packages list: setuptools prints a 25-line warning box per folder
+    assert "is absent from the `packages` configuration" not in build.stdout + build.stderr
     wheel = next(out.glob("ddpo_tpu-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
+    shipped_conf = {f"ddpo_tpu/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")}
+    assert shipped_conf - set(names) == set(), "conf/ files missing from the wheel"
     for required in ("ddpo_tpu/conf/config.yaml", "ddpo_tpu/conf/experiment/compressibility_parity.yaml",
                      "ddpo_tpu/conf/tpu_topology/v6e-16.yaml", "ddpo_tpu/conf/reward_local/aesthetic_tiny.yaml",
                      "ddpo_tpu/prompts/assets/imagenet_classes.txt", "ddpo_tpu/env.py"):
