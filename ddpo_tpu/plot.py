@@ -1,7 +1,7 @@
 """The reward curve as a PNG: the mean training reward per epoch with a band of one standard deviation, and the
-evaluation rewards (fixed prompts, fixed noise) as points. Drawn with Pillow alone: the trainer already depends on
-it for its image grids, it costs no import time worth noticing at the end of an epoch, and a line chart needs no
-more than lines, a polygon and text (matplotlib would be a dependency of ~10 MB for one chart).
+evaluation rewards (fixed prompts, fixed noise) as points. Drawn with matplotlib (round ticks, a legend of what is
+drawn, labelled axes); it is imported only inside `draw`, so the trainer and ddpo-status pay for it only when a
+curve is drawn.
 
 `curves(records)` takes metrics.jsonl's records; `draw(path, ...)` writes the PNG (atomically: a reader never sees
 half a file). Written by the main process at the end of every epoch (ddpo_tpu/tracking.py) and by `ddpo-status
@@ -55,98 +55,101 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def write_run_curve(run_dir: Path) -> Path:
     """run_dir/reward_curve.png from run_dir/metrics.jsonl."""
     run_dir = Path(run_dir)
-    train, evals = curves(read_metrics(run_dir / "metrics.jsonl"))
-    return draw(run_dir / CURVE_FILE, train, evals, title=run_dir.name)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train, evals = curves(records)
+    return draw(run_dir / CURVE_FILE, train, evals, title=run_dir.name, bounds=bounds_of(records))
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-W, H = 720, 400
-LEFT, RIGHT, TOP, BOTTOM = 78, 20, 40, 52
-BG, AXIS, GRID, TEXT = (255, 255, 255), (60, 60, 60), (228, 228, 228), (30, 30, 30)
-LINE, BAND, EVAL, CONTROL = (31, 119, 180), (198, 219, 239), (214, 39, 40), (140, 140, 140)
+W, H = 720, 400  # pixels of the PNG
+DPI = 100
+LINE, BAND, EVAL, CONTROL = "#1f77b4", "#c6dbef", "#d62728", "#8c8c8c"
 
 
 def draw(path: Path, train: list[Point], evals: list[Point], title: str = "",
-         control: list[Point] | None = None) -> Path:
-    """`control`: another run's training means (e.g. a frozen policy), drawn as a grey line for comparison."""
-    from PIL import Image, ImageDraw, ImageFont
+         control: list[Point] | None = None, bounds: dict[int, tuple[float, float]] | None = None) -> Path:
+    """Write the chart of `figure` as a PNG at `path` (atomically: a reader never sees half a file)."""
+    return _save(figure(train, evals, title, control, bounds), path)
 
-    img = Image.new("RGB", (W, H), BG)
-    d = ImageDraw.Draw(img)
-    try:
-        font = ImageFont.load_default(size=13)
-    except TypeError:  # Pillow < 10.1: the bitmap font, one size
-        font = ImageFont.load_default()
+
+def figure(train: list[Point], evals: list[Point], title: str = "", control: list[Point] | None = None,
+           bounds: dict[int, tuple[float, float]] | None = None):
+    """The chart as a matplotlib Figure. `control`: another run's training means (e.g. a frozen policy), drawn as a
+    grey line for comparison. `bounds`: epoch -> (lowest, highest) reward of that epoch; the one-std band is
+    clipped to it, so a bounded reward (a probability) never shows a band below its floor. matplotlib (Agg, no
+    pyplot state) is imported here, where a chart is drawn, and nowhere else."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(W / DPI, H / DPI), dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title(f"{title}: reward per epoch" if title else "reward per epoch", fontsize=11, loc="left")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("reward")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # round ticks; epochs are whole numbers
+    ax.grid(True, color="#e4e4e4", linewidth=0.8)
+    ax.set_axisbelow(True)
     control = control or []
-    pts = train + evals + control
-    d.text((LEFT, 12), f"{title}: reward per epoch", fill=TEXT, font=font)
-    lx = W - RIGHT - 290  # the legend: shapes, not glyphs (the default font has no bullet)
-    d.line([(lx, 20), (lx + 18, 20)], fill=LINE, width=2)
-    d.text((lx + 22, 12), "mean", fill=TEXT, font=font)
-    d.rectangle([lx + 70, 14, lx + 88, 26], fill=BAND)
-    d.text((lx + 92, 12), "± 1 std", fill=TEXT, font=font)
-    d.ellipse([lx + 160, 16, lx + 168, 24], outline=EVAL, width=2)
-    d.text((lx + 172, 12), "eval (fixed prompts)", fill=TEXT, font=font)
-    x0, x1, y0, y1 = LEFT, W - RIGHT, H - BOTTOM, TOP
-    if not pts:
-        d.line([(x0, y1), (x0, y0), (x1, y0)], fill=AXIS, width=1)
-        d.text((x0 + 12, (y0 + y1) // 2), "no finished epoch yet", fill=TEXT, font=font)
-        return _save(img, path)
-    e_lo, e_hi = min(p[0] for p in pts), max(p[0] for p in pts)
-    lo = min(p[1] - p[2] for p in pts)
-    hi = max(p[1] + p[2] for p in pts)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 0.5, hi + 0.5
-    pad = 0.05 * (hi - lo)
-    lo, hi = lo - pad, hi + pad
-    sx = lambda e: x0 + (x1 - x0) * ((e - e_lo) / (e_hi - e_lo) if e_hi > e_lo else 0.5)  # noqa: E731
-    sy = lambda v: y0 - (y0 - y1) * (v - lo) / (hi - lo)  # noqa: E731
-    for i in range(5):  # horizontal grid with the reward values
-        v = lo + (hi - lo) * i / 4
-        y = sy(v)
-        d.line([(x0 + 1, y), (x1, y)], fill=GRID)
-        d.text((6, y - 7), f"{v:.3g}", fill=TEXT, font=font)
-    for e in sorted({e_lo, e_hi, *(_ticks(e_lo, e_hi))}):
-        d.line([(sx(e), y0), (sx(e), y0 + 4)], fill=AXIS)
-        d.text((sx(e) - 6, y0 + 8), str(e), fill=TEXT, font=font)
-    d.text(((x0 + x1) // 2 - 16, H - 22), "epoch", fill=TEXT, font=font)
+    if not (train or evals or control):
+        ax.text(0.5, 0.5, "no finished epoch yet", transform=ax.transAxes, ha="center", va="center")
+        ax.set_yticks([])
+        ax.set_xticks([])
     if train:
-        upper = [(sx(e), sy(m + s)) for e, m, s in train]
-        lower = [(sx(e), sy(m - s)) for e, m, s in reversed(train)]
+        e = [p[0] for p in train]
+        m = [p[1] for p in train]
+        lo, hi = _band(train, bounds or {})
         if len(train) > 1:
-            d.polygon(upper + lower, fill=BAND)
-            d.line([(sx(e), sy(m)) for e, m, _ in train], fill=LINE, width=2)
-        for e, m, s in train:
-            if len(train) == 1:
-                d.line([(sx(e), sy(m - s)), (sx(e), sy(m + s))], fill=BAND, width=5)
-            d.ellipse([sx(e) - 2, sy(m) - 2, sx(e) + 2, sy(m) + 2], fill=LINE)
+            ax.fill_between(e, lo, hi, color=BAND, linewidth=0, label="± 1 std (within the epoch's rewards)")
+        else:
+            ax.errorbar(e, m, yerr=[[m[0] - lo[0]], [hi[0] - m[0]]], color=BAND, elinewidth=5, fmt="none",
+                        label="± 1 std (within the epoch's rewards)")
+        ax.plot(e, m, color=LINE, linewidth=2, marker="o", markersize=3, label="mean (training samples)")
     if len(control) > 1:
-        d.line([(sx(e), sy(m)) for e, m, _ in control], fill=CONTROL, width=2)
-        d.text((sx(control[-1][0]) - 150, sy(control[-1][1]) - 18), "control (frozen policy)", fill=CONTROL,
-               font=font)
-    for e, m, s in evals:
-        d.line([(sx(e), sy(m - s)), (sx(e), sy(m + s))], fill=EVAL, width=1)
-        d.ellipse([sx(e) - 4, sy(m) - 4, sx(e) + 4, sy(m) + 4], outline=EVAL, width=2)
-    d.line([(x0, y1), (x0, y0), (x1, y0)], fill=AXIS, width=1)  # last: over the band and the grid
-    return _save(img, path)
+        ax.plot([p[0] for p in control], [p[1] for p in control], color=CONTROL, linewidth=2,
+                label="control (frozen policy)")
+    if evals:  # only a run that evaluates gets the entry
+        ax.errorbar([p[0] for p in evals], [p[1] for p in evals], yerr=[p[2] for p in evals], fmt="o",
+                    mfc="white", mec=EVAL, ecolor=EVAL, mew=1.5, markersize=6, label="evaluation (fixed prompts)")
+    epochs = [p[0] for p in train + evals + control]
+    if epochs and max(epochs) - min(epochs) < 2:  # one or two epochs: whole-epoch ticks need some room
+        ax.set_xlim(min(epochs) - 1, max(epochs) + 1)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
 
 
-def _ticks(lo: int, hi: int) -> list[int]:
-    span = hi - lo
-    if span <= 0:
-        return []
-    step = max(1, 10 ** int(math.log10(span)))
-    if span / step < 3:
-        step = max(1, step // 2)
-    return list(range(lo - lo % step + step, hi, step))
+def _band(train: list[Point], bounds: dict[int, tuple[float, float]]) -> tuple[list[float], list[float]]:
+    lo, hi = [], []
+    for e, m, s in train:
+        b_lo, b_hi = bounds.get(e, (-math.inf, math.inf))
+        lo.append(max(m - s, b_lo))
+        hi.append(min(m + s, b_hi))
+    return lo, hi
 
 
-def _save(img, path: Path) -> Path:
+def bounds_of(records: Iterable[dict[str, Any]]) -> dict[int, tuple[float, float]]:
+    """epoch -> (reward_min, reward_max) from the epoch records that carry them (runs before they were recorded
+    have none: their band is not clipped)."""
+    out = {}
+    for r in records:
+        lo, hi = r.get("reward_min"), r.get("reward_max")
+        if r.get("kind") == "epoch" and isinstance(r.get("epoch"), int) and _finite(lo) and _finite(hi):
+            out[r["epoch"]] = (float(lo), float(hi))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    img.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

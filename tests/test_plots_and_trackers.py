@@ -110,7 +110,7 @@ def test_a_bucket_run_dir_gets_the_curve_and_tensorboard_files(tmp_path, model_c
     from ddpo_tpu import storage
 
     args = ["+experiment=smoke", "num_epochs=2", "logger=tensorboard", f"model.cache_dir={model_cache}",
-            f"output_root=gs://{fake_gcs}/runs", "sample.num_batches_per_epoch=1"]
+            f"output_root=gs://{fake_gcs}/runs"]  # the smoke's 2 sampling batches: the captions follow the grid
     r = run_train(args, tmp_path, XDG_CACHE_HOME=str(tmp_path / "cache"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     fs = storage.filesystem()
@@ -122,8 +122,39 @@ def test_a_bucket_run_dir_gets_the_curve_and_tensorboard_files(tmp_path, model_c
     fs.get(run.join(tracking.TENSORBOARD_DIR).path, str(local / tracking.TENSORBOARD_DIR), recursive=True)
     acc = _events(local)
     assert len(acc.Scalars("reward_mean")) == 2 and acc.Images("samples")
+    # the captions beside the image name the images in it (the first sampling batch), not the epoch's other prompts
+    captions = [t for t in acc.Tags()["tensors"] if t.startswith("samples/captions")]
+    text = acc.Tensors(captions[0])[-1].tensor_proto.string_val[0].decode()
+    grid = json.loads(fs.cat(run.join("samples/epoch_0001.json").path))
+    assert text.count(" | ") == len(grid) == 8  # 2 batches of 8 prompts; the grid holds the first batch
     out = subprocess.run([sys.executable, "-m", "ddpo_tpu.status", f"gs://{fake_gcs}/runs/smoke", "--plot",
                           str(tmp_path / "b.png"), "--brief"], env=clean_env(), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "b.png").is_file()
+
+
+def test_the_curve_has_round_ticks_a_legend_of_what_is_drawn_and_a_band_within_the_rewards():
+    # a probability reward (in [0, 1]) near its floor: mean - std < 0 in every epoch
+    train = [(e, 0.0882 + 0.01 * e, 0.2) for e in range(12)]
+    bounds = plot.bounds_of([{"kind": "epoch", "epoch": e, "reward_min": 0.0, "reward_max": 0.9} for e in range(12)])
+    fig = plot.figure(train, [], title="t", bounds=bounds)
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert not any("evaluation" in lab for lab in labels) and any("mean" in lab for lab in labels)
+    band = ax.collections[0].get_paths()[0].vertices
+    assert band[:, 1].min() >= 0.0  # clipped to the epoch's lowest reward, not mean - std = -0.11
+    yticks = ax.get_yticks()
+    step = float(np.diff(yticks)[0])
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5))  # round steps, not the data's extremes
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # whole epochs
+    assert ax.get_xlabel() == "epoch" and ax.get_ylabel() == "reward"
+    with_evals = plot.figure(train, [(5, 0.2, 0.05)])
+    assert any("evaluation" in lab for lab in with_evals.axes[0].get_legend_handles_labels()[1])
+
+
+def test_matplotlib_is_imported_only_where_a_curve_is_drawn():
+    code = ("import sys, ddpo_tpu.plot, ddpo_tpu.tracking, ddpo_tpu.status; "
+            "assert 'matplotlib' not in sys.modules, 'imported before a chart was drawn'")
+    subprocess.run([sys.executable, "-c", code], check=True, env=clean_env())

@@ -102,10 +102,12 @@ class Reporter:
         if not rt.is_main:
             return
         self.out.save_image_grid(epoch, images, prompts, rewards)
-        self.tracker.log_images(global_step, images[:16],
-                                [f"{p} | {r:.4f}" for p, r in zip(prompts[:16], rewards[:16])])
+        shown = min(len(images), 16)  # the images this process holds may be fewer than the epoch's prompts
+        self.tracker.log_images(global_step, images[:shown],
+                                [f"{p} | {r:.4f}" for p, r in zip(prompts[:shown], rewards[:shown])])
         self.out.log({"kind": "epoch", "epoch": epoch, "global_step": global_step, "reward_mean": reward_mean,
-                      "reward_std": reward_std, "num_samples": int(rewards.size),
+                      "reward_std": reward_std, "reward_min": float(np.nanmin(rewards)),
+                      "reward_max": float(np.nanmax(rewards)), "num_samples": int(rewards.size),
                       **{k: _mean(steps, k) for k in self.stat_names},
                       **algorithm_metrics,  # GRPO: kept_fraction, actual_batch_size, zero_std_ratio
                       "host_seconds": round(clock.total("host_seconds"), 4),

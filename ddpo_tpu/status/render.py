@@ -202,4 +202,4 @@ def plot_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if out is None:
         out = Path(f"{name}-{plot.CURVE_FILE}") if url else Path(run_dir) / plot.CURVE_FILE
     train, evals = plot.curves(run.metrics.records)
-    return plot.draw(Path(out), train, evals, title=name)
+    return plot.draw(Path(out), train, evals, title=name, bounds=plot.bounds_of(run.metrics.records))
