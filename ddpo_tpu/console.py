@@ -153,6 +153,11 @@ def clock(seconds: float | None) -> str:
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
+# What a bar's text may take at 80 columns: the live view draws label, a 24-column bar and the text, a space apart
+# (ddpo_tpu/launch/process.py), and labels are at most "epoch NNN" (9).
+BAR_TEXT_COLUMNS = 80 - 9 - 1 - 24 - 1
+
+
 @dataclass
 class Bar:
     """One progress line: what it says, how far (None: unknown, a pulsing bar), and its details."""
@@ -273,34 +278,38 @@ class ProgressView:
     def bars(self, now: float | None = None) -> list[Bar]:
         now = time.monotonic() if now is None else now
         if self.num_epochs is None:  # the training process imports torch and loads the model first
-            return [Bar("starting", None, None, f"loading the model and the reward, {clock(now - self.created)}")]
+            return [Bar("starting", None, None, f"loading the model and reward  {clock(now - self.created)}")]
         run_elapsed = now - (self.run_since or now)
         out = [Bar("run", self.epochs_done, self.num_epochs,
-                   f"{self.epochs_done}/{self.num_epochs} epochs done  {clock(run_elapsed)} elapsed  "
-                   f"ETA {clock(self.epoch_eta(now))}")]
+                   f"{self.epochs_done}/{self.num_epochs} epochs  {clock(run_elapsed)}  ETA {clock(self.epoch_eta(now))}")]
         label = f"epoch {self.epoch if self.epoch is not None else self.epochs_done}"
         elapsed = now - self.phase_since
         if self.compiling is not None:
             start, since, graphs = self.compiling
-            text = f"compiling the {start.stage} graphs ({start.index} of {start.of}), {clock(now - since)}"
+            # short: the bar's text must fit 80 columns beside its label and bar (BAR_TEXT_COLUMNS)
+            text = f"compile {start.stage} {start.index}/{start.of}  {clock(now - since)}"
             if graphs is not None:
-                text += f", {graphs} graph(s) so far"
-            out.append(Bar(label, None, None, text + " (once per training process)"))
+                text += f"  {graphs} graphs"
+            out.append(Bar(label, None, None, text))
             return out
         if self.phase == "sampling":
-            info = f"sampling  batch {self.done or 0}/{self.total or '?'} x {self.samples_per_batch} samples"
+            info = f"sampling {self.done or 0}/{self.total or '?'} x {self.samples_per_batch}"
             if self.done:
-                info += f"  {self.done * self.samples_per_batch / max(elapsed, 1e-9):.2f} samples/s"
+                info += f"  {self.done * self.samples_per_batch / max(elapsed, 1e-9):.2f}/s"
                 info += f"  ETA {clock(elapsed / self.done * ((self.total or 0) - self.done))}"
-            out.append(Bar(label, self.done or 0, self.total, info + f"  {clock(elapsed)}"))
+            else:
+                info += f"  {clock(elapsed)}"
+            out.append(Bar(label, self.done or 0, self.total, info))
         elif self.phase == "training":
-            info = (f"training  timesteps {int(self.done)}/{int(self.total)}" if self.total else "training")
+            info = (f"training timesteps {int(self.done)}/{int(self.total)}" if self.total else "training")
             if self.done and self.total:
                 info += f"  ETA {clock(elapsed / self.done * (self.total - self.done))}"
-            out.append(Bar(label, self.done or 0, self.total, info + f"  {clock(elapsed)}"))
+            else:
+                info += f"  {clock(elapsed)}"
+            out.append(Bar(label, self.done or 0, self.total, info))
         else:
             what = {"loaded": "model loaded; the first epoch starts", "reward": "waiting for the rewards",
-                    "advantages": "advantages", "checkpoint": "evaluation, image grid, metrics, checkpoint",
+                    "advantages": "advantages", "checkpoint": "grid, metrics, checkpoint",
                     "next": "the next epoch starts", "finishing": "final weights", "complete": "run complete",
                     }.get(self.phase, self.phase)
             out.append(Bar(label, None, None, f"{what}  {clock(elapsed)}"))

@@ -49,14 +49,14 @@ def test_the_view_tells_epoch_phase_rate_and_eta_from_events():
     view.feed(events[1:3], now=1.0)  # epoch 0: sampling, 1 of 2 batches after 1 s
     run, phase = view.bars(now=2.0)
     assert (run.done, run.total) == (0, 3) and (phase.done, phase.total) == (1, 2)
-    assert "samples/s" in phase.info and "ETA" in phase.info
+    assert "/s" in phase.info and "ETA" in phase.info
     view.feed(events[3:11], now=11.0)  # epoch 0 done after 10 s
     view.feed(events[11:12], now=11.0)
     view.feed(events[12:21], now=17.0)  # epoch 1 done after 6 s
     assert view.epochs_done == 2 and len(view.summaries) == 2
     assert view.epoch_eta(17.0) == pytest.approx(6.0)  # the first epoch (warm-up) is left out of the mean
     view.feed(events[21:28], now=18.0)
-    assert view.bars(now=18.0)[1].info.startswith("training  timesteps 8/16")
+    assert view.bars(now=18.0)[1].info.startswith("training timesteps 8/16")
     view.feed(events[28:] + [ev.RunComplete(0, 2, 3)], now=20.0)
     assert len(view.summaries) == 3 and all(f"epoch {e} " in s for e, s in enumerate(view.summaries))
 
@@ -176,3 +176,26 @@ def test_a_smoke_run_on_a_terminal_and_through_a_pipe(tmp_path, model_cache):
     assert r.stdout.count("] done: reward") == 2 and "[epoch 1] sampling batch 2/2 done" in r.stdout
     assert "[transformers]" not in r.stdout + r.stderr
     assert (tmp_path / "outputs" / "pipe" / "reward_curve.png").is_file()
+
+
+def test_every_bar_fits_an_80_column_terminal():
+    """The live view draws label, a 24-column bar and the text: at 80 columns nothing may be cut (rich cuts the
+    last column). States with long numbers: 3-digit epochs, hours on the clocks, a compile with its graph count."""
+    from ddpo_tpu.console import BAR_TEXT_COLUMNS
+
+    view = ProgressView()
+    texts = [f"{b.label} {b.info}" for b in view.bars(now=view.created + 3600)]
+    view.feed([ev.RunStart("distributed", 999, 0, 128, 16, 128, "state", True)], now=0.0)
+    states = [[ev.PhaseStart(998, "sampling"), ev.CompileStart(998, "evaluation", 12, 12)],
+              [ev.CompileProgress(998, "evaluation", 12, 12, 3000.0, 123, 10.0)],
+              [ev.CompileEnd(998, "evaluation", 12, 12, 3001.0, 123, 10.0), ev.SamplingBatch(998, 15, 16)],
+              [ev.PhaseStart(998, "training")], [ev.TrainingBatch(998, 1000, 1600, 30)],
+              [ev.PhaseEnd(998, "training", 9999.0, 1.0, 0, 0.0)], [ev.PhaseStart(998, "evaluation")]]
+    for i, batch in enumerate(states):
+        view.feed(batch, now=10.0 + i)
+        texts += [f"{b.label} {b.info}" for b in view.bars(now=3600.0 + i)]  # an hour on the clocks
+    assert len(texts) == 1 + 2 * len(states)
+    for text in texts:
+        label, info = ("epoch " + text[6:].split(" ", 1)[0], text[6:].split(" ", 1)[1]) \
+            if text.startswith("epoch ") else text.split(" ", 1)
+        assert len(label) <= 9 and len(info) <= BAR_TEXT_COLUMNS, (len(info), info)

@@ -361,13 +361,13 @@ def test_the_live_view_counts_a_compile_up_every_poll():
     view = ProgressView()
     view.feed([ev.RunStart("xla", 2, 0, 8, 2, 8, "layout", True), ev.PhaseStart(0, "sampling"),
                ev.CompileStart(0, "sampling", 1, 2)], now=100.0)
-    assert "compiling the sampling graphs (1 of 2), 0:00" in view.bars(now=100.0)[-1].info
+    assert "compile sampling 1/2  0:00" in view.bars(now=100.0)[-1].info
     view.feed([ev.SamplingBatch(0, 1, 2)], now=145.0)  # still compiling: the clock, not the batch
     assert "0:45" in view.bars(now=145.0)[-1].info
     view.feed([ev.CompileProgress(0, "sampling", 1, 2, 60.0, 2, 10.0)], now=160.0)
-    assert "5:00, 2 graph(s) so far" in view.bars(now=400.0)[-1].info
+    assert "5:00  2 graphs" in view.bars(now=400.0)[-1].info
     view.feed([ev.CompileEnd(0, "sampling", 1, 2, 301.0, 3, 20.0)], now=401.0)
-    assert view.bars(now=401.0)[-1].info.startswith("sampling  batch 1/2")
+    assert view.bars(now=401.0)[-1].info.startswith("sampling 1/2")
 
 
 @pytest.mark.slow  # one XLA run of one epoch

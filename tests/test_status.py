@@ -158,6 +158,10 @@ def test_what_decided_is_said():
     assert f.last_error.line == "error: reward.name=remote returned 2 non-finite value(s)"
     f = facts_of(attempt(run_start(), ev.Preempted(2, 6, "SIGTERM: checkpoint written")), holder=HOLDER)
     assert "SIGTERM: checkpoint written" in f.decided_by and "pid 4242 still holds the lock" in f.decided_by
+    assert f.decided_by.count("the same command resumes") == 1
+    # the trainer's message (ddpo/checkpointing.py) already says how to resume: said once, not twice
+    f = facts_of(attempt(run_start(), ev.Preempted(2, 6, "stopped after epoch 2; the same command resumes")))
+    assert f.decided_by.count("the same command resumes") == 1, f.decided_by
     f = facts_of(attempt(run_start()), heartbeat_age=300)
     assert "heartbeat is 5 min 00 s old" in f.decided_by and f.heartbeat_age_s == 300
     f = facts_of(attempt(run_start()), holder=dataclasses.replace(HOLDER, this_host=False, hostname="w-3"))

@@ -104,7 +104,8 @@ def _rule_preempted(x: Evidence) -> Decision | None:
     if pre is None and (ended is None or ended.code != EXIT_PREEMPTED):
         return None
     why = f"preempted: {pre.message}" if pre is not None else f"the training process exited {EXIT_PREEMPTED}"
-    why += " (the same command resumes)"
+    if "the same command resumes" not in why:  # the trainer's own message already says it
+        why += " (the same command resumes)"
     if x.holder is not None and ended is None:
         why += f"; pid {x.holder.pid} still holds the lock (writing its checkpoint?)"
     return Decision("stopped", "preempted", why, "preempted")
