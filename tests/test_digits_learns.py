@@ -31,6 +31,21 @@ def test_the_demo_composes_and_its_reward_reads_the_prompted_digit():
     assert prompted_digit("a cat") is None
 
 
+@pytest.mark.slow  # builds a 2+2-step digits model and saves it (seconds)
+def test_the_build_says_its_stage_and_how_far_of_how_many_steps(tmp_path, monkeypatch):
+    """The first digits run builds the model for ~10 minutes: its log lines carry the stage and the step total."""
+    from ddpo_tpu.models import digits
+
+    monkeypatch.setattr(digits, "VAE_STEPS", 2)
+    monkeypatch.setattr(digits, "UNET_STEPS", 2)
+    lines: list[str] = []
+    digits.build_digits_pipeline(tmp_path / "m", log=lines.append)
+    steps = [line.split(":")[0] + ": " + line.split(": ")[1].split(",")[0] for line in lines if "step" in line]
+    assert steps == ["stage 1 of 2, the VAE: step 1/2", "stage 1 of 2, the VAE: step 2/2",
+                     "stage 2 of 2, the UNet and text encoder: step 1/2",
+                     "stage 2 of 2, the UNet and text encoder: step 2/2"], lines
+
+
 @pytest.mark.slow
 def test_the_classifier_reads_the_digits():
     from ddpo_tpu.models.digits import digit_images

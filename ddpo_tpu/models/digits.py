@@ -80,7 +80,7 @@ def _train_vae(vae, x: torch.Tensor, gen: torch.Generator, log) -> float:
         loss.backward()
         opt.step()
         if step % 50 == 0 or step == VAE_STEPS - 1:
-            log(f"vae step {step}: loss {loss.item():.4f}")
+            log(f"stage 1 of 2, the VAE: step {step + 1}/{VAE_STEPS}, loss {loss.item():.4f}")
     vae.eval()
     return float(loss.item())
 
@@ -122,7 +122,8 @@ def _train_unet(unet, text_encoder, tokenizer, scheduler, latents: torch.Tensor,
             for e, p in zip(ema, params):
                 e.lerp_(p, 1 - EMA_DECAY)
         if step % 100 == 0 or step == UNET_STEPS - 1:
-            log(f"unet step {step}: loss {loss.item():.4f}")
+            log(f"stage 2 of 2, the UNet and text encoder: step {step + 1}/{UNET_STEPS}, "
+                f"loss {loss.item():.4f}")
     with torch.no_grad():
         for e, p in zip(ema, params):
             p.copy_(e)
@@ -196,12 +197,13 @@ def build_digits_pipeline(out_dir: str | os.PathLike, seed: int = SEED, log=prin
 
 
 def ensure_digits_model(cache_dir: str | os.PathLike, seed: int = SEED) -> pathlib.Path:
-    """cache_dir/digits-sd-{version}-seed{seed}, pretrained on first use (a few CPU minutes, once per machine)."""
+    """cache_dir/digits-sd-{version}-seed{seed}, pretrained on first use (about 10 minutes on a
+    2-core machine, 7 CPU-minutes, once per machine: README)."""
     from ddpo_tpu.models import tiny
     from ddpo_tpu.models.build_cache import build_once
 
     def build(tmp: pathlib.Path) -> None:
-        print(f"ddpo_tpu: pretraining the digits demo model once into {cache_dir} (a few minutes on a CPU)",
+        print(f"ddpo_tpu: pretraining the digits demo model once into {cache_dir} (about 10 minutes on 2 cores; once per machine)",
               flush=True)
         build_digits_pipeline(tmp, seed=seed, log=lambda line: print(f"ddpo_tpu: digits model: {line}", flush=True))
 
