@@ -233,6 +233,8 @@ class ProgressView:
                              "evaluation": "checkpoint"}.get(e.phase)
                 if following:
                     self._phase(following, now)
+            elif isinstance(e, ev.Evaluated) and e.epoch < 0:  # the frozen policy: a line of its own
+                self.summaries.append(f"before training  eval reward {e.mean:.4f} ± {e.std:.4f}")
             elif isinstance(e, ev.Evaluated):
                 self.evaluated = f", eval {e.mean:.4f} ± {e.std:.4f}"
             elif isinstance(e, ev.CheckpointSaved):

@@ -257,9 +257,16 @@ class CompileEnd(CompileProgress, kind="compile_end"):
 
 
 class Evaluated(Event, kind="evaluated", text="[epoch {epoch}] eval: reward {mean:.4f} +- {std:.4f}"):
-    epoch: int
+    epoch: int  # BEFORE_TRAINING (-1): the frozen policy's evaluation, before epoch 0 trains
     mean: float
     std: float
+
+    def text(self) -> str:
+        where = "before training" if self.epoch < 0 else f"epoch {self.epoch}"
+        return f"[{where}] eval: reward {self.mean:.4f} +- {self.std:.4f}"
+
+
+BEFORE_TRAINING = -1  # the epoch an evaluation of the untrained policy is recorded under (metrics.jsonl, events)
 
 
 class CheckpointSaved(Event, kind="checkpoint", text="[epoch {epoch}] checkpoint {path}"):

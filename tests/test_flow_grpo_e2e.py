@@ -32,7 +32,7 @@ def _check_run(run, epochs_expected: int, late: int = 0) -> list[dict]:
         assert e["new_compilations"] == e["phases"]["training"]["compilations"] <= allowed, e["phases"]
     assert all(math.isfinite(e["kl"]) and 0 <= e["kl"] < 1.0 for e in epochs)
     evals = read_metrics(run, "eval")
-    assert [e["epoch"] for e in evals] == list(range(epochs_expected))
+    assert [e["epoch"] for e in evals] == [-1, *range(epochs_expected)]  # -1: before training (the frozen policy)
     final, ema = load_file(run / "weights" / "final.safetensors"), load_file(run / "weights" / "final_ema.safetensors")
     assert final.keys() == ema.keys()
     assert any(not (final[k] == ema[k]).all() for k in final)  # an average of the steps, not the last weights

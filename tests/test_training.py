@@ -163,8 +163,13 @@ def test_evaluation_is_logged_apart_and_does_not_perturb_training(tmp_path, mode
     assert proc.returncode == 0, proc.stdout[-3000:]
     run = tmp_path / "outputs" / "smoke"
     evals = read_metrics(run, "eval")
-    assert len(evals) == 1 and evals[0]["epoch"] == 0 and set(evals[0]["per_prompt"]) >= {"a cat", "a dog"}
-    assert (run / "samples" / "eval_0000.png").is_file()
+    # the frozen policy first (the "before"), then after epoch 0
+    assert len(evals) == 2 and (evals[0]["epoch"], evals[0]["global_step"], evals[0].get("before_training")) == (
+        -1, 0, True)
+    assert evals[1]["epoch"] == 0 and evals[1]["global_step"] > 0 and "before_training" not in evals[1]
+    assert set(evals[1]["per_prompt"]) >= {"a cat", "a dog"}
+    assert (run / "samples" / "eval_before_0000.png").is_file() and (run / "samples" / "eval_0000.png").is_file()
+    assert "[before training] eval: reward" in (run / "train.log").read_text()
     plain = read_metrics(first_epoch_runs["eager_cpu"], "epoch")[0]
     assert read_metrics(run, "epoch")[0]["reward_mean"] == plain["reward_mean"]
     assert read_metrics(run, "step")[0]["loss"] == read_metrics(first_epoch_runs["eager_cpu"], "step")[0]["loss"]

@@ -189,6 +189,9 @@ class Trainer:
                           self.train_timesteps)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             clock = PhaseClock(rt, self.events, epoch)
+            if epoch == 0 and cfg.evaluation.every_n_epochs and self.global_step == 0:
+                with clock.measure("evaluation_before"):  # the "before" of every later evaluation
+                    self.evaluate(ev.BEFORE_TRAINING)
             policy = self.epoch_trainer.sampling_policy() if self.epoch_trainer else contextlib.nullcontext()
             with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events), policy:
                 sampled = self.sample_epoch(epoch)
@@ -335,7 +338,8 @@ class Trainer:
         rewards = self.rt.gather_rows(np.asarray(self.reward(images, local), dtype=np.float64))
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
-               "reward_std": float(rewards.std()), "per_prompt": per_prompt}
+               "reward_std": float(rewards.std()), "per_prompt": per_prompt,
+               **({"before_training": True} if epoch == ev.BEFORE_TRAINING else {})}
         self.report.evaluation(rec, images, prompts, rewards)
         return rec
 

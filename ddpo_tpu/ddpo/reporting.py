@@ -89,7 +89,9 @@ class Reporter:
     def evaluation(self, rec: dict, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> None:
         if self.rt.is_main:
             self.out.log(rec)
-            self.out.save_image_grid(rec["epoch"], images, prompts, rewards, name="eval")
+            before = rec["epoch"] < 0  # samples/eval_before_0000.png: the frozen policy, before epoch 0 trains
+            self.out.save_image_grid(max(rec["epoch"], 0), images, prompts, rewards,
+                                     name="eval_before" if before else "eval")
             self.tracker.log({"eval/reward_mean": rec["reward_mean"]}, step=rec["global_step"])
         self.events.emit(ev.Evaluated(rec["epoch"], rec["reward_mean"], rec["reward_std"]))
 

@@ -34,6 +34,8 @@ def describe(event: ev.Event, num_epochs: int | None) -> tuple[str, str] | None:
     if isinstance(event, ev.PhaseEnd):
         return _AFTER_PHASE.get(event.phase, (event.phase, f"{event.phase} done"))
     if isinstance(event, ev.Evaluated):
+        if event.epoch < 0:
+            return "sampling", f"evaluation before training done (reward {event.mean:.4f}), epoch 0 sampling next"
         return "saving", f"evaluation done (reward {event.mean:.4f}), saving the epoch"
     if isinstance(event, ev.CheckpointSaved):
         return "saving", f"checkpoint {event.path} in place"
