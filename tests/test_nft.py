@@ -33,7 +33,7 @@ def test_one_element_loss_and_gradient_worked_by_hand():
     # so 5 (0.75 x 1 + 0.25 x -1) = 2.5 (a gradient through the weights would give another number)
     v = torch.tensor([[0.2]], dtype=torch.float64, requires_grad=True)
     one = lambda x: torch.tensor([[x]], dtype=torch.float64)
-    loss, pos, neg = nft_loss(v, one(0.4), one(0.5), one(1.0), one(0.5), torch.tensor([2.5], dtype=torch.float64),
+    loss, pos, neg, _ = nft_loss(v, one(0.4), one(0.5), one(1.0), one(0.5), torch.tensor([2.5], dtype=torch.float64),
                               beta=1.0, adv_clip_max=5.0)
     assert loss.item() == pytest.approx(3.25, abs=1e-12)
     assert (pos.item(), neg.item()) == pytest.approx((0.6, 0.8), abs=1e-12)
@@ -66,7 +66,7 @@ def test_batch_loss_equals_the_formula(beta, c):
     t = torch.tensor([0.9, 0.5, 0.2, 1.0], dtype=torch.float64)
     xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
     adv = torch.tensor([7.0, -0.3, 0.0, -9.0], dtype=torch.float64)  # clipped at +-c on both sides
-    loss, _, _ = nft_loss(v, v_old, xt, x0, t.view(-1, 1, 1, 1), adv, beta, c)
+    loss, _, _, _ = nft_loss(v, v_old, xt, x0, t.view(-1, 1, 1, 1), adv, beta, c)
     flat = lambda x: x.reshape(B, -1).tolist()
     want = _formula(flat(v), flat(v_old), flat(xt), flat(x0), t.tolist(), adv.tolist(), beta, c)
     assert loss.item() == pytest.approx(want, rel=1e-12)
@@ -82,7 +82,7 @@ def test_on_policy_zero_advantage_has_no_gradient():
     g = torch.Generator().manual_seed(1)
     x0, xt, v_old = (torch.randn(3, 4, generator=g) for _ in range(3))
     v = v_old.clone().requires_grad_(True)
-    loss, pos, neg = nft_loss(v, v_old, xt, x0, torch.full((3, 1), 0.7), torch.zeros(3), 1.0, 5.0)
+    loss, pos, neg, _ = nft_loss(v, v_old, xt, x0, torch.full((3, 1), 0.7), torch.zeros(3), 1.0, 5.0)
     loss.backward()
     assert torch.allclose(pos, neg) and v.grad.abs().max() < 1e-6
 
@@ -112,7 +112,12 @@ def test_nft_is_cfg_free():
 
 def test_nft_runs_on_flux_with_its_embedded_guidance_and_without_an_sde_window():
     flux = ["+experiment=flux_grpo_smoke", "algorithm=nft", "~algorithm.kl_beta"]
-    cfg = compose_and_validate(flux).cfg  # guidance_scale 3.5 is FLUX's embedding input, not CFG
+    # trunc(sigma x 1000) is the SD3 transformer's timestep (NVlabs' pipeline), not FLUX's
+    found = problems(flux)
+    assert "SD3 transformer" in found["algorithm.integer_rollout_timesteps"]
+    assert "algorithm.integer_rollout_timesteps=false" in found["algorithm.integer_rollout_timesteps"]
+    cfg = compose_and_validate([*flux, "algorithm.integer_rollout_timesteps=false"]).cfg
+    # guidance_scale 3.5 is FLUX's embedding input, not CFG
     assert cfg.algorithm.name == "nft" and cfg.model.family == "flux" and cfg.sample.guidance_scale == 3.5
     found = problems([*NFT_SMOKE, "sample.sde_window.size=2"])
     assert "no window to train" in found["sample.sde_window.size"]
@@ -130,6 +135,33 @@ def test_nft_keys_belong_to_nft():
     assert "algorithm.beta" in problems([*NFT_SMOKE, "algorithm.beta=0"])
 
 
+def test_settings_nft_does_not_read_are_refused_naming_the_fix():
+    # issue 32: each of these started a run and took no effect
+    found = problems([*NFT_SMOKE, "train.adv_clip_max=2"])
+    assert "algorithm.adv_clip_max" in found["train.adv_clip_max"]
+    assert "no PPO ratio" in problems([*NFT_SMOKE, "train.clip_range=0.2"])["train.clip_range"]
+    found = problems([*NFT_SMOKE, "sample.noise_level=0.5"])
+    assert "ODE" in found["sample.noise_level"] and "algorithm.ode_sampling=false" in found["sample.noise_level"]
+    compose_and_validate([*NFT_SMOKE, "sample.noise_level=0.5", "algorithm.ode_sampling=false",
+                          "sample.ode_solver=euler"])  # the SDE reads it
+    found = problems([*NFT_SMOKE, "algorithm.decay_rate=0", "algorithm.decay_max=0.3"])
+    assert "decay_rate=0" in found["algorithm.decay_max"] and "algorithm.decay_rate=0.001" in found["algorithm.decay_max"]
+    assert "algorithm.decay_start" in problems([*NFT_SMOKE, "algorithm.decay_rate=0", "algorithm.decay_start=5"])
+    # the dpm2 solver only where an ODE rollout reads it
+    found = problems([*NFT_SMOKE, "algorithm.ode_sampling=false"])
+    assert "sample.ode_solver=euler" in found["sample.ode_solver"]
+    found = problems(["+experiment=flow_grpo_smoke", "sample.ode_solver=dpm2"])
+    assert "GRPO samples with the SDE" in found["sample.ode_solver"]
+    found = problems(["+experiment=smoke", "+sample.ode_solver=dpm2"])  # DDIM reads no such key
+    assert "does not read it" in found["sample.ode_solver"]
+
+
+def test_the_kl_term_needs_the_adapter():
+    found = problems([*NFT_SMOKE, "model.lora.enabled=false"])
+    assert "LoRA" in found["algorithm.kl_beta"] and "algorithm.kl_beta=0" in found["algorithm.kl_beta"]
+    assert compose_and_validate([*NFT_SMOKE, "model.lora.enabled=false", "algorithm.kl_beta=0"]).cfg
+
+
 # --- the old policy ---------------------------------------------------------------------------------------------
 
 
@@ -140,7 +172,7 @@ def test_old_policy_soft_update_follows_its_decay_schedule():
 
     rt = SimpleNamespace(device=torch.device("cpu"), place_state=lambda *a: None, sync=lambda: None)  # all EMA uses
     p = torch.zeros(3)
-    old = OldPolicy([p], rate=0.001, max_decay=0.5, rt=rt)
+    old = OldPolicy([p], rate=0.001, max_decay=0.5, rt=rt)  # decay_start 0
     p += 1.0
     old.update(0)  # d = 0: the old policy becomes the current weights
     assert old.shadow[0].tolist() == [1.0] * 3

@@ -46,17 +46,28 @@ class GrpoKeys(Keys):
 
 
 class NftKeys(Keys):
-    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117; NVlabs/DiffusionNFT): ddpo_tpu/ddpo/nft.py."""
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) as NVlabs/DiffusionNFT@24af5554 trains it:
+    ddpo_tpu/ddpo/nft.py; docs/nft.md maps each key to the official code."""
     name: Literal["nft"]
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch, not the group's
-    beta: float = Field(default=1.0, gt=0)              # the implicit policies' step: v+- = v_old +- beta (v - v_old)
+    # NFT's own beta (official `config.beta`, 1; 0.1 in sd3_ocr and sd3_multi_reward): the implicit policies' step,
+    # v+- = v_old +- beta (v - v_old). Not the KL weight below.
+    beta: float = Field(default=1.0, gt=0)
+    # the KL term's weight (official `config.train.beta`, 1e-4): kl_beta x mean((v - v_ref)^2), v_ref the model with
+    # its LoRA adapter off; 0: no reference forward
+    kl_beta: float = Field(default=1e-4, ge=0)
     adv_clip_max: float = Field(default=5.0, gt=0)      # advantages clipped to +-c, then r = clip(A/c)/2 + 1/2
-    # the old (sampling) policy: after each epoch old <- d old + (1 - d) current, d = min(decay_rate x optimizer
-    # steps so far, decay_max) (DiffusionNFT's soft update); decay_max 0 = the weights that sampled the epoch
+    # the old (sampling) policy: after each epoch old <- d old + (1 - d) current, d = 0 for the first decay_start
+    # optimizer steps, then min(decay_rate x (steps - decay_start), decay_max) (official return_decay; decay_type 1
+    # = 0, 0.001, 0.5 the default; 2 = 75, 0.0075, 0.999; 0 = decay_rate 0: the weights that sampled the epoch)
     decay_max: float = Field(default=0.5, ge=0, lt=1)
     decay_rate: float = Field(default=0.001, ge=0)
-    ode_sampling: bool = True                           # sample with the family's ODE (no noise, no log-probs)
+    decay_start: int = Field(default=0, ge=0)
+    ode_sampling: bool = True                           # sample with the ODE (sample.ode_solver; no log-probs)
+    # the transformer's timestep while sampling: trunc(sigma x 1000) as the official sampling pipeline casts it
+    # (training uses the float sigma x 1000 there and here); false: the float (SD3 family only when true)
+    integer_rollout_timesteps: bool = True
 
 
 def _divisor_near(n: int, want: int) -> int | None:
@@ -91,6 +102,9 @@ def _group_problems(cfg: Any, tot: Any) -> list[Problem]:
 
 def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
     a, problems = cfg.algorithm, _group_problems(cfg, tot)
+    if getattr(cfg.sample, "ode_solver", None) == "dpm2":
+        problems.append(Problem("sample.ode_solver", "dpm2", "GRPO samples with the SDE: the multistep ODE solver is "
+                                "read by algorithm=nft's rollouts only", Fix.of({"sample.ode_solver": "euler"})))
     if a.kl_beta > 0 and not cfg.model.lora.enabled:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter",
@@ -126,6 +140,24 @@ def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
         problems.append(Problem("sample.sde_window.size", cfg.sample.sde_window.size, "DiffusionNFT trains on the "
                                 "clean samples, not on recorded steps: it has no window to train",
                                 Fix.of({"sample.sde_window.size": None})))
+    return problems + _nft_key_problems(cfg, fam)
+
+
+def _nft_key_problems(cfg: Any, fam: Any) -> list[Problem]:
+    """NFT keys that would start a run and take no effect, or need what the config lacks."""
+    a, problems = cfg.algorithm, []
+    if a.kl_beta > 0 and not cfg.model.lora.enabled:
+        problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the KL term's reference is the model with its LoRA "
+                                "adapter off; a full fine-tune has none (the official code asserts use_lora)",
+                                Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    if not a.ode_sampling and getattr(cfg.sample, "ode_solver", None) == "dpm2":
+        problems.append(Problem("sample.ode_solver", "dpm2", "algorithm.ode_sampling=false samples with the SDE: "
+                                "the ODE solver is not read", Fix.of({"algorithm.ode_sampling": True},
+                                                                     {"sample.ode_solver": "euler"})))
+    if a.ode_sampling and a.integer_rollout_timesteps and fam.name != "sd3":
+        problems.append(Problem("algorithm.integer_rollout_timesteps", True, f"trunc(sigma x 1000) is the SD3 "
+                                f"transformer's timestep (the official code trains SD3 only); model.family={fam.name} "
+                                f"takes its own", Fix.of({"algorithm.integer_rollout_timesteps": False})))
     return problems
 
 

@@ -53,6 +53,21 @@ DEPENDENTS: tuple[Dependent, ...] = (
               "use output_root=gs://BUCKET/PREFIX"),
     Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",
               "tpu_topology.execution is not distributed", "use a distributed topology, e.g. tpu_topology=cpu_dist2"),
+    # DiffusionNFT (catalog/algorithms.py NftKeys): the PPO keys, the SDE's keys under its ODE rollouts, and the old
+    # policy's schedule when it never decays
+    Dependent(("train.adv_clip_max",), lambda c: c.algorithm.name != "nft",
+              "algorithm=nft clips with its own algorithm.adv_clip_max", "set algorithm.adv_clip_max instead"),
+    Dependent(("train.clip_range",), lambda c: c.algorithm.name != "nft",
+              "algorithm=nft has no PPO ratio to clip",
+              "leave it unset: DiffusionNFT bounds its step with algorithm.beta"),
+    Dependent(("sample.noise_level", "sample.sde_type"),
+              lambda c: c.algorithm.name != "nft" or not c.algorithm.ode_sampling,
+              "algorithm=nft samples with the ODE (algorithm.ode_sampling=true)",
+              Fix.of({"algorithm.ode_sampling": False}, note="(the SDE; the official presets sample the ODE)")),
+    Dependent(("algorithm.decay_max", "algorithm.decay_start"),
+              lambda c: c.algorithm.name != "nft" or c.algorithm.decay_rate > 0,
+              "algorithm.decay_rate=0: the old policy is the weights that sampled each epoch",
+              Fix.of({"algorithm.decay_rate": 0.001}, note="(or another rate)")),
 )
 
 

@@ -117,6 +117,7 @@ class SampleConfig(_Strict):
     eta: float | None = Field(default=None, gt=0, le=1)              # ddim
     noise_level: float | None = Field(default=None, gt=0, le=1)      # flow_sde
     sde_type: Literal["sde", "cps"] | None = None                    # flow_sde
+    ode_solver: Literal["euler", "dpm2"] | None = None               # flow_sde: its ODE rollouts' solver (nft)
     guidance_scale: float = Field(ge=1)
     batch_size: int = Field(ge=1)
     num_batches_per_epoch: int = Field(ge=1)

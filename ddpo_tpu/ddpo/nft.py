@@ -1,31 +1,28 @@
 """DiffusionNFT (Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process", arXiv
-2509.16117; NVlabs/DiffusionNFT) as `algorithm=nft`, for the flow-matching families.
+2509.16117) as `algorithm=nft` for the flow-matching families, following NVlabs' code (NVlabs/DiffusionNFT@24af5554,
+scripts/train_nft_sd3.py; docs/nft.md maps every key to it).
 
-An epoch: the old policy samples (the family's ODE by default: no log-probs are needed), rewards become group
-advantages A (as GRPO's) and an optimality probability r = clip(clip(A, -c, c) / c / 2 + 1/2, 0, 1). Training runs on
-the forward process, not on the recorded steps: each clean final latent x0 is noised again, x_t = (1 - t) x0 + t eps,
-at the training times t (the first int(T x train.timestep_fraction) sigmas of the sampling schedule, each sample at
-each, with fresh noise); the old policy's velocity v_old (no gradient) and the current v on x_t give the implicit
-positive and negative policies
+An epoch: the old policy samples (the ODE: sample.ode_solver, dpm2 in the official presets; ddpo/nft_rollout.py),
+rewards become group advantages A (as GRPO's) and an optimality probability r = clip(clip(A, -c, c) / c / 2 + 1/2,
+0, 1). Training runs on the forward process, not on the recorded steps: each clean final latent x0 is noised again,
+x_t = (1 - t) x0 + t eps, at int(T x train.timestep_fraction) training times per sample drawn at random from the T
+sampling sigmas (a per-sample permutation, as there), with fresh noise; the old policy's velocity v_old (no gradient)
+and the current v on x_t give the implicit positive and negative policies
 
     v+ = beta v + (1 - beta) v_old,        v- = (1 + beta) v_old - beta v,
 
 whose x0 predictions x_t - t v+- are pulled to x0, each squared error divided by its own detached mean absolute
-error (the paper's adaptive weighting), weighted r and 1 - r:
+error (clipped at 1e-5; float64 there, float32 here: TPUs have none), weighted r and 1 - r; plus the KL term to the
+reference (the model with its LoRA adapter off), mean((v - v_ref)^2), weighted kl_beta (the official
+`config.train.beta`, 1e-4; `beta` is the official `config.beta`):
 
-    loss = c x mean over samples of (r L+ + (1 - r) L-) / beta,    L+- = mean((x0+- - x0)^2) / mean|x0+- - x0|.
-
-The factor c (adv_clip_max) is the reference's (X-GenGroup/Flow-Factory src/flow_factory/trainers/nft.py, which
-follows the official code: `policy_loss = (ori_policy_loss * adv_clip_range[1]).mean()`); the mean absolute error is
-computed in float32 here (float64 there: TPUs have none), clipped at 1e-5 as there.
+    loss = c x mean(r L+ + (1 - r) L-) / beta + kl_beta x mean over samples of mean((v - v_ref)^2).
 
 The old policy: a copy of the trained weights (TrainState.copies["nft_old"], checkpointed with the optimizer, so a
 resume is exact) that samples the epoch and gives v_old; after each epoch old <- d old + (1 - d) current with
-d = min(decay_rate x optimizer steps, decay_max), the paper's soft update of the old policy. The defaults (0.001 and
-0.5) are the official code's default schedule as we know it; its source was not at hand to check (Flow-Factory's
-guidance/algorithms.md recommends the same shape for NFT: a low decay first, rising to 0.5). decay_max 0: the weights
-that sampled the epoch (on-policy). Training times: the schedule's own sigmas (Flow-Factory's "discrete" time
-sampling), so every sample trains at the same fixed set of times and the shapes never change.
+d = 0 for the first decay_start optimizer steps, then min(decay_rate x (steps - decay_start), decay_max)
+(return_decay there; its decay_type 0, 1, 2 are (0, 0, 0), (0, 0.001, 0.5), (75, 0.0075, 0.999)). The EMA of the
+trained weights (train.ema) steps once per optimizer step, as there.
 """
 
 from __future__ import annotations
@@ -53,9 +50,11 @@ def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
 
 
 def nft_loss(v: Tensor, v_old: Tensor, xt: Tensor, x0: Tensor, t: Tensor, advantages: Tensor, beta: float,
-             adv_clip_max: float, weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             adv_clip_max: float, weights: Tensor | None = None, v_ref: Tensor | None = None,
+             kl_beta: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """DiffusionNFT's loss of a batch: v, v_old, xt, x0 (B, ...); t broadcastable against them; advantages (B,);
-    weights (B,) a loss weight per sample (None = 1). Returns (loss, mean positive term, mean negative term)."""
+    weights (B,) a loss weight per sample (None = 1); v_ref the reference's velocity (None: no KL term). Returns
+    (loss, mean positive term, mean negative term, mean KL term)."""
     dims = tuple(range(1, x0.dim()))
     v_old = v_old.detach()
 
@@ -68,26 +67,32 @@ def nft_loss(v: Tensor, v_old: Tensor, xt: Tensor, x0: Tensor, t: Tensor, advant
     negative = term((1 + beta) * v_old - beta * v)
     r = optimality(advantages.to(positive.dtype), adv_clip_max)
     per_sample = (r * positive + (1 - r) * negative) / beta * adv_clip_max
-    return (weighted_mean(per_sample, weights), weighted_mean(positive.detach(), weights),
-            weighted_mean(negative.detach(), weights))
+    loss = weighted_mean(per_sample, weights)
+    kl = torch.zeros((), dtype=loss.dtype, device=loss.device)
+    if v_ref is not None:
+        kl = weighted_mean(((v - v_ref.detach()) ** 2).mean(dim=dims), weights)
+        loss = loss + kl_beta * kl
+    return (loss, weighted_mean(positive.detach(), weights), weighted_mean(negative.detach(), weights), kl.detach())
 
 
 class OldPolicy(EMA):
-    """The old policy's weights: old <- d old + (1 - d) current once an epoch, d = min(rate x step, max)."""
+    """The old policy's weights: old <- d old + (1 - d) current once an epoch, d = 0 before `start` optimizer steps,
+    then min(rate x (step - start), max) (return_decay, train_nft_sd3.py:169)."""
 
-    def __init__(self, params, rate: float, max_decay: float, rt):
+    def __init__(self, params, rate: float, max_decay: float, rt, start: int = 0):
         super().__init__(params, max_decay, 1, rt)
-        self.rate = rate
+        self.rate, self.start = rate, start
 
     def weight(self, step: int) -> float:
-        return 1.0 - min(self.rate * step, self.decay)
+        d = 0.0 if step < self.start else min(self.rate * (step - self.start), self.decay)
+        return 1.0 - d
 
 
 class NFT:
     """The algorithm's part of the loop: GRPO's prompts and group advantages; the training is NftEpochTrainer's."""
 
     name = "nft"
-    stat_names = ("loss", "positive_loss", "negative_loss")
+    stat_names = ("loss", "positive_loss", "negative_loss", "kl")
     needs_reference = False
     key_tokens = 256                # groups keyed as GRPO's
     shuffle_timesteps = False
@@ -131,11 +136,18 @@ class NFT:
         pass
 
 
-def _flat(x0: Tensor, noise: Tensor, cols: Tensor, cond) -> tuple[Tensor, Tensor, Tensor, tuple]:
-    """Columns `cols` (K training times) of B samples as B x K samples, sample-major."""
+def _flat(x0: Tensor, noise: Tensor, times: Tensor, cols: Tensor, cond) -> tuple[Tensor, Tensor, Tensor, tuple]:
+    """Columns `cols` (K of the T training positions) of B samples as B x K samples, sample-major: x0, noise (B, T,
+    ...) and the schedule indices `times` (B, T) of each sample's training times."""
     B, K = x0.shape[0], cols.shape[0]
     return (x0.repeat_interleave(K, dim=0), noise.index_select(1, cols).reshape(B * K, *noise.shape[2:]),
-            cols.repeat(B), tuple(c.repeat_interleave(K, dim=0) for c in cond))
+            times.index_select(1, cols).reshape(B * K), tuple(c.repeat_interleave(K, dim=0) for c in cond))
+
+
+def draw_training_times(gen: torch.Generator, n: int, steps: int, train: int) -> Tensor:
+    """(n, train) schedule indices: each sample's own random `train` of the `steps` sampling sigmas, in random order
+    (train_nft_sd3.py:810, a randperm per sample whose first int(steps x timestep_fraction) are trained)."""
+    return torch.argsort(torch.rand(n, steps, generator=gen), dim=1)[:, :train]
 
 
 class NftEpochTrainer:
@@ -143,25 +155,40 @@ class NftEpochTrainer:
     the host generator of (seed, epoch, STREAM_SHUFFLE, inner), each function compiled once (rt.compile_step)."""
 
     def __init__(self, trainer):
+        from ddpo_tpu.ddpo.nft_rollout import integer_timesteps, make_rollout_step
+
         self.tr = trainer
         cfg, rt, fam = trainer.cfg, trainer.rt, trainer.family
         a = cfg.algorithm
-        self.old = trainer.state.copies.setdefault(OLD, OldPolicy(trainer.state.params, a.decay_rate, a.decay_max, rt))
-        velocity = fam.make_velocity(lambda: rt.autocast(trainer.mixed))
+        self.old = trainer.state.copies.setdefault(
+            OLD, OldPolicy(trainer.state.params, a.decay_rate, a.decay_max, rt, a.decay_start))
+        autocast = lambda: rt.autocast(trainer.mixed)
+        velocity = fam.make_velocity(autocast)
+        if a.ode_sampling:  # the rollouts: the official solver and timesteps (the loop's sampling step otherwise)
+            tables = integer_timesteps(fam.tables) if a.integer_rollout_timesteps else fam.tables
+            step = rt.compile_step(make_rollout_step(fam, autocast, tables, cfg.sample.ode_solver))
+            step.multistep = True
+            trainer.denoise_step = step
 
-        def old_velocity(x0, noise, cols, cond):
-            x, z, i, c = _flat(x0, noise, cols, cond)
-            return velocity(x, z, i, c)[0].reshape(x0.shape[0], cols.shape[0], *x0.shape[1:])
+        def old_velocity(x0, noise, times, cond):
+            cols = torch.arange(times.shape[1], device=times.device)
+            x, z, i, c = _flat(x0, noise, times, cols, cond)
+            return velocity(x, z, i, c)[0].reshape(x0.shape[0], times.shape[1], *x0.shape[1:])
 
-        def step_loss(x0, noise, v_old, cols, cond, adv, w):
-            x, z, i, c = _flat(x0, noise, cols, cond)
+        def ref_velocity(x0, noise, times, cols, cond):
+            return velocity(*_flat(x0, noise, times, cols, cond))[0]
+
+        def step_loss(x0, noise, v_old, times, cols, cond, adv, w, v_ref):
+            x, z, i, c = _flat(x0, noise, times, cols, cond)
             K = cols.shape[0]
             v, xt, t = velocity(x, z, i, c)
             vo = v_old.index_select(1, cols).reshape(v.shape)
             return nft_loss(v, vo, xt, x.float(), t, adv.repeat_interleave(K), a.beta, a.adv_clip_max,
-                            w.repeat_interleave(K))
+                            w.repeat_interleave(K), v_ref, a.kl_beta)
 
         self.old_velocity, self.step_loss = rt.compile_step(old_velocity), rt.compile_step(step_loss)
+        # the KL term's reference: the same forward with the adapter off (a graph of its own, forward only)
+        self.ref_velocity = rt.compile_step(ref_velocity) if a.kl_beta > 0 else None
 
     def sampling_policy(self):
         """The old policy samples the epoch."""
@@ -174,7 +201,7 @@ class NftEpochTrainer:
         cfg, rt, dev = tr.cfg, tr.rt, tr.rt.device
         tr.family.model.train()
         x0_all = s.latents[:, -1]
-        N, T, K = x0_all.shape[0], tr.train_timesteps, tr.fused
+        N, T, K, S = x0_all.shape[0], tr.train_timesteps, tr.fused, tr.family.num_steps
         logs, micro, said = [], 0, time.monotonic()
         total = cfg.train.num_inner_epochs * N * T // tr.train_batch
         stats = torch.zeros(len(NFT.stat_names)).to(dev)
@@ -182,6 +209,7 @@ class NftEpochTrainer:
             gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
             perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
             noise = torch.randn((N, T, *x0_all.shape[1:]), generator=gen)  # per train position, on the host
+            times_all = draw_training_times(gen, N, S, T)                   # per shuffled sample
             rt.sync()  # the permutation materialised before it indexes (loop.train_epoch: torch_xla 2.9)
             x0, adv, w = (x.index_select(0, perm) for x in (x0_all, s.advantages, s.weights))
             cond = tuple(c.index_select(0, perm) for c in s.cond)
@@ -193,15 +221,19 @@ class NftEpochTrainer:
                 pick = lambda x: x.index_select(0, sel)
                 xb, cb, ab, wb = pick(x0), tuple(map(pick, cond)), pick(adv), pick(w)
                 zb = rt.shard_batch(noise[rows].to(dev, dtype=x0.dtype))  # the global batch's noise -> its layout
-                all_cols = torch.arange(T).to(dev)
+                tb = rt.shard_batch(times_all[rows].to(dev))
                 with torch.no_grad(), self.old.swapped_in():  # v_old of every training time, one forward
-                    v_old = self.old_velocity(xb, zb, all_cols, cb)
+                    v_old = self.old_velocity(xb, zb, tb, cb)
                 rt.sync()
                 for j in range(0, T, K):
                     cols = torch.arange(j, j + K).to(dev)  # data: one graph for every j
+                    v_ref = None
+                    if self.ref_velocity is not None:
+                        with torch.no_grad(), tr.family.reference():
+                            v_ref = self.ref_velocity(xb, zb, tb, cols, cb)
                     last = (micro + K) % tr.window == 0
                     with contextlib.nullcontext() if last else rt.no_gradient_sync(tr.family.model):
-                        loss, *rest = self.step_loss(xb, zb, v_old, cols, cb, ab, wb)
+                        loss, *rest = self.step_loss(xb, zb, v_old, tb, cols, cb, ab, wb, v_ref)
                         (loss / (tr.window // K)).backward()  # as loop.train_epoch: each time weighs 1 / window
                     stats = stats + K * torch.stack([loss.detach(), *rest])
                     micro += K
@@ -213,7 +245,8 @@ class NftEpochTrainer:
                     if time.monotonic() - said > PROGRESS_EVERY_S:
                         said = time.monotonic()
                         tr.events.emit(ev.TrainingProgress(epoch, micro, total, len(logs)))
-                tr.state.end_batch()
+                if micro % tr.window == 0:  # the EMA steps once per optimizer step (train_nft_sd3.py:1024)
+                    tr.state.end_batch()
                 tr.events.emit(ev.TrainingBatch(epoch, micro, total, len(logs)))
         self.old.update(tr.state.global_step)  # the next epoch's sampling (and old) policy
         return logs

@@ -66,12 +66,17 @@ def sample_trajectory(step, num_steps: int, cond, uncond, init_latents: Tensor, 
 
     `window` [first, end): only those steps are `step`'s (the SDE); the others are `ode_step`'s (the deterministic
     step, its log-prob ignored), and only the window is recorded: latents x_first ... x_end, the window's log-probs
-    and step indices. The same two graphs serve every position of the window (the step index is data)."""
+    and step indices. The same two graphs serve every position of the window (the step index is data).
+
+    A step with `multistep` set (a multistep solver: DiffusionNFT's DPM-Solver++, ddpo/nft_rollout.py) takes one more
+    argument and returns one more value: its history (the previous x0 prediction), zeros before the first step."""
     first, end = window if window is not None else (0, num_steps)
+    multistep = getattr(step, "multistep", False)
     dtype = (cond[0] if isinstance(cond, tuple) else cond).dtype
     x = rt.shard_batch(init_latents.to(rt.device, dtype=dtype))
     batch = x.shape[0]  # the rows this process samples (all of them unless distributed)
     latents, log_probs, indices = [], [], []
+    history = torch.zeros_like(x) if multistep else None
     for i in range(num_steps):
         if i == first:
             latents.append(x)
@@ -79,7 +84,10 @@ def sample_trajectory(step, num_steps: int, cond, uncond, init_latents: Tensor, 
         idx = torch.full((batch,), i, dtype=torch.long).to(rt.device)
         z = rt.shard_batch(noise[i].to(rt.device, dtype=x.dtype))
         inside = first <= i < end
-        x, log_prob = (step if inside else ode_step)(x, idx, z, cond, uncond)
+        if multistep:
+            x, log_prob, history = step(x, idx, z, cond, uncond, history)
+        else:
+            x, log_prob = (step if inside else ode_step)(x, idx, z, cond, uncond)
         if inside:
             latents.append(x)
             log_probs.append(log_prob)

@@ -1,0 +1,54 @@
+"""The official DiffusionNFT presets as experiments (NVlabs/DiffusionNFT@24af5554898d85e93efa492f42b5e9cdf4156e9b,
+config/nft.py and config/base.py): each composes and validates with the values of that file (machine checks aside:
+they need SD 3.5 Medium and a TPU), and parity=nft_sd3 holds them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpo_tpu.config import batch
+from ddpo_tpu.config.compose import ConfigError, compose_and_validate
+
+PROMPTS = "prompts.file=simple_animals.txt"  # the official prompt files are not shipped
+
+
+def preset(name: str, *overrides: str):
+    return compose_and_validate([f"+experiment=nft_sd3_{name}", PROMPTS, *overrides]).cfg
+
+
+@pytest.mark.parametrize("name,beta,steps,accum,decay,reward", [
+    # nft.py:97-109, 82-94, 112-119: _get_config's values (beta 1: nft.py:61, decay_type 1: nft.py:60)
+    ("pickscore", 1.0, 10, 144, (0, 0.001, 0.5), "pickscore"),
+    ("geneval", 1.0, 10, 144, (0, 0.001, 0.5), "remote"),
+    ("hpsv2", 1.0, 10, 144, (0, 0.001, 0.5), "remote"),
+    # nft.py:70-79: beta 0.1, decay_type 2 (flat 75, uprate 0.0075, uphold 0.999), gradient_step_per_epoch 2
+    ("ocr", 0.1, 10, 72, (75, 0.0075, 0.999), "remote"),
+    # nft.py:122-138: 25 steps, beta 0.1, PickScore + HPSv2 + CLIPScore
+    ("multi_reward", 0.1, 25, 144, (0, 0.001, 0.5), "weighted"),
+])
+def test_presets_compose_with_the_official_values(name, beta, steps, accum, decay, reward):
+    cfg = preset(name)
+    a, s, t = cfg.algorithm, cfg.sample, cfg.train
+    assert (a.name, a.beta, a.kl_beta, a.adv_clip_max, a.group_size) == ("nft", beta, 1e-4, 5.0, 24)
+    assert (a.decay_start, a.decay_rate, a.decay_max) == decay and a.ode_sampling and a.integer_rollout_timesteps
+    assert (s.name, s.ode_solver, s.num_steps, s.guidance_scale) == ("flow_sde", "dpm2", steps, 1.0)
+    assert (t.learning_rate, t.timestep_fraction, t.cfg, t.max_grad_norm, t.num_inner_epochs) == (3e-4, 0.99, False,
+                                                                                                  1.0, 1)
+    assert (t.ema, t.ema_decay, t.ema_every) == (True, 0.9, 1)  # base.py:92, train_nft_sd3.py:567
+    assert (cfg.model.name, cfg.model.resolution, cfg.model.lora.rank, cfg.model.lora.alpha) == ("sd35_medium", 512,
+                                                                                                  32, 64)
+    tot = batch.totals(cfg)
+    assert tot.samples_per_epoch == 1152 == 48 * 24  # nft.py:28-29
+    # one optimizer step an epoch; two for OCR (nft.py:43-45: accumulation = 16 batches / gradient_step_per_epoch)
+    assert tot.total_train_batch == (576 if name == "ocr" else 1152)
+    assert t.gradient_accumulation_steps == accum and cfg.reward.name == reward
+    if name == "multi_reward":
+        assert [c["name"] for c in cfg.reward.model_dump()["components"]] == ["pickscore", "clip_score", "remote"]
+
+
+def test_the_parity_group_holds_the_official_values():
+    for key in ("algorithm.beta=0.5", "algorithm.kl_beta=0.01", "sample.ode_solver=euler", "train.timestep_fraction=1"):
+        with pytest.raises(ConfigError) as e:
+            preset("pickscore", key)
+        assert key.split("=")[0] in {p.key for p in e.value.problems}, e.value.problems
+    assert preset("pickscore", "algorithm.beta=0.5", "parity=none").algorithm.beta == 0.5
