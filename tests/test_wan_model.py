@@ -75,7 +75,8 @@ def test_prompt_embeddings_equal_flow_grpos(comps, tokens):
     assert ours.shape == (3, tokens, 32)
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)
     lengths = (ours.abs().sum(-1) > 0).sum(-1).tolist()
-    assert lengths[0] < lengths[1] <= tokens and lengths[2] == 1  # "" is its end token alone
+    assert lengths[2] == 1  # "" is its end token alone
+    assert lengths[0] < lengths[1] < tokens if tokens == 512 else lengths[0] == lengths[1] == tokens  # cut at 16
 
 
 def test_lora_layer_table_matches_the_tiny_and_the_real_transformers():
@@ -139,9 +140,12 @@ def test_the_family_and_its_sampler_compose(model_cache):
     with pytest.raises(ConfigError) as e:  # the Wan SDE has no noise knob
         compose_and_validate(["+experiment=wan_grpo_smoke", "sample.noise_level=0.7"])
     assert [p.key for p in e.value.problems] == ["sample.noise_level"]
-    with pytest.raises(ConfigError) as e:
-        compose_and_validate(["+experiment=wan_grpo_smoke", "model.lora.target_modules=[attn.to_q]"])
-    assert "is not a layer of the wan family" in str(e.value)
+    from ddpo_tpu.launch import lora_targets  # the front end's check of the names, before a run dir exists
+
+    assert lora_targets.problems(v.cfg.model) == []
+    bad = compose_and_validate(["+experiment=wan_grpo_smoke", "model.lora.target_modules=[attn.to_q]"])
+    (line,) = lora_targets.problems(bad.cfg.model)
+    assert "attn.to_q is not a layer of the wan family's denoiser" in line and "attn1.to_q" in line
     with pytest.raises(ConfigError):
         compose_and_validate(["+experiment=flow_grpo_smoke", "sampler=wan_sde20"])  # an SD 3 model, Wan's sampler
 
