@@ -68,7 +68,12 @@ class WanFamily(SD3Family):
     def encode(self, prompts: list[str]) -> Cond:
         from ddpo_tpu.models.wan import encode_prompts_wan
 
-        embeds = encode_prompts_wan(self.c, prompts, self.rt.device)
+        # each distinct prompt once (GRPO's batches repeat every prompt group_size times), then one row per prompt
+        unique = list(dict.fromkeys(prompts))
+        embeds = encode_prompts_wan(self.c, unique, self.rt.device)
+        if len(unique) < len(prompts):
+            rows = torch.tensor([unique.index(p) for p in prompts]).to(self.rt.device)
+            embeds = embeds.index_select(0, rows)
         return (self.rt.shard_batch(embeds) if len(prompts) > 1 else embeds,)
 
     def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:

@@ -19,7 +19,8 @@ through the same code:
 * AutoencoderKLWan at base_dim 8 with Wan 2.1's 4 levels, temporal downsampling and latent mean/std (the class's
   defaults are Wan 2.1's): 5 frames of 32x32 RGB <-> 16 x 2 x 4 x 4 latents. The decoder's residual branches start at
   zero (as the tiny SD3's, ``models/sd3.py::_pass_latents_through``), so the video follows the latents and a reward
-  can be raised through it.
+  can be raised through it. (At base_dim 4 decoding took a third less time, but wan_grpo_smoke did not learn in 8
+  epochs: -1.0029 -> -0.9976 kB, inside its noise.)
 * UMT5EncoderModel (d_model 32, 1 layer) over the tiny SD3's printable-ASCII T5 tokenizer.
 * UniPCMultistepScheduler with Wan 2.1-T2V's scheduler config (flow_prediction, use_flow_sigmas, flow_shift 3.0).
 """
