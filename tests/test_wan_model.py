@@ -134,6 +134,8 @@ def test_the_family_and_its_sampler_compose(model_cache):
     for model in ("wan21_t2v_1_3b", "wan21_t2v_14b"):
         real = compose_and_validate(["+experiment=wan_grpo_smoke", f"model={model}", "train.mixed_precision=bf16"])
         assert real.cfg.model.pretrained.startswith("Wan-AI/Wan2.1-T2V-") and real.cfg.model.lora.rank == 32
+    windowed = compose_and_validate(["+experiment=wan_grpo_smoke", "sample.sde_window.size=2"])  # video wants them
+    assert windowed.cfg.sample.sde_window.size == 2
     with pytest.raises(ConfigError) as e:  # another family's sampler
         compose_and_validate(["+experiment=wan_grpo_smoke", "sampler=flow_sde10"])
     assert any(p.key == "sample.name" and p.suggested() == ["sampler=wan_sde20"] for p in e.value.problems)
@@ -159,6 +161,7 @@ def test_a_directory_that_is_not_a_wan_checkpoint_is_named_with_the_fix(tmp_path
 
 
 def test_one_epoch_scores_videos_per_frame_and_grids_their_frames(tmp_path, model_cache):
+    """One eager GRPO epoch with an SDE window: sampled, scored per frame, trained, its grid written."""
     from PIL import Image
 
     from ddpo_tpu.ddpo import loop
@@ -168,12 +171,14 @@ def test_one_epoch_scores_videos_per_frame_and_grids_their_frames(tmp_path, mode
 
     v = compose_and_validate(["+experiment=wan_grpo_smoke", f"model.cache_dir={model_cache}", "num_epochs=1",
                               "sample.batch_size=4", "sample.num_batches_per_epoch=1", "sample.num_steps=3",
-                              "algorithm.group_size=2", "train.batch_size=4", "train.gradient_accumulation_steps=1"])
+                              "algorithm.group_size=2", "train.batch_size=4", "train.gradient_accumulation_steps=1",
+                              "sample.sde_window.size=2"])  # the ODE's step outside the window, too
     trainer = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree,
                            stop=SimpleNamespace(requested=False))
     assert type(trainer.reward).__name__ == "PerFrame" and trainer.reward.reduction == "mean"
     trainer.fit()
     (epoch,) = read_metrics(tmp_path, "epoch")
     assert np.isfinite(epoch["reward_mean"]) and epoch["reward_mean"] < 0  # minus kilobytes per frame
+    assert len(read_metrics(tmp_path, "step")) == 1 and np.isfinite(read_metrics(tmp_path, "step")[0]["loss"])
     grid = Image.open(tmp_path / "samples" / "epoch_0000.png")
     assert grid.size == (4 * 5 * 32, 32)  # 4 videos in a row, each its 5 frames of 32 px side by side
