@@ -89,6 +89,7 @@ def test_experiment_list_is_the_tested_one():
     flow += ["flux_grpo_smoke", "flux_grpo_pickscore"]  # composed in tests/test_flux_config.py
     flow += ["nft_smoke"]  # composed in tests/test_nft.py
     flow += [f"nft_sd3_{n}" for n in ("pickscore", "geneval", "ocr", "hpsv2", "multi_reward")]  # test_nft_presets.py
+    flow += ["wan_grpo_smoke"]  # composed in tests/test_wan_model.py
     assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
         "a new experiment needs a compose test here"
 

@@ -249,3 +249,24 @@ FLUX = FAMILIES.register(FamilySpec(
         fsdp_splits_frozen_weights=True,
     ),
 ))
+
+# --- Wan 2.1 text-to-video -------------------------------------------------------------------------------------------
+# Video latents (16 channels x (F - 1) / 4 + 1 frames x H / 8 x W / 8), flow_grpo's Wan SDE (sampler wan_sde). The
+# LoRA layers: WanTransformer3DModel's module paths (Wan 2.1 T2V 1.3B's and 14B's configs and the tiny build, on the
+# meta device: tests/test_wan_model.py). No memory figures yet (None: the HBM rule skips this family): the tiny
+# build's activation probe and the full-size parameter counts are issue 33's part 5.
+WAN = FAMILIES.register(FamilySpec(
+    name="wan", title="Wan 2.1 text-to-video (WanTransformer3DModel, flow matching)",
+    module="ddpo_tpu.families.wan:WanFamily",
+    sampler="wan_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
+    example_hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    builders=("tiny_wan",),
+    lora_layers=("attn1.to_k", "attn1.to_out.0", "attn1.to_q", "attn1.to_v", "attn2.to_k", "attn2.to_out.0",
+                 "attn2.to_q", "attn2.to_v", "condition_embedder.text_embedder.linear_1",
+                 "condition_embedder.text_embedder.linear_2", "condition_embedder.time_embedder.linear_1",
+                 "condition_embedder.time_embedder.linear_2", "condition_embedder.time_proj", "ffn.net.0.proj",
+                 "ffn.net.2", "patch_embedding", "proj_out"),
+    lora_example="attn1.to_q",
+    resolution_multiple=16,  # WanPipeline.check_inputs: height and width divisible by 16 (VAE 8 x 2x2 patches)
+))

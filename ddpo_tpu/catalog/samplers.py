@@ -25,6 +25,11 @@ SAMPLERS.register(SamplerSpec("flow_sde", "Flow-GRPO's SDE with log-probs",
                               keys=("noise_level", "sde_type", "ode_solver"),
                               group="flow_sde10", windows=True))
 
+# flow_grpo's Wan step (wan_pipeline_with_logprob.py): the same SDE mean, a noise scale fixed by the schedule
+# (sigma_min + (sigma_max - sigma_min) sigma); no noise_level or sde_type to set
+SAMPLERS.register(SamplerSpec("wan_sde", "Flow-GRPO's Wan SDE with log-probs", keys=(), group="wan_sde20",
+                              windows=True))
+
 
 def sampler_keys() -> tuple[str, ...]:
     """Every sampler-specific key of the sample group."""

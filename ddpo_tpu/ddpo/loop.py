@@ -132,8 +132,10 @@ class Trainer:
         p = cfg.prompts
         self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,
                                           activities_file=p.activities_file)
-        self.reward = reward_from_config(cfg.reward, model_cache_dir=cfg.model.cache_dir, device=rt.device,
-                                         should_stop=lambda: self.stop.requested)
+        # a video family scores every frame with the (image) reward and reduces over frames
+        self.reward = self.family.wrap_reward(reward_from_config(cfg.reward, model_cache_dir=cfg.model.cache_dir,
+                                                                 device=rt.device,
+                                                                 should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
         self.train_batch = cfg.train.batch_size * rt.replicas
@@ -268,7 +270,7 @@ class Trainer:
             out.conds.append(cond)
             out.prompts.extend(prompts)
             if out.first_images is None:
-                out.first_images = images
+                out.first_images = self.family.stills(images)  # a video family: its frames side by side
             if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
                 rt.sync()
             self.events.emit(ev.SamplingBatch(epoch, b + 1, n))
@@ -340,7 +342,7 @@ class Trainer:
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt,
                **({"before_training": True} if epoch == ev.BEFORE_TRAINING else {})}
-        self.report.evaluation(rec, images, prompts, rewards)
+        self.report.evaluation(rec, self.family.stills(images), prompts, rewards)
         return rec
 
     # --- training -----------------------------------------------------------------------------------------------

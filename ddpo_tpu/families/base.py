@@ -74,7 +74,16 @@ class ModelFamily(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, latents: Tensor) -> Tensor:
-        """Final latents -> uint8 images (B, H, W, 3) on the device."""
+        """Final latents -> uint8 images (B, H, W, 3) on the device (a video family: videos (B, F, H, W, 3))."""
+
+    def wrap_reward(self, reward):
+        """The run's reward as it scores decode's output on the host: the reward itself for images; a video family
+        wraps it to score every frame and reduce (rewards/video.py)."""
+        return reward
+
+    def stills(self, images):
+        """decode's output on the host (numpy) as (B, H, W, 3) stills for sample grids: images as they are."""
+        return images
 
     def trainable_state(self) -> dict[str, Tensor]:
         """The trained weights (LoRA adapter or the full denoiser), on the device."""

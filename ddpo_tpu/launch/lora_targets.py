@@ -20,7 +20,8 @@ from ddpo_tpu.catalog import FAMILIES, family
 
 # the numbered containers of blocks (and the unnumbered mid block) the paths of a family's lora_layers sit under
 CONTAINERS = frozenset({"down_blocks", "up_blocks", "mid_block", "attentions", "resnets", "transformer_blocks",
-                        "single_transformer_blocks", "downsamplers", "upsamplers"})
+                        "single_transformer_blocks", "downsamplers", "upsamplers",
+                        "blocks"})  # Wan's WanTransformer3DModel: blocks.N.attn1.to_q
 
 
 def _suffixes(path: str) -> list[str]:

@@ -219,30 +219,13 @@ def load_flux(pretrained: str | os.PathLike, revision: str | None = None, local_
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
-    source = os.path.expanduser(os.fspath(pretrained))
-    if os.path.isdir(source):
-        missing = [s for s in FLUX_SUBFOLDERS if not os.path.isdir(os.path.join(source, s))]
-        if missing:
-            raise _load_failure(os.fspath(pretrained), None, "not a FLUX.1 checkpoint (missing "
-                                + ", ".join(f"{s}/" for s in missing) + ")")
-    elif os.path.exists(source):
-        raise _load_failure(os.fspath(pretrained), None, "a file, not a checkpoint directory")
+    from ddpo_tpu.models.loading import load_parts
+
     classes = dict(transformer=FluxTransformer2DModel, vae=AutoencoderKL, text_encoder=CLIPTextModel,
                    text_encoder_2=T5EncoderModel, tokenizer=CLIPTokenizer, tokenizer_2=T5TokenizerFast,
                    scheduler=FlowMatchEulerDiscreteScheduler)
-    parts = {}
-    for sub, cls in classes.items():
-        kwargs = dict(revision=revision, local_files_only=local_files_only)
-        if sub in ("transformer", "vae"):
-            kwargs["torch_dtype"] = vae_dtype if sub == "vae" else dtype
-        try:
-            parts[sub] = cls.from_pretrained(source if os.path.isdir(source) else os.fspath(pretrained),
-                                             subfolder=sub, **kwargs)
-        except Exception as exc:  # any failure inside from_pretrained is a load failure of this part
-            offline = " (not in the local Hugging Face cache and local_files_only is set)" if (
-                local_files_only and not os.path.isdir(source)) else ""
-            raise _load_failure(os.fspath(pretrained), revision,
-                                f"{sub}/ ({cls.__name__}) could not be loaded{offline}", exc) from None
+    parts = load_parts(pretrained, revision, local_files_only, classes, dict(transformer=dtype, vae=vae_dtype),
+                       lambda rev, what, exc: _load_failure(os.fspath(pretrained), rev, what, exc), "FLUX.1")
     for name in ("transformer", "text_encoder", "text_encoder_2"):
         parts[name] = frozen(parts[name], dtype)
     parts["vae"] = frozen(parts["vae"], vae_dtype)

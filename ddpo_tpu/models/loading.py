@@ -165,3 +165,32 @@ def frozen(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def load_parts(pretrained, revision: str | None, local_files_only: bool, classes: dict, dtypes: dict,
+               failure, checkpoint: str) -> dict:
+    """Each part of a diffusers checkpoint (a local directory or a hub id) with ``classes[sub].from_pretrained(path,
+    subfolder=sub)``, the parts named in ``dtypes`` loaded in that torch dtype (the pipelines' loaders: FLUX, Wan).
+    ``failure(revision, what, exc)`` makes the ModelLoadError naming the key and the fix; ``checkpoint`` names the
+    kind ("FLUX.1") when a local directory lacks a part's folder."""
+    source = os.path.expanduser(os.fspath(pretrained))
+    local = os.path.isdir(source)
+    if local:
+        missing = [s for s in classes if not os.path.isdir(os.path.join(source, s))]
+        if missing:
+            raise failure(None, f"not a {checkpoint} checkpoint (missing " + ", ".join(f"{s}/" for s in missing) + ")",
+                          None)
+    elif os.path.exists(source):
+        raise failure(None, "a file, not a checkpoint directory", None)
+    parts = {}
+    for sub, cls in classes.items():
+        kwargs = dict(revision=revision, local_files_only=local_files_only)
+        if sub in dtypes:
+            kwargs["torch_dtype"] = dtypes[sub]
+        try:
+            parts[sub] = cls.from_pretrained(source if local else os.fspath(pretrained), subfolder=sub, **kwargs)
+        except Exception as exc:  # any failure inside from_pretrained is a load failure of this part
+            offline = " (not in the local Hugging Face cache and local_files_only is set)" if (
+                local_files_only and not local) else ""
+            raise failure(revision, f"{sub}/ ({cls.__name__}) could not be loaded{offline}", exc) from None
+    return parts

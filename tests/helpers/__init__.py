@@ -97,3 +97,22 @@ def run_in_pty(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 
         if proc.poll() is None:
             proc.kill()
     return proc.wait(), out.decode(errors="replace")
+
+
+def family_with_trained_adapter(overrides: list[str]):
+    """The model family of a composed config, loaded on eager CPU, its LoRA adapter moved off its start (peft's
+    gaussian init leaves lora_B at zero, where the adapter is invisible): for parity tests of step and KL."""
+    import torch
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.families import load_family
+    from ddpo_tpu.runtime import make_runtime
+
+    v = compose_and_validate(overrides)
+    torch.manual_seed(0)
+    fam = load_family(v.cfg, make_runtime(v.cfg))
+    with torch.no_grad():
+        for name, p in fam.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return fam

@@ -1,0 +1,135 @@
+"""Wan 2.1 text-to-video: a 3-D DiT predicting flow velocity on video latents (C, frames, h, w), conditioned on UMT5's
+token sequence, decoded by the causal video VAE, sampled with Flow-GRPO's Wan SDE (``diffusion/wan_sde.py``) on the
+UniPC scheduler's flow sigmas, as yifan123/flow_grpo's ``scripts/train_wan2_1.py`` (at 9745241).
+
+Everything downstream of the family is the image loop's: trajectories are (B, T + 1, C, f, h, w), the step's
+log-prob is a mean over all latent elements (frames included), GRPO's KL compares the step means. What differs:
+``decode`` returns uint8 videos (B, F, H, W, 3); ``wrap_reward`` makes the run's image reward score every frame and
+take the mean over frames (``rewards/video.py``, the declared reduction); ``stills`` lays each video's frames side by
+side for the sample grid.
+
+Guidance is classifier-free with two transformer passes (conditional, then unconditional), as flow_grpo's Wan
+pipeline and compute_log_prob do; the unconditional prompt is "" encoded like any prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.diffusion.flow import FlowTables
+from ddpo_tpu.diffusion.wan_sde import wan_sde_step
+from ddpo_tpu.families.base import Cond, StepScore, checkpoint_source
+from ddpo_tpu.families.sd1 import decoded_prompts
+from ddpo_tpu.families.sd3 import SD3Family
+
+FRAME_REDUCTION = "mean"  # how an image reward's per-frame scores become a video's (rewards/video.py)
+
+
+def video_size(model, builder_video, default_video) -> tuple[int, int, int]:
+    """(frames, height, width) a model config samples: its build's video or flow_grpo's, model.resolution (a square)
+    replacing the size."""
+    frames, height, width = builder_video if model.builder is not None else default_video
+    if model.resolution is not None:
+        height = width = int(model.resolution)
+    return frames, height, width
+
+
+class WanFamily(SD3Family):
+    """SD 3's flow family with Wan's parts, video latents and step: loading (``load`` with this
+    ``load_components``), the schedule for another step count, the forward-process velocity (DiffusionNFT) and the
+    reference policy (the adapter off) are SD3Family's."""
+
+    name = "wan"
+
+    def __init__(self, cfg, rt, components):
+        from ddpo_tpu.models.wan import FLOW_GRPO_VIDEO, TINY_VIDEO
+
+        self.cfg, self.rt, self.c = cfg, rt, components
+        self.model = components.transformer
+        self.dtype = self.model.dtype
+        self.video = video_size(cfg.model, TINY_VIDEO, FLOW_GRPO_VIDEO)  # (frames, height, width) in pixels
+        self.latent_shape = components.latent_shape(*self.video)      # (C, latent frames, h, w)
+        self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
+        self.num_steps = self.tables.num_steps
+
+    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by SD3Family.load
+
+    @staticmethod
+    def load_components(m, dtype):
+        from ddpo_tpu.models.wan import ensure_tiny_wan, load_wan
+
+        source, revision, local = checkpoint_source(m, ensure_tiny_wan)
+        return load_wan(source, revision=revision, local_files_only=local, dtype=dtype)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> Cond:
+        from ddpo_tpu.models.wan import encode_prompts_wan
+
+        # each distinct prompt once (GRPO's batches repeat every prompt group_size times), then one row per prompt
+        unique = list(dict.fromkeys(prompts))
+        embeds = encode_prompts_wan(self.c, unique, self.rt.device)
+        if len(unique) < len(prompts):
+            rows = torch.tensor([unique.index(p) for p in prompts]).to(self.rt.device)
+            embeds = embeds.index_select(0, rows)
+        return (self.rt.shard_batch(embeds) if len(prompts) > 1 else embeds,)
+
+    def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:
+        """Per-prompt keys as train_wan2_1.py makes them: the UMT5 tokenizer's decoding of the prompt padded and cut
+        to 512 tokens (its max_length, whatever the algorithm's key length for CLIP-tokenized families)."""
+        from ddpo_tpu.models.wan import TEXT_TOKENS
+
+        return decoded_prompts(self.c.tokenizer, prompts, TEXT_TOKENS)
+
+    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                  detach_uncond: bool = False) -> Tensor:
+        from ddpo_tpu.models.wan import wan_velocity
+
+        timestep = (tables or self.tables).timestep_at(idx)
+        return wan_velocity(self.call_denoiser(), x.to(self.dtype), timestep, cond[0],
+                            uncond[0] if uncond is not None else None,
+                            self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+
+    def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):
+        tables = tables or self.tables
+
+        def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                v = self._velocity(x, idx, cond, uncond, tables)
+            if deterministic:  # the reference's determistic branch: the Euler ODE step, no log-density
+                return tables.ode_step(v.float(), idx, x), torch.zeros(x.shape[0], device=x.device)
+            prev, log_prob, _, _ = wan_sde_step(tables, v.float(), idx, x, noise=z)
+            return prev, log_prob
+
+        return denoise_step
+
+    def make_score_step(self, autocast):
+        detach = self.cfg.train.cfg_detach_uncond  # train time only: sampling has no gradient
+
+        def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
+            with autocast() if autocast is not None else contextlib.nullcontext():
+                v = self._velocity(x, idx, cond, uncond, detach_uncond=detach)
+            _, log_prob, mean, std = wan_sde_step(self.tables, v.float(), idx, x, prev_sample=x_prev)
+            return StepScore(log_prob, mean, std)
+
+        return score_step
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents -> uint8 videos (B, F, H, W, 3) on the device."""
+        from ddpo_tpu.models.wan import decode_wan
+
+        video = decode_wan(self.c.vae, latents)  # (B, F, 3, H, W) in [0, 1]
+        return (video * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2)
+
+    def wrap_reward(self, reward):
+        from ddpo_tpu.rewards.video import PerFrame
+
+        return PerFrame(reward, FRAME_REDUCTION)
+
+    def stills(self, images):
+        from ddpo_tpu.rewards.video import contact_strips
+
+        return contact_strips(images)

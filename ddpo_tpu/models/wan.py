@@ -1,0 +1,243 @@
+"""The Wan 2.1 text-to-video family: loading its components through ``from_pretrained``, prompt encoding, the guided
+transformer call, decoding video latents, and a tiny Wan-shaped build -- as diffusers' ``WanPipeline`` (0.42) holds
+them and yifan123/flow_grpo's Wan script (``scripts/train_wan2_1.py``, ``flow_grpo/diffusers_patch/
+wan_pipeline_with_logprob.py`` and ``wan_prompt_embedding.py`` at 9745241, first added in 11caf1b) calls them.
+
+Components (as in Wan-AI/Wan2.1-T2V-1.3B-Diffusers): ``WanTransformer3DModel`` (a DiT over (frames, h, w) latents in
+1x2x2 patches with cross-attention to the text), ``AutoencoderKLWan`` (a causal 3-D VAE: 16 latent channels, 8x
+spatial and 4x temporal compression, so F frames are (F - 1) / 4 + 1 latent frames; latents are normalised per
+channel with ``latents_mean`` / ``latents_std``), ``UMT5EncoderModel`` + its tokenizer (umt5-xxl), and
+``UniPCMultistepScheduler`` with flow sigmas and a static ``flow_shift``. flow_grpo samples and trains with its own
+SDE on the scheduler's sigmas (``diffusion/wan_sde.py``), never with UniPC's multistep update.
+
+The tiny build (``build_tiny_wan`` / ``ensure_tiny_wan``, version ``TINY_WAN_VERSION``: bump it whenever anything below
+changes) is saved exactly like a real checkpoint (``WanPipeline.save_pretrained``), so tests and smoke runs load it
+through the same code:
+
+* WanTransformer3DModel with Wan 2.1's block kind at toy widths: 2 blocks, 2 heads of 16 (rms qk-norm across heads,
+  cross-attention norm), ffn 64, text_dim 32 (the tiny UMT5's width), freq_dim 32, patch (1, 2, 2), 16 channels.
+* AutoencoderKLWan at base_dim 8 with Wan 2.1's 4 levels, temporal downsampling and latent mean/std (the class's
+  defaults are Wan 2.1's): 5 frames of 32x32 RGB <-> 16 x 2 x 4 x 4 latents. The decoder's residual branches start at
+  zero (as the tiny SD3's, ``models/sd3.py::_pass_latents_through``), so the video follows the latents and a reward
+  can be raised through it. (At base_dim 4 decoding took a third less time, but wan_grpo_smoke did not learn in 8
+  epochs: -1.0029 -> -0.9976 kB, inside its noise.)
+* UMT5EncoderModel (d_model 32, 1 layer) over the tiny SD3's printable-ASCII T5 tokenizer.
+* UniPCMultistepScheduler with Wan 2.1-T2V's scheduler config (flow_prediction, use_flow_sigmas, flow_shift 3.0).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.catalog import family
+from ddpo_tpu.models.loading import ModelLoadError, frozen
+
+TINY_WAN_VERSION = "v1"
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the keys that decide its sigmas and timesteps)
+WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
+                     flow_shift=3.0, final_sigmas_type="zero", timestep_spacing="linspace", solver_order=2)
+TEXT_TOKENS = 512  # flow_grpo's max_sequence_length for Wan (compute_text_embeddings(..., 512)), also its prompt keys
+_TINY_TEXT_WIDTH = 32
+
+# The video a family config samples: (frames, height, width) in pixels. model.resolution (a square) overrides the
+# size; the frame count is fixed per model here until the schema has a key for it (docs/architecture.md, Wan).
+FLOW_GRPO_VIDEO = (33, 240, 416)  # flow_grpo's general_ocr_wan2_1 (config/grpo.py): frames 33, height 240, width 416
+TINY_VIDEO = (5, 32, 32)          # two latent frames of 4x4: the smallest video that has a temporal axis
+
+
+# --------------------------------------------------------------------------------------
+# the tiny build
+# --------------------------------------------------------------------------------------
+
+
+def _build_transformer():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), in_channels=16, out_channels=16,
+        num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2,  # Wan 2.1 1.3B: 12 x 128, 8960, 30
+        text_dim=_TINY_TEXT_WIDTH, freq_dim=32, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=64,
+    )
+
+
+def _build_vae():
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                            temperal_downsample=[False, True, True])
+
+
+def _pass_latents_through(decoder) -> None:
+    """Zero the last conv of every residual branch of the decoder (and its attention's projection): each block starts
+    as the identity (plus its shortcut), so the decoded video is a function of the latents, not one random texture."""
+    with torch.no_grad():
+        for name, module in decoder.named_modules():
+            if type(module).__name__ == "WanResidualBlock":
+                last = [m for m in module.conv2.modules() if hasattr(m, "weight")][-1]
+                last.weight.zero_()
+                last.bias.zero_()
+            elif type(module).__name__ == "WanAttentionBlock":
+                module.proj.weight.zero_()
+                module.proj.bias.zero_()
+
+
+def _build_text_encoder(vocab_size: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=vocab_size, d_model=_TINY_TEXT_WIDTH, d_kv=16, d_ff=64,
+                                       num_layers=1, num_heads=2, relative_attention_num_buckets=8, pad_token_id=0,
+                                       eos_token_id=1, decoder_start_token_id=0))
+
+
+def build_tiny_wan(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+    """Build the tiny Wan-shaped pipeline with random (seeded) weights into ``out_dir`` (WanPipeline's layout).
+    Does not touch the caller's global RNG state."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from ddpo_tpu.models.sd3 import _build_t5
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        _, tokenizer = _build_t5()  # the tiny T5 tokenizer (umt5-xxl is a T5 tokenizer too)
+        torch.manual_seed(seed)
+        text_encoder = _build_text_encoder(len(tokenizer))
+        torch.manual_seed(seed + 1)
+        transformer = _build_transformer()
+        torch.manual_seed(seed + 2)
+        vae = _build_vae()
+        _pass_latents_through(vae.decoder)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER))
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def ensure_tiny_wan(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+    """``cache_dir/tiny-wan-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
+    from ddpo_tpu.models.build_cache import build_once
+
+    required = ("model_index.json", "scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json",
+                "transformer/config.json", "vae/config.json", "text_encoder/config.json")
+    return build_once(cache_dir, f"tiny-wan-{TINY_WAN_VERSION}-seed{seed}", required,
+                      lambda tmp: build_tiny_wan(tmp, seed=seed))
+
+
+# --------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class WanComponents:
+    transformer: object   # WanTransformer3DModel
+    vae: object           # AutoencoderKLWan
+    text_encoder: object  # UMT5EncoderModel
+    tokenizer: object     # T5TokenizerFast (umt5-xxl)
+    scheduler: object     # UniPCMultistepScheduler with flow sigmas: only its sigmas and timesteps are used
+
+    @property
+    def scale_factors(self) -> tuple[int, int]:
+        """(temporal, spatial) pixels per latent pixel (WanPipeline.vae_scale_factor_temporal / _spatial)."""
+        c = self.vae.config
+        return int(c.scale_factor_temporal), int(c.scale_factor_spatial)
+
+    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """(C, latent frames, h, w) of a video, as WanPipeline.prepare_latents."""
+        t, s = self.scale_factors
+        return int(self.transformer.config.in_channels), (frames - 1) // t + 1, height // s, width // s
+
+
+def _load_failure(pretrained: str, revision: str | None, what: str, exc: BaseException | None = None) -> ModelLoadError:
+    from ddpo_tpu.models.loading import _short_reason
+
+    spec = family("wan")
+    where = f"model.pretrained={pretrained}" + (f" (model.revision={revision})" if revision else "")
+    reason = f" [{_short_reason(exc)}]" if exc is not None else ""
+    err = ModelLoadError(f"{where}: {what}{reason}. Fix: point model.pretrained at a diffusers Wan 2.1 checkpoint "
+                         f"(its {', '.join(s + '/' for s in spec.subfolders)}), e.g. `hf download "
+                         f"{spec.example_hub_id} --local-dir DIR` on a machine with network, or use model=tiny_wan")
+    err.original = exc
+    return err
+
+
+def load_wan(pretrained: str | os.PathLike, revision: str | None = None, local_files_only: bool = True, *,
+             dtype: torch.dtype = torch.float32, vae_dtype: torch.dtype = torch.float32) -> WanComponents:
+    """Load a Wan 2.1 text-to-video checkpoint part by part with each class's ``from_pretrained(path,
+    subfolder=...)``: transformer and text encoder in ``dtype``, the VAE in ``vae_dtype`` (float32, as flow_grpo
+    keeps it); all frozen in eval mode. The scheduler must be UniPC with flow sigmas (Wan 2.1's): flow_grpo's SDE
+    reads its sigmas. Failures raise ModelLoadError naming the key and the fix."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    from ddpo_tpu.models.loading import load_parts
+
+    classes = dict(transformer=WanTransformer3DModel, vae=AutoencoderKLWan, text_encoder=UMT5EncoderModel,
+                   tokenizer=AutoTokenizer, scheduler=UniPCMultistepScheduler)
+    parts = load_parts(pretrained, revision, local_files_only, classes, dict(transformer=dtype, vae=vae_dtype),
+                       lambda rev, what, exc: _load_failure(os.fspath(pretrained), rev, what, exc), "Wan")
+    if not parts["scheduler"].config.get("use_flow_sigmas", False):
+        raise _load_failure(os.fspath(pretrained), revision, "scheduler/ has no flow sigmas (use_flow_sigmas false): "
+                            "not Wan 2.1's flow-matching schedule")
+    for name in ("transformer", "text_encoder"):
+        parts[name] = frozen(parts[name], dtype)
+    parts["vae"] = frozen(parts["vae"], vae_dtype)
+    return WanComponents(**parts)
+
+
+# --------------------------------------------------------------------------------------
+# prompts, the model call, decoding
+# --------------------------------------------------------------------------------------
+
+
+def encode_prompts_wan(c: WanComponents, prompts: Sequence[str], device, max_sequence_length: int = TEXT_TOKENS
+                       ) -> Tensor:
+    """(B, max_sequence_length, text width) as flow_grpo's ``wan_prompt_embedding._get_t5_prompt_embeds``: UMT5's last
+    hidden state over the padded tokens with their attention mask, each prompt's states past its own length zeroed
+    (WanPipeline does the same after ftfy/whitespace cleaning, which flow_grpo skips; so do we), in UMT5's dtype."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    tok = c.tokenizer(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
+                      add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    mask = tok.attention_mask.to(device)
+    embeds = c.text_encoder(tok.input_ids.to(device), mask).last_hidden_state.to(c.text_encoder.dtype)
+    # the reference keeps u[:len] and pads with zeros: the same as zeroing every position past the prompt's length
+    keep = torch.arange(max_sequence_length, device=device)[None, :] < mask.gt(0).sum(dim=1, keepdim=True)
+    return embeds * keep[..., None].to(embeds.dtype)
+
+
+def wan_velocity(transformer, latents: Tensor, timestep: Tensor, prompt_embeds: Tensor,
+                 neg_prompt_embeds: Tensor | None = None, guidance_scale: float = 1.0,
+                 detach_uncond: bool = False) -> Tensor:
+    """The transformer's flow velocity with classifier-free guidance as flow_grpo's Wan code: a conditional pass, then
+    (guidance on) an unconditional pass, ``uncond + guidance_scale * (cond - uncond)``. ``timestep`` (B,) is the
+    schedule's ``sigma * 1000`` (integer-valued: UniPC's timesteps are int64; the transformer's sinusoidal embedding
+    reads them as floats either way). ``detach_uncond``: the unconditional pass without gradient."""
+    cond = transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=prompt_embeds,
+                       return_dict=False)[0]
+    if neg_prompt_embeds is None or guidance_scale == 1.0:
+        return cond
+    uncond = transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=neg_prompt_embeds,
+                         return_dict=False)[0]
+    if detach_uncond:
+        uncond = uncond.detach()
+    return uncond + guidance_scale * (cond - uncond)
+
+
+def decode_wan(vae, latents: Tensor) -> Tensor:
+    """(B, C, f, h, w) latents -> video in [0, 1], (B, F, 3, H, W) float32, as WanPipeline with ``output_type="pt"``:
+    ``latents / (1 / latents_std) + latents_mean`` per channel, ``vae.decode``, then the video processor's
+    ``(x / 2 + 0.5).clamp(0, 1)`` with frames before channels."""
+    cfg = vae.config
+    shape = (1, cfg.z_dim, 1, 1, 1)
+    mean = torch.tensor(cfg.latents_mean, device=latents.device, dtype=torch.float32).view(shape)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std, device=latents.device, dtype=torch.float32).view(shape)
+    z = latents.float() / inv_std + mean  # the pipeline's order of operations (it holds 1 / std)
+    video = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+    return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)

@@ -1,0 +1,54 @@
+"""Image rewards on videos: every frame scored by the image reward, the frames' scores reduced to one per video.
+
+A video family (model.family=wan) decodes to uint8 videos (B, F, H, W, 3). The run's reward stays an image reward
+(every reward in the catalog takes (B, H, W, 3)); the family wraps it (``ModelFamily.wrap_reward``) in
+:class:`PerFrame`, which scores the B x F frames in one call (each frame with its video's prompt) and reduces over
+frames. The reduction is declared here, not guessed: ``mean`` (flow_grpo's Wan script scores its video rewards per
+video; for an image reward the mean over frames is the plain video score) or ``min`` (the worst frame). A reward
+that reads a whole video (temporal consistency) is issue 33's part 2, not this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddpo_tpu.rewards.base import Reward
+
+REDUCTIONS = ("mean", "min")
+
+
+class PerFrame(Reward):
+    """``reward`` applied to every frame of (B, F, H, W, 3) uint8 videos, reduced over frames by ``reduction``."""
+
+    def __init__(self, reward: Reward, reduction: str = "mean"):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction given as {reduction!r} must be one of {REDUCTIONS}")
+        self.reward, self.reduction = reward, reduction
+        self.name = getattr(reward, "name", type(reward).__name__)
+
+    def __getattr__(self, item):  # should_stop, components, ...: the wrapped reward's
+        if item == "reward":
+            raise AttributeError(item)
+        return getattr(self.reward, item)
+
+    def __call__(self, videos: np.ndarray, prompts: list[str]) -> np.ndarray:
+        if not isinstance(videos, np.ndarray) or videos.ndim != 5 or videos.shape[-1] != 3:
+            raise self._error(f"expected uint8 videos of shape (B, F, H, W, 3), got "
+                              f"{getattr(videos, 'shape', type(videos).__name__)}")
+        b, f = videos.shape[:2]
+        if len(prompts) != b:
+            raise self._error(f"got {b} videos but {len(prompts)} prompts")
+        frames = np.ascontiguousarray(videos.reshape(b * f, *videos.shape[2:]))
+        scores = np.asarray(self.reward(frames, [p for p in prompts for _ in range(f)]), dtype=np.float64)
+        per_frame = scores.reshape(b, f)
+        reduced = per_frame.mean(axis=1) if self.reduction == "mean" else per_frame.min(axis=1)
+        return reduced.astype(np.float32)
+
+    def __repr__(self) -> str:
+        return f"PerFrame({self.reward!r}, reduction={self.reduction!r})"
+
+
+def contact_strips(videos: np.ndarray) -> np.ndarray:
+    """(B, F, H, W, 3) -> (B, H, F * W, 3): each video's frames side by side, a still for the sample grid."""
+    b, f, h, w, c = videos.shape
+    return np.ascontiguousarray(videos.transpose(0, 2, 1, 3, 4).reshape(b, h, f * w, c))
