@@ -59,6 +59,26 @@ class NftKeys(Keys):
     ode_sampling: bool = True                           # sample with the family's ODE (no noise, no log-probs)
 
 
+class AwmKeys(Keys):
+    """Advantage Weighted Matching (scxue/advantage_weighted_matching@be51372, scripts/train_sd3_awm.py):
+    ddpo_tpu/ddpo/awm.py. Defaults: the reference's presets (config/dgx_awm.py, pickscore_sd3_no_cfg_1node)."""
+    name: Literal["awm"]
+    group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
+    global_std: bool = True                             # divide by the std of the whole epoch (sample.global_std)
+    train_timesteps: int = Field(default=6, ge=1)       # training times per sample, one per stratum
+    time_type: Literal["discrete", "discrete_wo_init"] = "discrete"  # strata of steps [0 or 1, int(T x fraction)]
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # of the matching error (lp = -w(mse))
+    ghuber_power: float = Field(default=0.25, gt=0)     # p of ghuber: -((mse + 1e-10)^p - 1e-10^p) t / p
+    advantage_max: float | None = Field(default=1.0, gt=0)  # clipped advantages rescaled from +-adv_clip_max to +-this
+    clip_range: float = Field(default=1.0, gt=0)        # PPO clip of the ratio exp(lp - lp_old) (the reference's 1)
+    kl_beta: float = Field(default=0.0, ge=0)           # mean((v - v_ref)^2) to the adapter-off model (train.beta)
+    kl_weight: Literal["uniform", "elbo"] = "uniform"   # the KL terms' weighting over times
+    # a second KL term to a slow copy of the policy (only with kl_beta > 0, as the reference nests it):
+    # copy <- d copy + (1 - d) policy after each epoch, d = min(0.001 x optimizer steps, kl_ema_decay)
+    ema_beta: float = Field(default=0.0, ge=0)
+    kl_ema_decay: float = Field(default=0.3, ge=0, lt=1)
+
+
 def _divisor_near(n: int, want: int) -> int | None:
     sizes = [g for g in range(2, n + 1) if n % g == 0]
     return min(sizes, key=lambda g: (abs(g - want), g)) if sizes else None
@@ -129,6 +149,33 @@ def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
     return problems
 
 
+def _awm_problems(cfg: Any, tot: Any) -> list[Problem]:
+    from ddpo_tpu.catalog.families import FAMILIES
+
+    a, problems = cfg.algorithm, _group_problems(cfg, tot)
+    fam = FAMILIES.get(cfg.model.family)
+    if fam.sampler != "flow_sde":
+        problems.append(Problem("algorithm.name", "awm", f"AWM trains on the flow-matching forward process; "
+                                f"model.family={fam.name} is not a flow family ({fam.sampler} sampler)",
+                                Fix.of({"algorithm": "ddpo"}, note="or a flow family's model (sd3, flux)")))
+    if cfg.train.cfg:
+        problems.append(Problem("train.cfg", True, "AWM trains the conditional velocity alone (the reference's "
+                                "presets: train.cfg false)", Fix.of({"train.cfg": False})))
+    if cfg.sample.sde_window.size is not None:
+        problems.append(Problem("sample.sde_window.size", cfg.sample.sde_window.size, "AWM trains on the clean "
+                                "samples, not on recorded steps: it has no window to train",
+                                Fix.of({"sample.sde_window.size": None})))
+    if cfg.train.num_inner_epochs != 1:
+        problems.append(Problem("train.num_inner_epochs", cfg.train.num_inner_epochs, "AWM scores lp_old once an "
+                                "epoch with the weights that sampled it (the reference has no inner epochs)",
+                                Fix.of({"train.num_inner_epochs": 1})))
+    if a.kl_beta > 0 and not cfg.model.lora.enabled:
+        problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
+                                "adapter off; a full fine-tune has no adapter",
+                                Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    return problems
+
+
 def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:
     st = cfg.stat_tracking
     if st.min_count > st.buffer_size:
@@ -144,6 +191,8 @@ ALGORITHMS.register(AlgorithmSpec(
     "grpo", "GRPO", GrpoKeys, "ddpo_tpu.ddpo.algorithm:GRPO", problems=_grpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
     "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.ddpo.nft:NFT", problems=_nft_problems))
+ALGORITHMS.register(AlgorithmSpec(
+    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.ddpo.awm:AWM", problems=_awm_problems))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:
