@@ -43,6 +43,11 @@ class GrpoKeys(Keys):
     kl_beta: float = Field(default=0.0, ge=0)      # weight of the KL penalty to the reference policy
     global_std: bool = False                       # divide by the std of the whole epoch, not the group's
     drop_zero_advantage: bool = True               # train only samples with advantage (flow_grpo's mask)
+    # GARDO's adaptive reference (flow_grpo scripts/train_sd3_gardo.py): the KL's reference is a copy of the policy,
+    # reset to the current weights after sampling when an update of the previous epoch had a KL above this (kl_thres)
+    # or more than reference_reset_every epochs passed (reset_freq); null: the adapter-off base model (train_sd3.py)
+    reference_reset_kl: float | None = Field(default=None, gt=0)
+    reference_reset_every: int = Field(default=15, ge=1)
 
 
 class NftKeys(Keys):
@@ -111,6 +116,10 @@ def _group_problems(cfg: Any, tot: Any) -> list[Problem]:
 
 def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
     a, problems = cfg.algorithm, _group_problems(cfg, tot)
+    if a.reference_reset_kl is not None and a.kl_beta == 0:
+        problems.append(Problem("algorithm.reference_reset_kl", a.reference_reset_kl, "GARDO resets the KL's "
+                                "reference; with algorithm.kl_beta=0 there is no KL term",
+                                Fix.of({"algorithm.kl_beta": 0.04}, {"algorithm.reference_reset_kl": None})))
     if a.kl_beta > 0 and not cfg.model.lora.enabled:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter",

@@ -165,6 +165,9 @@ class Trainer:
         # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
         self.reference_mean = (rt.compile_step(make_reference_mean(score_step))
                                if self.algorithm.needs_reference else None)
+        # the reference's context: the algorithm's own (GARDO's reset copy) or the adapter-off model
+        own = getattr(self.algorithm, "reference_policy", None)
+        self.reference_policy = (own(self) if own is not None else None) or self.family.reference
         # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT), trains its epochs itself
         self.epoch_trainer = self.algorithm.make_epoch_trainer(self)
         self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
@@ -199,6 +202,8 @@ class Trainer:
             self.events.emit(ev.PhaseStart(epoch, "training"))
             with clock.measure("training"), rt.compiling("training", epoch, self.events):
                 steps = self.train_epoch(epoch, samples)
+            if hasattr(self.algorithm, "after_training"):  # GARDO: the updates' KL decides the next reset
+                self.algorithm.after_training(epoch, steps)
             del samples
             if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
                 with clock.measure("evaluation"):
@@ -388,7 +393,7 @@ class Trainer:
                     cols = torch.arange(j, j + K).to(dev)
                     ref = None
                     if self.reference_mean is not None:
-                        with torch.no_grad(), self.family.reference():
+                        with torch.no_grad(), self.reference_policy():
                             ref = self.reference_mean(*batch, cols, uncond)
                     last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
                     with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
