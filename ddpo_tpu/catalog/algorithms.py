@@ -48,6 +48,9 @@ class GrpoKeys(Keys):
     # or more than reference_reset_every epochs passed (reset_freq); null: the adapter-off base model (train_sd3.py)
     reference_reset_kl: float | None = Field(default=None, gt=0)
     reference_reset_every: int = Field(default=15, ge=1)
+    # GRPO-Guard (flow_grpo scripts/train_sd3_GRPO_Guard.py, config.rationorm): the ratio normalised with the sampling
+    # policy's step means, the loss divided by each step's dt (costs a forward of those weights per trained step)
+    ratio_norm: bool = False
 
 
 class NftKeys(Keys):
@@ -124,6 +127,10 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter",
                                 Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    if a.ratio_norm and cfg.sample.name != "flow_sde":
+        problems.append(Problem("algorithm.ratio_norm", True, f"GRPO-Guard normalises the flow SDE's ratio by its "
+                                f"steps' sqrt(dt); sample.name={cfg.sample.name} is not a flow sampler",
+                                Fix.of({"algorithm.ratio_norm": False})))
     if (a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
             and tot.train_timesteps >= cfg.sample.num_steps):
         problems.append(Problem("train.timestep_fraction", cfg.train.timestep_fraction,

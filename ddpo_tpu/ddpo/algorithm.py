@@ -108,6 +108,8 @@ class GRPO:
         self.cfg = cfg
         self.epoch_metrics: dict[str, float | int] = {}
         self.needs_reference = cfg.algorithm.kl_beta > 0
+        # GRPO-Guard's RatioNorm compares with the sampling policy's step means (the loop keeps its weights)
+        self.needs_old_mean = bool(getattr(cfg.algorithm, "ratio_norm", False))
         # flow_grpo trains the first int(T x timestep_fraction) steps in order (the last, least noisy, are left out)
         self.shuffle_timesteps = False
         a = cfg.algorithm
@@ -158,13 +160,20 @@ class GRPO:
         return plan
 
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,
-             reference_mean: Tensor | None = None, weights: Tensor | None = None) -> tuple[Tensor, ...]:
-        from ddpo_tpu.ddpo.grpo import grpo_loss, kl_to_reference
+             reference_mean: Tensor | None = None, weights: Tensor | None = None, old_mean: Tensor | None = None,
+             sqrt_dt: Tensor | None = None, steps: Tensor | None = None) -> tuple[Tensor, ...]:
+        """old_mean, sqrt_dt, steps (GRPO-Guard's ratio_norm): the sampling policy's step means, each row's sqrt(-dt)
+        and schedule step."""
+        from ddpo_tpu.ddpo.grpo import grpo_loss, kl_to_reference, ratio_norm_loss
 
         t = self.cfg.train
         kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
+        guard = None
+        if old_mean is not None:
+            guard = lambda w: ratio_norm_loss(score.log_prob, old_log_prob, score.mean, old_mean, score.std, sqrt_dt,
+                                              steps, advantages, t.clip_range, t.adv_clip_max, w)
         loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,
-                               self.cfg.algorithm.kl_beta, weights)
+                               self.cfg.algorithm.kl_beta, weights, guard)
         return loss, info["approx_kl"], info["clipfrac"], info["kl"]
 
     def make_epoch_trainer(self, trainer) -> None:
