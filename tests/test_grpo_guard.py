@@ -105,7 +105,8 @@ def test_an_epoch_with_ratio_norm_compares_with_the_sampling_weights(tmp_path, m
     from ddpo_tpu.rundir import RunDir
     from ddpo_tpu.runtime import make_runtime
 
-    v = compose_and_validate(["+experiment=flow_grpo_smoke", f"model.cache_dir={model_cache}", "algorithm.ratio_norm=true",
+    v = compose_and_validate(["+experiment=flow_grpo_smoke", f"model.cache_dir={model_cache}",
+                              "algorithm.ratio_norm=true",
                               "sample.batch_size=8", "sample.num_batches_per_epoch=1", "train.batch_size=4",
                               "train.gradient_accumulation_steps=1", "algorithm.drop_zero_advantage=false"])
     tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))

@@ -4,8 +4,8 @@ each is configured) to their ends; the target is the reward GRPO reaches (the me
 first epoch whose 2-epoch mean reward reaches it, the samples drawn until then and the transformer FLOPs spent (counted
 per sample-forward and per forward+backward with torch's FlopCounterMode on the tiny transformer, times the forwards
 each algorithm runs an epoch: sampling steps, trained times, AWM's lp_old pass, GRPO's reference forward), and the
-seconds of sampling + training until then (both runs in the probe's process on one thread, one after the other). The VAE decode and the reward are the same per sample for both and
-left out.
+seconds of sampling + training until then (both runs in the probe's process on one thread, one after the other).
+The VAE decode and the reward are the same per sample for both and left out.
 
 The AWM paper's figure (24-34x less compute than Flow-GRPO for the same reward) is on SD 3.5 with real rewards; this
 is the tiny random model on a toy reward, on this machine: a smoke-sized check of the direction, not the paper's figure.

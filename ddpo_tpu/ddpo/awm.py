@@ -4,7 +4,7 @@ advantage_weighted_matching/scripts/train_sd3_awm.py (lines cited below as awm:L
 (config/dgx_awm.py).
 
 An epoch: the current policy samples (the family's ODE: training needs only the clean samples x0), rewards become
-group advantages (as GRPO's, awm:1040), clipped to +-train.adv_clip_max and rescaled to +-advantage_max (awm:1293-1299).
+group advantages (as GRPO's, awm:1019), clipped to +-train.adv_clip_max and rescaled to +-advantage_max (awm:1293-1299).
 Training runs on the forward process: each x0 is noised again at `train_timesteps` schedule times t, one drawn from each
 of as many strata of the first int(num_steps x train.timestep_fraction) steps (awm:1172-1205; the same times for every
 sample of a train batch), x_t = (1 - t) x0 + t eps with fresh eps (awm:1214-1220, 1232). The policy's "log-probability"
@@ -17,10 +17,11 @@ mean over the batch's (time, sample) rows, plus beta x mean((v - v_ref)^2) to th
 ema_beta x mean((v - v_ema)^2) to a slow copy of the policy (awm:1331-1352). On-policy the ratio is 1 in value, and its
 gradient is the advantage-weighted gradient of the matching error: the paper's point.
 
-lp_old comes from the weights that sampled the epoch: the batches of the first optimizer step use their own detached
-lp (the weights have not moved yet, awm:1225-1226, 1283-1284); the others are scored once before training (awm:1232-1238).
-The slow copy (TrainState.copies["awm_ema"], checkpointed with the optimizer) starts at the policy and after each
-epoch becomes d copy + (1 - d) policy, d = min(0.001 x optimizer steps, kl_ema_decay) (awm:1409-1418).
+lp_old comes from the weights that sampled the epoch: the batches of the first optimizer step use their own
+detached lp (the weights have not moved yet, awm:1227-1229, 1283-1284); the others are scored once before training
+(awm:1232-1238). The slow copy (TrainState.copies["awm_ema"], checkpointed with the optimizer) starts at the policy
+(awm:655-658) and after each epoch becomes d copy + (1 - d) policy, d = min(0.001 x optimizer steps, kl_ema_decay)
+(awm:1409-1419).
 
 Not ported: the SA-Solver sampler (use_sa_solver; the family's ODE samples here), off-policy sampling with the slow
 copy (off_policy, false in every preset), loss_type=sum_first, the continuous time types, CFG in training, and the
@@ -73,7 +74,7 @@ def scaled_advantages(advantages: Tensor, adv_clip_max: float, advantage_max: fl
 
 def velocity_kl(v: Tensor, v_other: Tensor, t: Tensor, kind: str) -> Tensor:
     """awm:1334-1339: the mean over rows of mean((v - v_other)^2), ELBO: over 2 std_t^2 with the reference's
-    std_t = 0.7 sqrt(t / (1 - min(t, 0.99))) (awm:237)."""
+    std_t = 0.7 sqrt(t / (1 - min(t, 0.99))) (awm:236)."""
     per = ((v.float() - v_other.float()) ** 2).mean(dim=tuple(range(1, v.dim())))
     if kind == "elbo":
         t = t.reshape(-1).to(per.dtype)
@@ -128,7 +129,7 @@ class AWM(GRPO):
         self.needs_reference = False  # the reference velocity is AwmEpochTrainer's own forward
 
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> None:
-        """Every sample with weight 1: the reference keeps zero-advantage samples (awm:1086-1089)."""
+        """Every sample with weight 1: the reference keeps zero-advantage samples (awm:1076-1078)."""
         from ddpo_tpu.ddpo.grpo import zero_std_ratio
 
         finite = np.isfinite(rewards)
@@ -159,7 +160,8 @@ class AwmEpochTrainer:
         def rows(x0, noise, idx, cond):
             """(B, ...) samples x K times -> K x B rows, time-major: row k B + b is sample b at time k."""
             rep = lambda x: x.repeat(K, *([1] * (x.dim() - 1)))
-            return rep(x0), noise.reshape(-1, *noise.shape[2:]), idx.repeat_interleave(x0.shape[0]), tuple(map(rep, cond))
+            return (rep(x0), noise.reshape(-1, *noise.shape[2:]), idx.repeat_interleave(x0.shape[0]),
+                    tuple(map(rep, cond)))
 
         def forward(x0, noise, idx, cond):
             x, z, i, c = rows(x0, noise, idx, cond)
