@@ -88,6 +88,7 @@ def test_experiment_list_is_the_tested_one():
     flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35"]
     flow += ["flux_grpo_smoke", "flux_grpo_pickscore"]  # composed in tests/test_flux_config.py
     flow += ["nft_smoke"]  # composed in tests/test_nft.py
+    flow += ["awm_smoke"]  # composed in tests/test_awm.py
     assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
         "a new experiment needs a compose test here"
 
