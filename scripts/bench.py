@@ -17,6 +17,8 @@ XLA keeps, derived (sd14_activations).
 --lazy-checkpointing: what XLA CPU's compiler does with the lazy path's checkpoint barriers (lazy_checkpointing).
 --sd3-parameters: SD 3.5 Medium's parts in billions of values, built on the meta device (sd3_parameters).
 --sde-window: Flow-GRPO's training time with and without SDE windows on the tiny SD3 model (sde_window).
+--awm-vs-grpo: samples and transformer FLOPs AWM and Flow-GRPO need to reach the same reward on the tiny SD3 model
+(awm_vs_grpo).
 
     python scripts/bench.py                  # parts 1 and 2 (about 35 minutes on 2 CPU cores)
     python scripts/bench.py --steps 10 --backends eager_cpu cpu --no-pipeline
@@ -29,6 +31,7 @@ XLA keeps, derived (sd14_activations).
     python scripts/bench.py --lazy-checkpointing  # about 5 minutes
     python scripts/bench.py --sd3-parameters      # seconds
     python scripts/bench.py --sde-window          # about 6 minutes
+    python scripts/bench.py --awm-vs-grpo         # about 4 minutes
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from benchmarks import runner  # noqa: E402
 from benchmarks.probes import (checkpointing, full_width, host_overhead, lazy_checkpointing, pipeline,  # noqa: E402
                                sd3_activations, sd3_parameters, sd14_activations, sde_window, step_estimate,
                                training_runs)
-from benchmarks.probes import flux_activations  # noqa: E402
+from benchmarks.probes import awm_vs_grpo, flux_activations  # noqa: E402
 
 # flag -> (help, the probes it runs, in order); the first flag given wins, as before
 MODES = {
@@ -60,6 +63,8 @@ MODES = {
     "--full-width": ("only one epoch of SD 1.4 at full width (model=sd14_random) on eager and XLA CPU", [full_width]),
     "--sd3-parameters": ("only SD 3.5 Medium's parameter counts (meta device, seconds)", [sd3_parameters]),
     "--sde-window": ("only Flow-GRPO's training time with and without SDE windows (tiny SD3, eager CPU)", [sde_window]),
+    "--awm-vs-grpo": ("only the samples and FLOPs AWM and Flow-GRPO need to reach the same reward (tiny SD3, eager "
+                      "CPU)", [awm_vs_grpo]),
     "--flux-activations": ("only FLUX.1-dev's parameter counts and training-activation probes (full width, 1-2 "
                            "blocks of each kind, eager CPU)", [flux_activations]),
 }

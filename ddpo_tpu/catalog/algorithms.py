@@ -43,6 +43,14 @@ class GrpoKeys(Keys):
     kl_beta: float = Field(default=0.0, ge=0)      # weight of the KL penalty to the reference policy
     global_std: bool = False                       # divide by the std of the whole epoch, not the group's
     drop_zero_advantage: bool = True               # train only samples with advantage (flow_grpo's mask)
+    # GARDO's adaptive reference (flow_grpo scripts/train_sd3_gardo.py): the KL's reference is a copy of the policy,
+    # reset to the current weights after sampling when an update of the previous epoch had a KL above this (kl_thres)
+    # or more than reference_reset_every epochs passed (reset_freq); null: the adapter-off base model (train_sd3.py)
+    reference_reset_kl: float | None = Field(default=None, gt=0)
+    reference_reset_every: int = Field(default=15, ge=1)
+    # GRPO-Guard (flow_grpo scripts/train_sd3_GRPO_Guard.py, config.rationorm): the ratio normalised with the sampling
+    # policy's step means, the loss divided by each step's dt (costs a forward of those weights per trained step)
+    ratio_norm: bool = False
 
 
 class NftKeys(Keys):
@@ -68,6 +76,26 @@ class NftKeys(Keys):
     # the transformer's timestep while sampling: trunc(sigma x 1000) as the official sampling pipeline casts it
     # (training uses the float sigma x 1000 there and here); false: the float (SD3 family only when true)
     integer_rollout_timesteps: bool = True
+
+
+class AwmKeys(Keys):
+    """Advantage Weighted Matching (scxue/advantage_weighted_matching@be51372, scripts/train_sd3_awm.py):
+    ddpo_tpu/ddpo/awm.py. Defaults: the reference's presets (config/dgx_awm.py, pickscore_sd3_no_cfg_1node)."""
+    name: Literal["awm"]
+    group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
+    global_std: bool = True                             # divide by the std of the whole epoch (sample.global_std)
+    train_timesteps: int = Field(default=6, ge=1)       # training times per sample, one per stratum
+    time_type: Literal["discrete", "discrete_wo_init"] = "discrete"  # strata of steps [0 or 1, int(T x fraction)]
+    weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # of the matching error (lp = -w(mse))
+    ghuber_power: float = Field(default=0.25, gt=0)     # p of ghuber: -((mse + 1e-10)^p - 1e-10^p) t / p
+    advantage_max: float | None = Field(default=1.0, gt=0)  # clipped advantages rescaled from +-adv_clip_max to +-this
+    clip_range: float = Field(default=1.0, gt=0)        # PPO clip of the ratio exp(lp - lp_old) (the reference's 1)
+    kl_beta: float = Field(default=0.0, ge=0)           # mean((v - v_ref)^2) to the adapter-off model (train.beta)
+    kl_weight: Literal["uniform", "elbo"] = "uniform"   # the KL terms' weighting over times
+    # a second KL term to a slow copy of the policy (only with kl_beta > 0, as the reference nests it):
+    # copy <- d copy + (1 - d) policy after each epoch, d = min(0.001 x optimizer steps, kl_ema_decay)
+    ema_beta: float = Field(default=0.0, ge=0)
+    kl_ema_decay: float = Field(default=0.3, ge=0, lt=1)
 
 
 def _divisor_near(n: int, want: int) -> int | None:
@@ -105,10 +133,18 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
     if getattr(cfg.sample, "ode_solver", None) == "dpm2":
         problems.append(Problem("sample.ode_solver", "dpm2", "GRPO samples with the SDE: the multistep ODE solver is "
                                 "read by algorithm=nft's rollouts only", Fix.of({"sample.ode_solver": "euler"})))
+    if a.reference_reset_kl is not None and a.kl_beta == 0:
+        problems.append(Problem("algorithm.reference_reset_kl", a.reference_reset_kl, "GARDO resets the KL's "
+                                "reference; with algorithm.kl_beta=0 there is no KL term",
+                                Fix.of({"algorithm.kl_beta": 0.04}, {"algorithm.reference_reset_kl": None})))
     if a.kl_beta > 0 and not cfg.model.lora.enabled:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter",
                                 Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    if a.ratio_norm and cfg.sample.name != "flow_sde":
+        problems.append(Problem("algorithm.ratio_norm", True, f"GRPO-Guard normalises the flow SDE's ratio by its "
+                                f"steps' sqrt(dt); sample.name={cfg.sample.name} is not a flow sampler",
+                                Fix.of({"algorithm.ratio_norm": False})))
     if (a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
             and tot.train_timesteps >= cfg.sample.num_steps):
         problems.append(Problem("train.timestep_fraction", cfg.train.timestep_fraction,
@@ -161,6 +197,37 @@ def _nft_key_problems(cfg: Any, fam: Any) -> list[Problem]:
     return problems
 
 
+def _awm_problems(cfg: Any, tot: Any) -> list[Problem]:
+    from ddpo_tpu.catalog.families import FAMILIES
+
+    a, problems = cfg.algorithm, _group_problems(cfg, tot)
+    fam = FAMILIES.get(cfg.model.family)
+    if fam.sampler != "flow_sde":
+        problems.append(Problem("algorithm.name", "awm", f"AWM trains on the flow-matching forward process; "
+                                f"model.family={fam.name} is not a flow family ({fam.sampler} sampler)",
+                                Fix.of({"algorithm": "ddpo"}, note="or a flow family's model (sd3, flux)")))
+    if cfg.train.cfg:
+        problems.append(Problem("train.cfg", True, "AWM trains the conditional velocity alone (the reference's "
+                                "presets: train.cfg false)", Fix.of({"train.cfg": False})))
+    if cfg.sample.sde_window.size is not None:
+        problems.append(Problem("sample.sde_window.size", cfg.sample.sde_window.size, "AWM trains on the clean "
+                                "samples, not on recorded steps: it has no window to train",
+                                Fix.of({"sample.sde_window.size": None})))
+    if getattr(cfg.sample, "ode_solver", None) == "dpm2":
+        problems.append(Problem("sample.ode_solver", "dpm2", "AWM samples with the family's Euler ODE step: the "
+                                "multistep solver is read by algorithm=nft's rollouts only",
+                                Fix.of({"sample.ode_solver": "euler"})))
+    if cfg.train.num_inner_epochs != 1:
+        problems.append(Problem("train.num_inner_epochs", cfg.train.num_inner_epochs, "AWM scores lp_old once an "
+                                "epoch with the weights that sampled it (the reference has no inner epochs)",
+                                Fix.of({"train.num_inner_epochs": 1})))
+    if a.kl_beta > 0 and not cfg.model.lora.enabled:
+        problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
+                                "adapter off; a full fine-tune has no adapter",
+                                Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    return problems
+
+
 def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:
     st = cfg.stat_tracking
     if st.min_count > st.buffer_size:
@@ -176,6 +243,8 @@ ALGORITHMS.register(AlgorithmSpec(
     "grpo", "GRPO", GrpoKeys, "ddpo_tpu.ddpo.algorithm:GRPO", problems=_grpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
     "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.ddpo.nft:NFT", problems=_nft_problems))
+ALGORITHMS.register(AlgorithmSpec(
+    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.ddpo.awm:AWM", problems=_awm_problems))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:

@@ -108,8 +108,13 @@ class GRPO:
         self.cfg = cfg
         self.epoch_metrics: dict[str, float | int] = {}
         self.needs_reference = cfg.algorithm.kl_beta > 0
+        # GRPO-Guard's RatioNorm compares with the sampling policy's step means (the loop keeps its weights)
+        self.needs_old_mean = bool(getattr(cfg.algorithm, "ratio_norm", False))
         # flow_grpo trains the first int(T x timestep_fraction) steps in order (the last, least noisy, are left out)
         self.shuffle_timesteps = False
+        a = cfg.algorithm
+        self.adaptive = (AdaptiveReference(a.reference_reset_kl, a.reference_reset_every)
+                         if getattr(a, "reference_reset_kl", None) is not None else None)
 
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
         """flow_grpo's DistributedKRepeatSampler, batch by batch: batch_size / group_size distinct prompts, each
@@ -142,6 +147,8 @@ class GRPO:
         cfg = self.cfg
         finite = np.isfinite(rewards)
         self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
+        if self.adaptive is not None and self.adaptive.due(epoch):  # after sampling, as train_sd3_gardo.py resets
+            self.epoch_metrics["reference_reset"] = 1
         if not cfg.algorithm.drop_zero_advantage:
             return None
         s, t = cfg.sample, cfg.train
@@ -153,23 +160,84 @@ class GRPO:
         return plan
 
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,
-             reference_mean: Tensor | None = None, weights: Tensor | None = None) -> tuple[Tensor, ...]:
-        from ddpo_tpu.ddpo.grpo import grpo_loss, kl_to_reference
+             reference_mean: Tensor | None = None, weights: Tensor | None = None, old_mean: Tensor | None = None,
+             sqrt_dt: Tensor | None = None, steps: Tensor | None = None) -> tuple[Tensor, ...]:
+        """old_mean, sqrt_dt, steps (GRPO-Guard's ratio_norm): the sampling policy's step means, each row's sqrt(-dt)
+        and schedule step."""
+        from ddpo_tpu.ddpo.grpo import grpo_loss, kl_to_reference, ratio_norm_loss
 
         t = self.cfg.train
         kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
+        guard = None
+        if old_mean is not None:
+            guard = lambda w: ratio_norm_loss(score.log_prob, old_log_prob, score.mean, old_mean, score.std, sqrt_dt,
+                                              steps, advantages, t.clip_range, t.adv_clip_max, w)
         loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,
-                               self.cfg.algorithm.kl_beta, weights)
+                               self.cfg.algorithm.kl_beta, weights, guard)
         return loss, info["approx_kl"], info["clipfrac"], info["kl"]
 
     def make_epoch_trainer(self, trainer) -> None:
         return None
 
+    def reference_policy(self, trainer):
+        """The KL's reference context: GARDO's reset copy of the policy, or None (the family's adapter-off model)."""
+        return self.adaptive.attach(trainer) if self.adaptive is not None else None
+
+    def after_training(self, epoch: int, steps: list[dict]) -> None:
+        if self.adaptive is not None:
+            self.adaptive.observe(steps)
+
     def state_dict(self) -> dict[str, Any]:
-        return {}  # no history: each epoch's groups stand alone
+        # no history: each epoch's groups stand alone; GARDO's reset schedule (its copy is TrainState.copies')
+        return self.adaptive.state_dict() if self.adaptive is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        if self.adaptive is not None and state:
+            self.adaptive.load_state_dict(state)
+
+
+class AdaptiveReference:
+    """GARDO's adaptive KL reference (yifan123/flow_grpo@94e23ee5405ab7241fc1f75d30cac8147e2b1f53,
+    scripts/train_sd3_gardo.py, cited by statement: the store serves that commit's text, not a checkout to number):
+    an "old" copy of the trained weights, equal to them at the start (the copy loop before `while True`), that the
+    KL compares with (`transformer.module.set_adapter("old")` around the reference's compute_log_prob) in place of
+    the adapter-off base model; reset to the current weights after an epoch's sampling (`if (epoch !=0 and
+    reset==True) or (epoch - prev_epoch)>config.reset_freq`) when an update of the previous epoch logged a KL above
+    `threshold` (`if info["kl_loss"] > thres: reset=True`, config.kl_thres) or more than `every` epochs passed since
+    the last reset (config.reset_freq). Only with a KL term (`if config.train.beta>0`)."""
+
+    NAME = "gardo_reference"   # its name in TrainState.copies (checkpointed with the optimizer)
+
+    def __init__(self, threshold: float, every: int):
+        self.threshold, self.every = threshold, every
+        self.flagged, self.last = False, 0
+        self.copy = None
+
+    def attach(self, trainer):
+        from ddpo_tpu.ddpo.state import EMA
+
+        self.copy = trainer.state.copies.setdefault(self.NAME, EMA(trainer.state.params, 0.0, 1, trainer.rt))
+        return self.copy.swapped_in
+
+    def observe(self, steps: list[dict]) -> None:
+        """After an epoch's training: any update's KL over the threshold flags a reset (gardo:683)."""
+        self.flagged = self.flagged or any(s.get("kl", 0.0) > self.threshold for s in steps)
+
+    def due(self, epoch: int) -> bool:
+        """After sampling epoch `epoch`: reset the copy now? (gardo:471: (epoch != 0 and reset) or epoch - prev_epoch
+        > reset_freq)"""
+        if not ((epoch != 0 and self.flagged) or epoch - self.last > self.every):
+            return False
+        if self.copy is not None:
+            self.copy.reset()
+        self.flagged, self.last = False, epoch
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gardo_flagged": self.flagged, "gardo_last_reset": self.last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.flagged, self.last = bool(state["gardo_flagged"]), int(state["gardo_last_reset"])
 
 
 def make_algorithm(cfg) -> Algorithm:

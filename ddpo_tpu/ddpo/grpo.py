@@ -39,8 +39,8 @@ from torch import Tensor
 
 from ddpo_tpu.ddpo.ppo import ppo_loss, weighted_mean
 
-__all__ = ["GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "TrainPlan", "zero_advantage_plan",
-           "zero_std_ratio"]
+__all__ = ["GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "ratio_norm_loss", "TrainPlan",
+           "zero_advantage_plan", "zero_std_ratio"]
 
 GROUP_STD_EPS = 1e-4  # flow_grpo's PerPromptStatTracker: std + 1e-4
 
@@ -119,8 +119,10 @@ def grpo_loss(
     kl: Tensor | None = None,
     beta: float = 0.0,
     weights: Tensor | None = None,
+    guard=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``ppo_loss(...) + beta * mean(kl)`` (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
+    """``ppo_loss(...) + beta * mean(kl)`` (``guard``: weights -> (policy loss, info) in place of ppo_loss, GRPO-Guard's
+    ``ratio_norm_loss``) (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
     With ``weights`` (B,) every mean is ``mean(w * .)``: the zero-advantage filter (``zero_advantage_plan``).
 
     Returns ``(loss, info)``; info holds ``approx_kl`` and ``clipfrac`` (as ppo_loss), ``policy_loss`` and ``kl``
@@ -130,7 +132,8 @@ def grpo_loss(
         raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and kl is None:
         raise ValueError("beta > 0 needs the kl term")
-    policy_loss, info = ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, weights)
+    policy_loss, info = (guard(weights) if guard is not None else
+                         ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, weights))
     if kl is not None:
         kl_mean = weighted_mean(kl, weights)
         loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
@@ -140,6 +143,35 @@ def grpo_loss(
         info["kl"] = torch.zeros((), dtype=policy_loss.dtype, device=policy_loss.device)
     info["policy_loss"] = policy_loss.detach()
     return loss, info
+
+
+def ratio_norm_loss(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor,
+                    sqrt_dt: Tensor, steps: Tensor, advantages: Tensor, clip_range: float, adv_clip_max: float,
+                    weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO-Guard's policy loss (RatioNorm and the gradient reweighting; scripts/train_sd3_GRPO_Guard.py, read at
+    zhtmike/flow_grpo@2e2f712e, the training loop's `if config.rationorm:` blocks): with s = sqrt(-dt) std_dev_t,
+
+        r = exp((logp - logp_old + bias / (2 s^2)) s),   loss = mean(w max(-A r, -A clip(r)) / dt),
+
+    mu_old the sampling policy's step means and bias the mean of (mu - mu_old)^2 over the batch's kept samples and
+    all their elements (the reference's `.mean(dim=tuple(range(1, log_prob.ndim)))` of a 1-d log_prob reduces
+    everything: one scalar per batch). The reference's batch is one step j, s and dt its batch means; here rows of
+    the same step (`steps`) form that batch, so fused steps keep their own. approx_kl is of the raw log-probs,
+    clipfrac of the normalised ratio, as there."""
+    dims = tuple(range(1, mean.dim()))
+    s = (sqrt_dt.reshape(-1) * std.reshape(std.shape[0], -1)[:, 0]).to(log_prob.dtype)
+    sq = ((mean - old_mean) ** 2).mean(dim=dims).to(log_prob.dtype)
+    w = weights.to(sq.dtype) if weights is not None else torch.ones_like(sq)
+    same = (steps.reshape(-1, 1) == steps.reshape(1, -1)).to(sq.dtype) * w.reshape(1, -1)  # kept rows of a step
+    bias = (same @ sq) / same.sum(dim=1).clamp_min(1e-12)
+    ratio = torch.exp((log_prob - old_log_prob + bias / (2 * s ** 2)) * s)
+    adv = torch.clamp(advantages, -adv_clip_max, adv_clip_max)
+    per = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range))
+    loss = weighted_mean(per / sqrt_dt.reshape(-1).to(per.dtype) ** 2, weights)
+    with torch.no_grad():
+        approx_kl = 0.5 * weighted_mean((log_prob - old_log_prob) ** 2, weights)
+        clipfrac = weighted_mean((torch.abs(ratio - 1.0) > clip_range).float(), weights)
+    return loss, {"approx_kl": approx_kl, "clipfrac": clipfrac}
 
 
 @dataclass

@@ -31,7 +31,7 @@ from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.ddpo.algorithm import make_algorithm
 from ddpo_tpu.ddpo.checkpointing import CheckpointManager, StopRequest
 from ddpo_tpu.ddpo.reporting import PhaseClock, Reporter
-from ddpo_tpu.ddpo.state import TrainState
+from ddpo_tpu.ddpo.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.diffusion.window import sde_window_at
 from ddpo_tpu.families import Cond, load_family
@@ -83,17 +83,19 @@ def _flat_step_inputs(cur, nxt, idx, cond, cols):
     return flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond), flat
 
 
-def make_micro_step_loss(score_step, loss):
+def make_micro_step_loss(score_step, loss, sqrt_dt=None):
     """The clipped-objective loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into
     one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
     terms. A plain function of tensors: the runtime compiles it once."""
 
-    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None):
+    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None, old_mean=None):
         x, i, x_prev, c, flat = _flat_step_inputs(cur, nxt, idx, cond, cols)
         K = cols.shape[0]
+        # old_mean: the sampling policy's step means (GRPO-Guard), with each row's sqrt(-dt) from the flow tables
+        guard = {} if old_mean is None else {"old_mean": old_mean, "sqrt_dt": sqrt_dt(i), "steps": i}
         # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
         return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
-                    w.repeat_interleave(K) if w is not None else None)
+                    w.repeat_interleave(K) if w is not None else None, **guard)
 
     return micro_step_loss
 
@@ -163,10 +165,21 @@ class Trainer:
             tables = self.family.schedule(self.eval_steps)
             self.eval_step = rt.compile_step(self.family.make_denoise_step(autocast, tables, ev_cfg.deterministic))
         score_step = self.family.make_score_step(autocast)
-        self.micro_step_loss = rt.compile_step(make_micro_step_loss(score_step, self.algorithm.loss))
+        old_mean = getattr(self.algorithm, "needs_old_mean", False)
+        tables = getattr(self.family, "tables", None) if old_mean else None
+        sqrt_dt = (lambda i: torch.sqrt(tables.sigmas_at(i)[0] - tables.sigmas_at(i)[1])) if tables else None
+        self.micro_step_loss = rt.compile_step(make_micro_step_loss(score_step, self.algorithm.loss, sqrt_dt))
         # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
-        self.reference_mean = (rt.compile_step(make_reference_mean(score_step))
-                               if self.algorithm.needs_reference else None)
+        step_mean = (rt.compile_step(make_reference_mean(score_step))
+                     if self.algorithm.needs_reference or old_mean else None)
+        self.reference_mean = step_mean if self.algorithm.needs_reference else None
+        # GRPO-Guard: the step means of the weights that sampled the epoch (a copy taken when training starts)
+        self.sampling_copy = (self.state.copies.setdefault("sampling_policy", EMA(self.state.params, 0.0, 1, rt))
+                              if old_mean else None)
+        self.old_mean = step_mean if old_mean else None
+        # the reference's context: the algorithm's own (GARDO's reset copy) or the adapter-off model
+        own = getattr(self.algorithm, "reference_policy", None)
+        self.reference_policy = (own(self) if own is not None else None) or self.family.reference
         # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT), trains its epochs itself
         self.epoch_trainer = self.algorithm.make_epoch_trainer(self)
         self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
@@ -204,6 +217,8 @@ class Trainer:
             self.events.emit(ev.PhaseStart(epoch, "training"))
             with clock.measure("training"), rt.compiling("training", epoch, self.events):
                 steps = self.train_epoch(epoch, samples)
+            if hasattr(self.algorithm, "after_training"):  # GARDO: the updates' KL decides the next reset
+                self.algorithm.after_training(epoch, steps)
             del samples
             if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
                 with clock.measure("evaluation"):
@@ -351,6 +366,8 @@ class Trainer:
             return self.epoch_trainer.train_epoch(epoch, s)
         cfg, rt = self.cfg, self.rt
         self.family.model.train()
+        if self.sampling_copy is not None:  # nothing has trained since sampling: these are the sampling weights
+            self.sampling_copy.reset()
         N, T = s.log_probs.shape
         dev = rt.device
         logs = []
@@ -394,11 +411,15 @@ class Trainer:
                     cols = torch.arange(j, j + K).to(dev)
                     ref = None
                     if self.reference_mean is not None:
-                        with torch.no_grad(), self.family.reference():
+                        with torch.no_grad(), self.reference_policy():
                             ref = self.reference_mean(*batch, cols, uncond)
+                    old = None
+                    if self.old_mean is not None:
+                        with torch.no_grad(), self.sampling_copy.swapped_in():
+                            old = self.old_mean(*batch, cols, uncond)
                     last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
                     with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
-                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb)
+                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb, old)
                         # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum,
                         # each timestep weighs what it weighs unfused (1 / trained timesteps per update)
                         (loss / (self.window // K)).backward()
