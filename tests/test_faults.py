@@ -110,7 +110,7 @@ def test_the_next_start_removes_what_killed_writes_left_and_nothing_else(tmp_pat
     child = subprocess.run([sys.executable, "-c", _KILLED_WEIGHTS_WRITE, str(run)], cwd=REPO, env=clean_env())
     assert child.returncode == -9, child
     with pytest.MonkeyPatch.context() as m:  # a checkpoint write cut short before its rename: no cleanup either
-        m.setattr(ckpt, "_fsync_dir", lambda path: (_ for _ in ()).throw(Killed()))
+        m.setattr(ckpt.layout, "fsync_dir", lambda path: (_ for _ in ()).throw(Killed()))
         with pytest.raises(Killed):
             ckpt.prepare(run / "checkpoints", epoch=2, global_step=3, trainable={"w": torch.ones(4, 4)},
                          optimizer={}, tracker={}, run_id="r", tree=tree)
