@@ -161,10 +161,12 @@ def keep_torchtpu_unloaded() -> None:
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
-def torchrun_ranks() -> tuple[int, int, int] | None:
-    """(global rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
-    values = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
-    if not all(v.isdigit() for v in values) or "TORCHELASTIC_RUN_ID" not in os.environ:
+def torchrun_ranks(environ: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(global rank, world size, local rank) from torchrun's environment (this process's, or another's given its
+    environment), or None outside torchrun."""
+    environ = os.environ if environ is None else environ
+    values = [environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
+    if not all(v.isdigit() for v in values) or "TORCHELASTIC_RUN_ID" not in environ:
         return None
     return int(values[0]), int(values[1]), int(values[2])
 
@@ -195,8 +197,9 @@ def redacted(env: Mapping[str, str]) -> dict[str, str]:
     return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(env.items())}
 
 
-def run_dir_from_environment() -> Path | None:
-    value = os.environ.get(RUN_DIR_VARIABLE)
+def run_dir_from_environment(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The run dir of this training process, or of another one given its environment (psutil's environ())."""
+    value = (os.environ if environ is None else environ).get(RUN_DIR_VARIABLE)
     return Path(value) if value else None
 
 

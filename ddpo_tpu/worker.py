@@ -125,6 +125,12 @@ def hold_locks(cfg, run_dir: Path):
         for lock in locks:
             lock.release()
         return None
+    if cfg.tpu_topology.accelerator == "cpu":
+        from ddpo_tpu.launch.busy import busy_line
+
+        note = busy_line(run_dir)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     return locks
 
 
@@ -169,6 +175,9 @@ def main() -> int:
             _rank_console(run_dir, ranks[0])
         else:
             guard_console(run_dir / "train.log")
+        from ddpo_tpu.launch.rankwatch import RankBeat
+
+        RankBeat(run_dir, ranks[0]).start()  # beats until the process ends: its launcher watches it
         locks = []
     else:
         guard_console(run_dir / "train.log")
@@ -295,11 +304,17 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
             raise
         events.emit(ev.Failed(storage_error_line(e, run_dir)))
         return EXIT_FAILED
-    except RuntimeError as e:
-        if not rt.out_of_memory(e):
+    except Exception as e:  # noqa: BLE001 -- two known causes get one line, any other keeps its traceback
+        if isinstance(e, RuntimeError) and rt.out_of_memory(e):
+            saved = trainer.checkpoints.saved_state() if trainer is not None else "nothing was trained yet"
+            events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
+            return EXIT_FAILED
+        lost = rt.lost_peers(e, run_dir)
+        if not lost:
             raise
-        saved = trainer.checkpoints.saved_state() if trainer is not None else "nothing was trained yet"
-        events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+        events.emit(ev.Failed(f"{', '.join(lost)} went away mid-job (this rank's collective with it failed: "
+                              f"{first}); the job stopped; the same command resumes from the last checkpoint"))
         return EXIT_FAILED
     return 0
 

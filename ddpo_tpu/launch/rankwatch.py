@@ -1,0 +1,165 @@
+"""A rank that stops answering, named in bounded time (torch-free: the launcher and the ranks both use it).
+
+Why not a short collective timeout (torchtitan lowers it after the first step): the rank whose collective times out
+is the one that waited, not the one that hung (gloo's traceback then blames rank 0), and a legitimately long step
+(rank 0 writing a 10 GB checkpoint while the others wait at a barrier) must not end the job. So each rank proves it
+is alive instead, whatever its main thread is doing:
+
+- Every rank runs a daemon thread that touches `ranks/rank<N>.alive` (its pid and host inside) every
+  RANK_BEAT_S seconds. A compile, a long step or a wait in a collective keeps beating; a stopped process (SIGSTOP, a
+  debugger) or a frozen one does not.
+- Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second: a rank stopped, or whose beat is
+  older than `distributed.hang_timeout_s`, ends the job at once, in one line naming the rank, its pid and the key
+  (and an `error` event); every rank of the node gets SIGKILL (a stopped process cannot act on torchrun's SIGTERM,
+  which would otherwise wait out its 30 s grace; a rank blocked in a collective has nothing to save: checkpoints are
+  written whole, so the last one is intact).
+- A rank whose collective fails because a peer went away (a node killed, a rank killed by another node's launcher)
+  names that peer from the same beats: the rank whose process is gone or whose beat stopped (`lost_peers`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+RANK_BEAT_S = 2.0
+HANG_KEY = "distributed.hang_timeout_s"
+
+
+def beat_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "ranks" / f"rank{rank}.alive"
+
+
+class RankBeat:
+    """This rank's heartbeat file, touched by a daemon thread while the process runs."""
+
+    def __init__(self, run_dir: Path, rank: int, interval: float = RANK_BEAT_S):
+        self.path, self.interval = beat_path(run_dir, rank), interval
+        self._stop = threading.Event()
+
+    def start(self) -> RankBeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+        threading.Thread(target=self._run, name="ddpo-rank-beat", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                os.utime(self.path)
+            except OSError:  # a disk that refuses it: the launcher may then call the rank silent, which it is
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float] | None:
+    """(pid, host, seconds since its last beat) of a rank, or None when it has not beaten yet."""
+    path = beat_path(run_dir, rank)
+    try:
+        info = json.loads(path.read_text())
+        return int(info["pid"]), str(info["host"]), time.time() - path.stat().st_mtime
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _gone(pid: int, host: str) -> bool:
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    from ddpo_tpu.launch.lock import proc_state
+
+    state = proc_state(pid)  # a zombie, or a stopped process, is gone too
+    return state is not None and state[0] in ("Z", "X", "T", "t")
+
+
+STALE_S = 2.5 * RANK_BEAT_S  # a beat this old has stopped
+
+
+def lost_peers(run_dir: Path, world: int, me: int, wait_s: float = 3 * RANK_BEAT_S) -> list[str]:
+    """The ranks (described: "rank 2 (pid 123 on host)") that went away, as seen from rank `me` after a collective
+    failed: gone from this host's process table, stopped, or with a stale beat, waiting up to `wait_s` for one to
+    show (the living keep beating from their threads while their main threads fail)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = []
+        for rank in range(world):
+            beat = read_beat(run_dir, rank)
+            if rank == me or beat is None:
+                continue
+            pid, host, age = beat
+            if _gone(pid, host) or age > STALE_S:
+                out.append(f"rank {rank} (pid {pid} on {host})")
+        if out or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.25)
+
+
+class RankWatch:
+    """The launcher's look at its own ranks (the children running the worker), every call to `check`."""
+
+    def __init__(self, run_dir: Path, bound_s: float):
+        self.run_dir, self.bound_s = Path(run_dir), float(bound_s)
+        self._stopped_since: dict[int, float] = {}
+        self.fired: str | None = None
+
+    def _ranks(self) -> list:
+        import psutil
+
+        from ddpo_tpu.env import torchrun_ranks
+
+        out = []
+        for child in psutil.Process().children(recursive=False):
+            try:
+                ranks = torchrun_ranks(child.environ())
+                if ranks is not None:
+                    out.append((ranks[0], child))
+            except psutil.Error:
+                continue
+        return out
+
+    def check(self) -> str | None:
+        """The line naming a rank that has stopped or gone silent for longer than the bound, after ending every rank
+        of this node (once); None while all answer."""
+        import psutil
+
+        if self.fired is not None:
+            return None
+        now, ranks = time.monotonic(), self._ranks()
+        for rank, proc in ranks:
+            try:
+                status = proc.status()
+            except psutil.Error:
+                continue
+            why = None
+            if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                since = self._stopped_since.setdefault(proc.pid, now)
+                if now - since >= self.bound_s:
+                    why = f"has been stopped (SIGSTOP or a debugger) for {now - since:.0f} s"
+            else:
+                self._stopped_since.pop(proc.pid, None)
+                beat = read_beat(self.run_dir, rank)
+                if beat is not None and beat[0] == proc.pid and beat[2] > self.bound_s:
+                    why = f"has not beaten for {beat[2]:.0f} s (frozen)"
+            if why is None:
+                continue
+            self.fired = (f"rank {rank} (pid {proc.pid}) {why}, over {HANG_KEY}={self.bound_s:g}: the job was ended "
+                          f"(every rank of this node killed); the same command resumes from the last checkpoint")
+            for _, other in ranks:
+                try:
+                    other.send_signal(signal.SIGKILL)
+                except psutil.Error:
+                    pass
+            return self.fired
+        return None
