@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir is None:
         print("ddpo_tpu.torchrun is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
-    cfg = validate(OmegaConf.load(run_dir / "config.yaml")).cfg
+    cfg = validate(OmegaConf.load(run_dir / envmod.config_file_from_environment())).cfg
     locks = hold_locks(cfg, run_dir)
     if locks is None:
         return EXIT_BUSY

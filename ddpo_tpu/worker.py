@@ -106,7 +106,7 @@ def hold_locks(cfg, run_dir: Path):
     from ddpo_tpu import env as envmod
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock, accelerator_lock_path
 
-    locks = [RunDirLock(run_dir)]
+    locks = [RunDirLock(run_dir, suffix=envmod.node_suffix(cfg))]
     path = accelerator_lock_path(cfg)
     if path is not None:
         locks.append(AcceleratorLock(path, run_dir))
@@ -167,7 +167,7 @@ def main() -> int:
     if run_dir is None:
         print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
-    validated = validate(OmegaConf.load(run_dir / "config.yaml"))
+    validated = validate(OmegaConf.load(run_dir / envmod.config_file_from_environment()))
     ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.execution == "distributed" else None
     if ranks is not None:  # a rank under torchrun: the launcher (ddpo_tpu/torchrun.py) holds the locks
         _end_with_parent()
@@ -312,8 +312,10 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
         lost = rt.lost_peers(e, run_dir)
         if not lost:
             raise
+        if all(ours for _, ours in lost):  # our launcher saw it end and says how, in the job's one line
+            return EXIT_FAILED
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
-        events.emit(ev.Failed(f"{', '.join(lost)} went away mid-job (this rank's collective with it failed: "
+        events.emit(ev.Failed(f"{', '.join(d for d, _ in lost)} went away mid-job (a collective with it failed: "
                               f"{first}); the job stopped; the same command resumes from the last checkpoint"))
         return EXIT_FAILED
     return 0

@@ -95,8 +95,8 @@ def test_the_rank_beat_thread_keeps_the_file_fresh(tmp_path):
         then = time.time() - 50
         os.utime(beat.path, (then, then))
         time.sleep(0.5)
-        pid, _host, age = rankwatch.read_beat(tmp_path, 0)
-        assert pid == os.getpid() and age < 1.0
+        pid, _host, age, launcher = rankwatch.read_beat(tmp_path, 0)
+        assert pid == os.getpid() and age < 1.0 and launcher == os.getppid()
     finally:
         beat.stop()
 
@@ -108,8 +108,12 @@ def test_lost_peers_names_the_rank_whose_process_is_gone(tmp_path):
     _beat(tmp_path, 1, gone.pid)
     _beat(tmp_path, 2, os.getpid(), age_s=120)  # another host's rank that stopped beating: only its age says so
     host = os.uname().nodename
-    assert rankwatch.lost_peers(tmp_path, world=3, me=0, wait_s=0.5) == [f"rank 1 (pid {gone.pid} on {host})",
-                                                                         f"rank 2 (pid {os.getpid()} on {host})"]
+    assert rankwatch.lost_peers(tmp_path, world=3, me=0, wait_s=0.5) == [
+        (f"rank 1 (pid {gone.pid} on {host})", False), (f"rank 2 (pid {os.getpid()} on {host})", False)]
+    # a peer of this process's own launcher (its parent): that launcher reports it
+    rankwatch.beat_path(tmp_path, 1).write_text(json.dumps({"pid": gone.pid, "host": host,
+                                                            "launcher": os.getppid()}))
+    assert rankwatch.lost_peers(tmp_path, world=2, me=0, wait_s=0.5) == [(f"rank 1 (pid {gone.pid} on {host})", True)]
     _beat(tmp_path, 1, os.getpid())
     _beat(tmp_path, 2, os.getpid())
     t0 = time.monotonic()

@@ -146,9 +146,10 @@ class RunDirBusy(AcceleratorBusy):
                 f"another run with run_name=... [lock file {self.lock_path}]")
 
 
-def run_dir_lock_path(run_dir: pathlib.Path) -> pathlib.Path:
-    """The lock of one run dir: held by its training process for the run's life, whatever the accelerator."""
-    return pathlib.Path(run_dir) / "lock"
+def run_dir_lock_path(run_dir: pathlib.Path, suffix: str = "") -> pathlib.Path:
+    """The lock of one run dir: held by its training process for the run's life, whatever the accelerator
+    (`suffix`: "-node<N>" for node N > 0 of a multi-node distributed run, env.node_suffix)."""
+    return pathlib.Path(run_dir) / f"lock{suffix}"
 
 
 def accelerator_lock_path(cfg) -> pathlib.Path | None:
@@ -416,5 +417,5 @@ class RunDirLock(AcceleratorLock):
 
     busy = RunDirBusy
 
-    def __init__(self, run_dir: pathlib.Path, command: str = ""):
-        super().__init__(run_dir_lock_path(run_dir), run_dir, command)
+    def __init__(self, run_dir: pathlib.Path, command: str = "", suffix: str = ""):
+        super().__init__(run_dir_lock_path(run_dir, suffix), run_dir, command)

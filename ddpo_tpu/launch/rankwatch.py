@@ -14,7 +14,8 @@ is alive instead, whatever its main thread is doing:
   which would otherwise wait out its 30 s grace; a rank blocked in a collective has nothing to save: checkpoints are
   written whole, so the last one is intact).
 - A rank whose collective fails because a peer went away (a node killed, a rank killed by another node's launcher)
-  names that peer from the same beats: the rank whose process is gone or whose beat stopped (`lost_peers`).
+  names that peer from the same beats: the rank whose process is gone or whose beat stopped (`lost_peers`). A peer
+  of the same launcher is left to that launcher, which knows how it ended (its exit code or signal): one line.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class RankBeat:
 
     def start(self) -> RankBeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid()}
+        self.path.write_text(json.dumps(info) + "\n")
         threading.Thread(target=self._run, name="ddpo-rank-beat", daemon=True).start()
         return self
 
@@ -59,12 +61,13 @@ class RankBeat:
         self._stop.set()
 
 
-def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float] | None:
-    """(pid, host, seconds since its last beat) of a rank, or None when it has not beaten yet."""
+def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float, int] | None:
+    """(pid, host, seconds since its last beat, its launcher's pid) of a rank, or None before its first beat."""
     path = beat_path(run_dir, rank)
     try:
         info = json.loads(path.read_text())
-        return int(info["pid"]), str(info["host"]), time.time() - path.stat().st_mtime
+        return (int(info["pid"]), str(info["host"]), time.time() - path.stat().st_mtime,
+                int(info.get("launcher", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -87,20 +90,22 @@ def _gone(pid: int, host: str) -> bool:
 STALE_S = 2.5 * RANK_BEAT_S  # a beat this old has stopped
 
 
-def lost_peers(run_dir: Path, world: int, me: int, wait_s: float = 3 * RANK_BEAT_S) -> list[str]:
-    """The ranks (described: "rank 2 (pid 123 on host)") that went away, as seen from rank `me` after a collective
-    failed: gone from this host's process table, stopped, or with a stale beat, waiting up to `wait_s` for one to
-    show (the living keep beating from their threads while their main threads fail)."""
+def lost_peers(run_dir: Path, world: int, me: int, wait_s: float = 3 * RANK_BEAT_S) -> list[tuple[str, bool]]:
+    """The ranks that went away, as seen from rank `me` after a collective failed: (a description, "rank 2 (pid 123
+    on host)"; whether it had this rank's launcher, which then reports how it ended), gone from this host's process
+    table, stopped, or with a stale beat; waits up to `wait_s` for one to show (the living keep beating from their
+    threads while their main threads fail)."""
     deadline = time.monotonic() + wait_s
+    host_here, launcher = socket.gethostname(), os.getppid()
     while True:
         out = []
         for rank in range(world):
             beat = read_beat(run_dir, rank)
             if rank == me or beat is None:
                 continue
-            pid, host, age = beat
+            pid, host, age, its_launcher = beat
             if _gone(pid, host) or age > STALE_S:
-                out.append(f"rank {rank} (pid {pid} on {host})")
+                out.append((f"rank {rank} (pid {pid} on {host})", host == host_here and its_launcher == launcher))
         if out or time.monotonic() >= deadline:
             return out
         time.sleep(0.25)

@@ -170,8 +170,9 @@ class Runtime(abc.ABC):
         graph is compiled or run)."""
         return isinstance(error, torch.OutOfMemoryError) or "RESOURCE_EXHAUSTED" in str(error)
 
-    def lost_peers(self, error: BaseException, run_dir) -> list[str]:
-        """The other processes whose loss made `error` (a failed collective), described; [] for one process."""
+    def lost_peers(self, error: BaseException, run_dir) -> list[tuple[str, bool]]:
+        """The other processes whose loss made `error` (a failed collective): (described, whether this process's
+        launcher reports it); [] for one process."""
         return []
 
     def counters(self) -> Counters:

@@ -217,7 +217,7 @@ class DistributedRuntime(Runtime):
     def out_of_memory(self, error: BaseException) -> bool:
         return super().out_of_memory(error) or "out of memory" in str(error).lower()
 
-    def lost_peers(self, error: BaseException, run_dir) -> list[str]:
+    def lost_peers(self, error: BaseException, run_dir) -> list[tuple[str, bool]]:
         """The ranks that went away (killed, a node gone) when a collective fails, from their heartbeats
         (launch/rankwatch.py): the failing collective's own message names only the connection."""
         if not isinstance(error, (RuntimeError, dist.DistError)) or self.process_count == 1:
