@@ -93,13 +93,17 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
     try:
         with _Tee(log_path) as log, _LiveStatus(follow) as live:
             assert proc.stdout is not None
+            disk_failed, said_why = False, False
             for line in iter(proc.stdout.readline, b""):
-                if not log.write(line):  # the run dir's disk failed (read-only, full): say so once, stop the run
-                    live.show(log.failure_line())
+                if not log.write(line):  # the run dir's disk failed (read-only, full): stop the run
+                    disk_failed = True
                     if proc.poll() is None:  # it checkpoints at its next safe point, if its disk lets it
                         proc.send_signal(signal.SIGTERM)
+                said_why = said_why or line.startswith(b"error: ")
                 live.show(line)
             returncode = proc.wait()
+            if disk_failed and not said_why:  # one line per failure: the training process's own, else ours
+                live.show(log.failure_line())
             code, how = reported_exit(returncode)
             if how:  # one line saying how it ended, in train.log and on the console
                 hint = ""
