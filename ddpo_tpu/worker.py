@@ -312,12 +312,28 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
         lost = rt.lost_peers(e, run_dir)
         if not lost:
             raise
-        if all(ours for _, ours in lost):  # our launcher saw it end and says how, in the job's one line
-            return EXIT_FAILED
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
-        events.emit(ev.Failed(f"{', '.join(d for d, _ in lost)} went away mid-job (a collective with it failed: "
-                              f"{first}); the job stopped; the same command resumes from the last checkpoint"))
-        return EXIT_FAILED
+        if not all(ours for _, ours in lost):  # else our launcher saw it end and says how, in the job's one line
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
+            events.emit(ev.Failed(f"{', '.join(d for d, _ in lost)} went away mid-job (a collective with it failed: "
+                                  f"{first}); the job stopped; the same command resumes from the last checkpoint"))
+        _exit_without_teardown(out)
+    return 0
+
+
+def _exit_without_teardown(out) -> None:
+    """End a rank whose peer is gone: what is queued for the bucket goes up, then the process exits at once. The
+    process group's teardown (and the interpreter's) can block on the dead peer's connections for as long as
+    torchrun's SIGTERM grace, and nothing is left to write: the checkpoints are whole."""
+    from ddpo_tpu import storage
+    from ddpo_tpu.launch.process import EXIT_FAILED
+
+    try:
+        out.close()
+    except storage.StorageError:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(EXIT_FAILED)
     return 0
 
 

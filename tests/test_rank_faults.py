@@ -77,6 +77,25 @@ def test_a_rank_whose_beat_stopped_is_called_frozen(tmp_path):
             child.wait()
 
 
+def test_once_a_rank_has_ended_a_silent_one_is_killed_without_a_line(tmp_path):
+    """Rank 1 died (torchrun names it); rank 0, tearing down, stopped beating: killed at once, not blamed."""
+    ranks = [_rank_child(0), _rank_child(1)]
+    try:
+        watch = rankwatch.RankWatch(tmp_path, bound_s=1)
+        _beat(tmp_path, 0, ranks[0].pid)
+        assert watch.check() is None
+        ranks[1].kill()
+        ranks[1].wait()
+        _beat(tmp_path, 0, ranks[0].pid, age_s=30)
+        assert watch.check() is None and watch.ending and watch.fired is None
+        assert ranks[0].wait(timeout=5) == -signal.SIGKILL
+    finally:
+        for child in ranks:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
 def test_a_beat_of_a_previous_attempt_is_not_this_rank(tmp_path):
     child = _rank_child()
     try:

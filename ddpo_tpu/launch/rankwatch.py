@@ -117,6 +117,8 @@ class RankWatch:
     def __init__(self, run_dir: Path, bound_s: float):
         self.run_dir, self.bound_s = Path(run_dir), float(bound_s)
         self._stopped_since: dict[int, float] = {}
+        self._seen: set[int] = set()  # pids of this node's ranks seen alive
+        self.ending = False  # one of them has ended: the job is ending
         self.fired: str | None = None
 
     def _ranks(self) -> list:
@@ -136,16 +138,30 @@ class RankWatch:
 
     def check(self) -> str | None:
         """The line naming a rank that has stopped or gone silent for longer than the bound, after ending every rank
-        of this node (once); None while all answer."""
+        of this node (once); None while all answer. Once a rank has ended (the job is ending, and torchrun names
+        that rank), a rank left stopped or silent is killed without a line: its silence is a consequence (a
+        process tearing down stops its daemon threads), and torchrun's SIGTERM grace would wait 30 s for it."""
         import psutil
 
         if self.fired is not None:
             return None
         now, ranks = time.monotonic(), self._ranks()
+        live = []
         for rank, proc in ranks:
             try:
                 status = proc.status()
             except psutil.Error:
+                continue
+            if status not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                live.append((rank, proc, status))
+        self.ending = self.ending or bool(self._seen - {proc.pid for _, proc, _ in live})
+        self._seen |= {proc.pid for _, proc, _ in live}
+        for rank, proc, status in live:
+            if self.ending:
+                beat = read_beat(self.run_dir, rank)
+                if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) or (
+                        beat is not None and beat[0] == proc.pid and beat[2] > STALE_S):
+                    _kill(proc)
                 continue
             why = None
             if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
@@ -162,9 +178,15 @@ class RankWatch:
             self.fired = (f"rank {rank} (pid {proc.pid}) {why}, over {HANG_KEY}={self.bound_s:g}: the job was ended "
                           f"(every rank of this node killed); the same command resumes from the last checkpoint")
             for _, other in ranks:
-                try:
-                    other.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
+                _kill(other)
             return self.fired
         return None
+
+
+def _kill(proc) -> None:
+    import psutil
+
+    try:
+        proc.send_signal(signal.SIGKILL)
+    except psutil.Error:
+        pass
