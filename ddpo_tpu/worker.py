@@ -177,7 +177,7 @@ def main() -> int:
             guard_console(run_dir / "train.log")
         from ddpo_tpu.launch.rankwatch import RankBeat
 
-        RankBeat(run_dir, ranks[0]).start()  # beats until the process ends: its launcher watches it
+        beat = RankBeat(run_dir, ranks[0]).start()  # beats while the rank works: its launcher watches it
         locks = []
     else:
         guard_console(run_dir / "train.log")
@@ -192,6 +192,8 @@ def main() -> int:
     try:
         return run(validated, run_dir)
     finally:
+        if ranks is not None:
+            beat.end()
         if heartbeat is not None:
             heartbeat.stop()
         for lock in reversed(locks):

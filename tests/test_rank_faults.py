@@ -96,6 +96,24 @@ def test_once_a_rank_has_ended_a_silent_one_is_killed_without_a_line(tmp_path):
                 child.wait()
 
 
+def test_a_rank_that_ended_its_work_is_left_to_torchrun(tmp_path):
+    """A rank tearing down after its work (the interpreter stops its beat thread) is neither named nor killed."""
+    child = _rank_child()
+    try:
+        _beat(tmp_path, 1, child.pid, age_s=30)
+        path = rankwatch.beat_path(tmp_path, 1)
+        path.write_text(json.dumps({"pid": child.pid, "host": os.uname().nodename, "ended": True}))
+        then = time.time() - 30
+        os.utime(path, (then, then))
+        watch = rankwatch.RankWatch(tmp_path, bound_s=1)
+        time.sleep(0.3)
+        assert watch.check() is None and child.poll() is None
+        assert rankwatch.lost_peers(tmp_path, world=2, me=0, wait_s=0.1) == []  # alive, tearing down
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_beat_of_a_previous_attempt_is_not_this_rank(tmp_path):
     child = _rank_child()
     try:
@@ -114,10 +132,11 @@ def test_the_rank_beat_thread_keeps_the_file_fresh(tmp_path):
         then = time.time() - 50
         os.utime(beat.path, (then, then))
         time.sleep(0.5)
-        pid, _host, age, launcher = rankwatch.read_beat(tmp_path, 0)
-        assert pid == os.getpid() and age < 1.0 and launcher == os.getppid()
+        pid, _host, age, launcher, ended = rankwatch.read_beat(tmp_path, 0)
+        assert pid == os.getpid() and age < 1.0 and launcher == os.getppid() and not ended
     finally:
-        beat.stop()
+        beat.end()
+    assert rankwatch.read_beat(tmp_path, 0)[4]  # ended: its teardown is not a hang
 
 
 def test_lost_peers_names_the_rank_whose_process_is_gone(tmp_path):

@@ -43,10 +43,13 @@ class RankBeat:
         self.path, self.interval = beat_path(run_dir, rank), interval
         self._stop = threading.Event()
 
+    def _write(self, **extra) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid(), **extra}
+        self.path.write_text(json.dumps(info) + "\n")
+
     def start(self) -> RankBeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid()}
-        self.path.write_text(json.dumps(info) + "\n")
+        self._write()
         threading.Thread(target=self._run, name="ddpo-rank-beat", daemon=True).start()
         return self
 
@@ -57,17 +60,24 @@ class RankBeat:
             except OSError:  # a disk that refuses it: the launcher may then call the rank silent, which it is
                 pass
 
-    def stop(self) -> None:
+    def end(self) -> None:
+        """The rank's work is done: from here its teardown (the process group's, the interpreter's, which stops
+        daemon threads such as this one) is torchrun's to time, not a hang."""
         self._stop.set()
+        try:
+            self._write(ended=True)
+        except OSError:
+            pass
 
 
-def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float, int] | None:
-    """(pid, host, seconds since its last beat, its launcher's pid) of a rank, or None before its first beat."""
+def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float, int, bool] | None:
+    """(pid, host, seconds since its last beat, its launcher's pid, whether it has ended its work) of a rank, or
+    None before its first beat."""
     path = beat_path(run_dir, rank)
     try:
         info = json.loads(path.read_text())
         return (int(info["pid"]), str(info["host"]), time.time() - path.stat().st_mtime,
-                int(info.get("launcher", 0)))
+                int(info.get("launcher", 0)), bool(info.get("ended", False)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -103,8 +113,8 @@ def lost_peers(run_dir: Path, world: int, me: int, wait_s: float = 3 * RANK_BEAT
             beat = read_beat(run_dir, rank)
             if rank == me or beat is None:
                 continue
-            pid, host, age, its_launcher = beat
-            if _gone(pid, host) or age > STALE_S:
+            pid, host, age, its_launcher, ended = beat
+            if _gone(pid, host) or (age > STALE_S and not ended):  # a rank tearing down beats no more
                 out.append((f"rank {rank} (pid {pid} on {host})", host == host_here and its_launcher == launcher))
         if out or time.monotonic() >= deadline:
             return out
@@ -157,8 +167,10 @@ class RankWatch:
         self.ending = self.ending or bool(self._seen - {proc.pid for _, proc, _ in live})
         self._seen |= {proc.pid for _, proc, _ in live}
         for rank, proc, status in live:
+            beat = read_beat(self.run_dir, rank)
+            if beat is not None and beat[0] == proc.pid and beat[4]:
+                continue  # its work is done: its exit is torchrun's to wait for
             if self.ending:
-                beat = read_beat(self.run_dir, rank)
                 if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) or (
                         beat is not None and beat[0] == proc.pid and beat[2] > STALE_S):
                     _kill(proc)
@@ -170,7 +182,6 @@ class RankWatch:
                     why = f"has been stopped (SIGSTOP or a debugger) for {now - since:.0f} s"
             else:
                 self._stopped_since.pop(proc.pid, None)
-                beat = read_beat(self.run_dir, rank)
                 if beat is not None and beat[0] == proc.pid and beat[2] > self.bound_s:
                     why = f"has not beaten for {beat[2]:.0f} s (frozen)"
             if why is None:
