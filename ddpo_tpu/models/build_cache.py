@@ -1,12 +1,13 @@
 """Build a directory once into a cache, atomically: the build goes into a temporary sibling that is os.replace'd into
 place only when complete, so a killed or concurrent build never leaves a half-written directory at the final path.
-Concurrent builders take turns: a lock file beside the build (`.NAME.lock`, the flock of launch/lock.py, freed by the
-kernel however its holder ends) makes a second process (another run on the same machine, another rank) say whom it
+Concurrent builders take turns: a lock per build (the flock of launch/lock.py, freed by the kernel however its holder
+ends; under the host's lock dir, ~/.cache/ddpo_tpu/locks/, so the cache folder holds only builds) makes a second process (another run on the same machine, another rank) say whom it
 waits for and then reuse the finished build instead of building it again beside the first (two digits-model builds
 at once took 70x longer on a 2-core machine). Used by the tiny local models and the reward stand-ins."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ddpo_tpu.env import cache_root
 from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
 from ddpo_tpu.rundir import current_umask
 
@@ -29,7 +31,8 @@ def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str],
     if _complete(final, required):
         return final
     cache.mkdir(parents=True, exist_ok=True)
-    lock = AcceleratorLock(cache / f".{name}.lock", cache, command=f"building {name}")
+    where = hashlib.sha256(str(final.resolve()).encode()).hexdigest()[:16]
+    lock = AcceleratorLock(cache_root() / "locks" / f"build-{name}-{where}.lock", cache, command=f"building {name}")
     try:
         lock.acquire()
     except AcceleratorBusy as e:
