@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _forward)
-        watch = RankWatch(run_dir, cfg.distributed.hang_timeout_s)
+        watch = RankWatch(run_dir, cfg.distributed.hang_timeout_s, world=cfg.tpu_topology.chips)
         start = time.time()
         marks = {r: _size(_rank_log(run_dir, r)) for r in range(cfg.tpu_topology.chips)}  # this job's part from here
         thread = threading.Thread(target=agent, name="torchrun-agent")

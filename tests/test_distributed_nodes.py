@@ -21,7 +21,10 @@ from tests.test_distributed import DIST, final_weights, relative_difference, tra
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["+experiment=smoke", "sample.batch_size=2", "train.batch_size=1", "num_epochs=2", "save_freq=1", *DIST]
+# the bound on a lost node: its ranks' beats stop, and the other node's launcher ends the job within it (a collective
+# with the lost ranks may come sooner, or not for a whole accumulation window)
+HANG = ["distributed.hang_timeout_s=10"]
+COMMON = ["+experiment=smoke", "sample.batch_size=2", "train.batch_size=1", "num_epochs=2", "save_freq=1", *DIST, *HANG]
 
 
 def _free_port() -> int:
@@ -67,9 +70,10 @@ def test_two_nodes_train_what_one_node_trains_and_a_lost_node_is_named(tmp_path)
                 p.kill()
                 p.wait()
     assert first[0].returncode == 1, out[-3000:]
-    assert took < 60, f"node 0 took {took:.0f} s to end after node 1 was killed"
+    assert took < 10 + 20, f"node 0 took {took:.0f} s to end after node 1 was killed"
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "rank 1 (pid " in errors[0] and "went away" in errors[0], out[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 (pid "), out[-3000:]
+    assert "went away" in errors[0] or "its node is gone" in errors[0], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     # node 1 keeps its own files beside node 0's: no lock or log taken from the other
     assert {"config.yaml", "config-node1.yaml", "train.log", "train-node1.log", "lock", "lock-node1"} <= {

@@ -114,6 +114,27 @@ def test_a_rank_that_ended_its_work_is_left_to_torchrun(tmp_path):
         child.wait()
 
 
+def test_another_nodes_rank_that_stops_beating_ends_the_job_here(tmp_path):
+    """Rank 1 is another node's (not a child here); its beat, in the shared run dir, went stale after beating in
+    this job: named within the bound, this node's ranks killed. A file left by a previous attempt is not a beat."""
+    ours = _rank_child(0)
+    try:
+        _beat(tmp_path, 1, 4242, age_s=600)  # the previous attempt's
+        watch = rankwatch.RankWatch(tmp_path, bound_s=1, world=2)
+        _beat(tmp_path, 0, ours.pid)
+        time.sleep(0.3)
+        assert watch.check() is None
+        _beat(tmp_path, 1, 4242)  # beating in this job ...
+        assert watch.check() is None
+        line = _wait_for(lambda: (_beat(tmp_path, 0, ours.pid), watch.check())[1], 10)  # ... then no more
+        assert line is not None and line.startswith("rank 1 (pid 4242 on ") and "its node is gone" in line
+        assert "distributed.hang_timeout_s=1" in line and ours.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if ours.poll() is None:
+            ours.kill()
+            ours.wait()
+
+
 def test_a_beat_of_a_previous_attempt_is_not_this_rank(tmp_path):
     child = _rank_child()
     try:

@@ -8,8 +8,9 @@ is alive instead, whatever its main thread is doing:
 - Every rank runs a daemon thread that touches `ranks/rank<N>.alive` (its pid and host inside) every
   RANK_BEAT_S seconds. A compile, a long step or a wait in a collective keeps beating; a stopped process (SIGSTOP, a
   debugger) or a frozen one does not.
-- Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second: a rank stopped, or whose beat is
-  older than `distributed.hang_timeout_s`, ends the job at once, in one line naming the rank, its pid and the key
+- Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second, and at the other nodes' ranks'
+  beats in the shared run dir: a rank stopped, or whose beat is older than `distributed.hang_timeout_s`, ends the
+  job at once, in one line naming the rank, its pid and the key
   (and an `error` event); every rank of the node gets SIGKILL (a stopped process cannot act on torchrun's SIGTERM,
   which would otherwise wait out its 30 s grace; a rank blocked in a collective has nothing to save: checkpoints are
   written whole, so the last one is intact).
@@ -124,8 +125,10 @@ def lost_peers(run_dir: Path, world: int, me: int, wait_s: float = 3 * RANK_BEAT
 class RankWatch:
     """The launcher's look at its own ranks (the children running the worker), every call to `check`."""
 
-    def __init__(self, run_dir: Path, bound_s: float):
-        self.run_dir, self.bound_s = Path(run_dir), float(bound_s)
+    def __init__(self, run_dir: Path, bound_s: float, world: int = 0):
+        self.run_dir, self.bound_s, self.world = Path(run_dir), float(bound_s), world
+        self._start = time.time()
+        self._fresh: set[int] = set()  # other nodes' ranks seen beating in this job (their files are shared)
         self._stopped_since: dict[int, float] = {}
         self._seen: set[int] = set()  # pids of this node's ranks seen alive
         self.ending = False  # one of them has ended: the job is ending
@@ -191,6 +194,28 @@ class RankWatch:
             for _, other in ranks:
                 _kill(other)
             return self.fired
+        if not self.ending:
+            return self._check_other_nodes({proc.pid for _, proc, _ in live}, ranks)
+        return None
+
+    def _check_other_nodes(self, ours: set[int], ranks: list) -> str | None:
+        """Another node's rank whose beat (read from the shared run dir) went stale: its node was killed, stopped or
+        cut off. Named here within the bound, whether or not a collective with it comes first (a long accumulation
+        window has none)."""
+        for rank in range(self.world):
+            beat = read_beat(self.run_dir, rank)
+            if beat is None or beat[0] in ours or beat[4]:
+                continue
+            pid, host, age, _, _ = beat
+            if time.time() - age >= self._start:
+                self._fresh.add(rank)
+            if rank in self._fresh and age > self.bound_s:
+                self.fired = (f"rank {rank} (pid {pid} on {host}) has not beaten for {age:.0f} s (its node is gone, "
+                              f"stopped or cut off), over {HANG_KEY}={self.bound_s:g}: the job was ended (every rank "
+                              f"of this node killed); the same commands resume from the last checkpoint")
+                for _, other in ranks:
+                    _kill(other)
+                return self.fired
         return None
 
 
