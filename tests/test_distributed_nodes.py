@@ -36,8 +36,9 @@ def _free_port() -> int:
 def _start(args: list[str], cwd) -> subprocess.Popen:
     """One node's front end. One thread per process, as the one-node run's two processes get (env.py sets it for
     several processes a node): the same kernels in the same order, so the same weights to the last bit."""
-    return subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=clean_env(OMP_NUM_THREADS="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd,
+                            env=clean_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 def _kill_node(front_end: subprocess.Popen) -> None:
