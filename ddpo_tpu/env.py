@@ -49,12 +49,16 @@ OWNED_VARIABLES: dict[str, str] = {
     "PET_NNODES": "tpu_topology.hosts",
     "PET_NODE_RANK": "distributed.node_rank",
     "PET_RDZV_ENDPOINT": "distributed.rdzv_endpoint",
+    "TORCHINDUCTOR_CACHE_DIR": "distributed.compile_cache_dir",
 }
 
 # a run's own marker: the training process finds its run dir here (set by the launcher only)
 RUN_DIR_VARIABLE = "DDPO_TPU_RUN_DIR"
 # the descriptor of the run dir's lock, handed over by the front end that took it (launch/lock.py: adopt)
 RUN_DIR_LOCK_FD_VARIABLE = "DDPO_TPU_RUN_DIR_LOCK_FD"
+# the config file of this node in the run dir (config.yaml; config-node<N>.yaml for the other nodes of a multi-node
+# distributed run, which share the run dir: see node_suffix)
+CONFIG_FILE_VARIABLE = "DDPO_TPU_CONFIG_FILE"
 
 _SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|CREDENTIAL", re.I)
 
@@ -117,6 +121,15 @@ def compilation_cache_dir(cfg: RunConfig) -> str | None:
     return None if value is None else str(Path(value).expanduser())
 
 
+def torch_compile_cache_dir(cfg: RunConfig) -> str | None:
+    """Where torch.compile keeps its caches across restarts (distributed.compile_cache_dir; auto = under the cache
+    root), or None for torch's own default."""
+    value = cfg.distributed.compile_cache_dir
+    if value == "auto":
+        return str(cache_root() / "torch_compile")
+    return None if value is None else str(Path(value).expanduser())
+
+
 def runtime_variables(cfg: RunConfig) -> dict[str, str]:
     """The variables the config sets for the training process (XLA and PJRT knobs)."""
     topo, xla = cfg.tpu_topology, cfg.xla
@@ -125,6 +138,10 @@ def runtime_variables(cfg: RunConfig) -> dict[str, str]:
         # diffusers imports torch_xla whenever it is installed; pin it to the host so it never claims an accelerator
         out["PJRT_DEVICE"] = "CPU"
         out.update(torchtpu_variables(cfg))
+        cache = torch_compile_cache_dir(cfg) if topo.execution == "distributed" else None
+        if cache:  # inductor's FX graph and kernel caches and AOTAutograd's (triton's too, below it), kept
+            out.update({"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+                        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"})
         return out
     out["PJRT_DEVICE"] = topo.pjrt_device or "CPU"
     if topo.pjrt_device == "CPU":
@@ -161,10 +178,12 @@ def keep_torchtpu_unloaded() -> None:
     os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
-def torchrun_ranks() -> tuple[int, int, int] | None:
-    """(global rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
-    values = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
-    if not all(v.isdigit() for v in values) or "TORCHELASTIC_RUN_ID" not in os.environ:
+def torchrun_ranks(environ: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(global rank, world size, local rank) from torchrun's environment (this process's, or another's given its
+    environment), or None outside torchrun."""
+    environ = os.environ if environ is None else environ
+    values = [environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
+    if not all(v.isdigit() for v in values) or "TORCHELASTIC_RUN_ID" not in environ:
         return None
     return int(values[0]), int(values[1]), int(values[2])
 
@@ -178,6 +197,21 @@ def node_rank(cfg: RunConfig) -> int:
     return tpu_worker_id() or 0
 
 
+def node_suffix(cfg: RunConfig) -> str:
+    """"" for the run dir's own files (config.yaml, train.log, lock, env.json); "-node<N>" for node N > 0 of a
+    multi-node distributed run. Its nodes share the run dir (every rank reads the checkpoint), so each other node's
+    front end keeps its own lock, log, config and environment beside node 0's, and writes no events."""
+    topo = cfg.tpu_topology
+    if topo.execution != "distributed" or topo.hosts == 1:
+        return ""
+    node = node_rank(cfg)
+    return f"-node{node}" if node else ""
+
+
+def config_file_from_environment() -> str:
+    return os.environ.get(CONFIG_FILE_VARIABLE) or "config.yaml"
+
+
 def child_environment(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The exact environment of the training process: the caller's, minus owned variables, plus the config's."""
     environ = os.environ if environ is None else environ
@@ -187,6 +221,7 @@ def child_environment(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] 
         # torchrun's own default for several processes a node, given here so it does not print a page about it
         env.setdefault("OMP_NUM_THREADS", "1")
     env[RUN_DIR_VARIABLE] = str(run_dir)
+    env[CONFIG_FILE_VARIABLE] = f"config{node_suffix(cfg)}.yaml"
     return env
 
 
@@ -195,8 +230,9 @@ def redacted(env: Mapping[str, str]) -> dict[str, str]:
     return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(env.items())}
 
 
-def run_dir_from_environment() -> Path | None:
-    value = os.environ.get(RUN_DIR_VARIABLE)
+def run_dir_from_environment(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The run dir of this training process, or of another one given its environment (psutil's environ())."""
+    value = (os.environ if environ is None else environ).get(RUN_DIR_VARIABLE)
     return Path(value) if value else None
 
 

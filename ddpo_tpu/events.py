@@ -336,6 +336,8 @@ class EventLog:
     def _emit(self, event: Event) -> dict[str, Any]:
         rec = {"time": round(time.time(), 3), "pid": os.getpid(), **event.record()}
         if not self.is_main:
+            if isinstance(event, Failed):  # into the rank's own log (ranks/rank<N>.log), which its launcher quotes
+                (self._echo or _print)(event.text(), True)
             return rec
         text = event.text()
         if self.path is not None:

@@ -12,7 +12,11 @@ agent, not a spawner of ours) starting one worker per device of this node, with 
 
 A rank that dies (SIGKILL, OOM) ends the job in bounded time: the agent sees it within --monitor-interval and
 stops the other ranks (SIGTERM, SIGKILL after 30 s); a rank blocked in a collective on it fails when the dead rank's
-connection closes, or at distributed.timeout_s.
+connection closes and names it (launch/rankwatch.py's lost_peers). A rank that is stopped (SIGSTOP) or frozen ends
+the job within distributed.hang_timeout_s, named by this launcher (launch/rankwatch.py's RankWatch).
+
+One line per failure: a rank that reported its own cause (an `error` event: disk full, non-finite loss, a lost peer)
+is not reported again as "rank N exited with code 1".
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 
 def _children() -> list:
@@ -37,8 +42,40 @@ def _forward(signum, _frame) -> None:
             pass
 
 
-def outcome(failures: dict) -> tuple[int, str]:
-    """(exit code, a line or "") from torchrun's failures: rank -> ProcessFailure (exitcode, pid, timestamp)."""
+def _reported_since(run_dir, start: float) -> bool:
+    """Whether a rank wrote an `error` event (its own one line) into the run's events since `start`."""
+    from ddpo_tpu.events import read_events
+
+    return any(r.get("event") == "error" and r.get("time", 0) >= start for r in read_events(run_dir))
+
+
+def _rank_log(run_dir, rank: int):
+    return run_dir / "ranks" / f"rank{rank}.log"
+
+
+def _own_line(run_dir, rank: int, offset: int) -> str:
+    """The last `error:` line a rank other than 0 wrote into its log past `offset` (this job's part): its own cause,
+    which only it printed."""
+    try:
+        with open(_rank_log(run_dir, rank), "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line[len("error: "):] for line in reversed(lines) if line.startswith("error: ")), "")
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def outcome(failures: dict, reported: bool = False, own=None) -> tuple[int, str]:
+    """(exit code, a line or "") from torchrun's failures: rank -> ProcessFailure (exitcode, pid, timestamp).
+    `reported`: a rank already said why the job failed, in its own line; no second one. A rank other than 0 that
+    gave its cause in its log (`own`: rank -> that line or "") has it quoted."""
     from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED
 
     codes = {rank: f.exitcode for rank, f in failures.items()}
@@ -48,12 +85,17 @@ def outcome(failures: dict) -> tuple[int, str]:
     for documented in (EXIT_BUSY, EXIT_CONFIG):
         if documented in codes.values():
             return documented, ""
+    if reported:
+        return EXIT_FAILED, ""
     rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     if first.exitcode < 0:
         how = f"was killed by {signal.Signals(-first.exitcode).name}"
     else:
         how = f"exited with code {first.exitcode}"
     where = "train.log" if rank == 0 else f"ranks/rank{rank}.log"
+    cause = own(rank) if rank != 0 and own is not None else ""
+    if cause:
+        return EXIT_FAILED, f"error: rank {rank} (pid {first.pid}): {cause} (its output: {where})"
     return EXIT_FAILED, (f"error: rank {rank} (pid {first.pid}) {how} (its output: {where}); the other ranks were "
                          f"stopped; the same command resumes from the last checkpoint")
 
@@ -63,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddpo_tpu.config.compose import validate
     from ddpo_tpu import env as envmod
+    from ddpo_tpu.events import EventLog, Failed
     from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_FAILED
+    from ddpo_tpu.launch.rankwatch import RankWatch
     from ddpo_tpu.worker import hold_locks
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -71,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir is None:
         print("ddpo_tpu.torchrun is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
-    cfg = validate(OmegaConf.load(run_dir / "config.yaml")).cfg
+    cfg = validate(OmegaConf.load(run_dir / envmod.config_file_from_environment())).cfg
     locks = hold_locks(cfg, run_dir)
     if locks is None:
         return EXIT_BUSY
@@ -98,12 +142,21 @@ def main(argv: list[str] | None = None) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _forward)
+        watch = RankWatch(run_dir, cfg.distributed.hang_timeout_s, world=cfg.tpu_topology.chips)
+        start = time.time()
+        marks = {r: _size(_rank_log(run_dir, r)) for r in range(cfg.tpu_topology.chips)}  # this job's part from here
         thread = threading.Thread(target=agent, name="torchrun-agent")
         thread.start()
-        while thread.is_alive():  # the main thread stays free to take signals
+        while thread.is_alive():  # the main thread stays free to take signals, and looks at the ranks
             thread.join(timeout=0.5)
+            line = watch.check()
+            if line:
+                EventLog(run_dir).emit(Failed(line))  # prints its `error:` line too
+        if watch.fired:
+            return EXIT_FAILED
         if "failures" in result:
-            code, line = outcome(result["failures"])
+            code, line = outcome(result["failures"], _reported_since(run_dir, start),
+                                 lambda r: _own_line(run_dir, r, marks.get(r, 0)))
             if line:
                 print(line, file=sys.stderr, flush=True)
             return code

@@ -103,7 +103,8 @@ def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
         # handed over to (launch/process.py)
         for p in points:  # (a point that moves its dir with hydra.run.dir / hydra.sweep.* takes its lock in _job)
             if not any(o.lstrip("+~").startswith("hydra.") for o in p.overrides):
-                _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None))
+                _lock_run_dir(_run_dir_of(p.validated.cfg, p.index if args.multirun else None),
+                              envmod.node_suffix(p.validated.cfg))
     return points
 
 
@@ -170,15 +171,15 @@ def _run_dir_of(cfg, job: int | None) -> Path:
 _run_dir_locks: dict[Path, object] = {}  # run dir -> the RunDirLock this front end holds
 
 
-def _lock_run_dir(run_dir: Path):
-    """The run dir's lock, taken now (or already held by this front end), or exit 3 naming its holder. Creates the
-    run dir (the lock is a file in it) and nothing else."""
+def _lock_run_dir(run_dir: Path, suffix: str = ""):
+    """The run dir's lock (this node's: `suffix`, env.node_suffix), taken now (or already held by this front end),
+    or exit 3 naming its holder. Creates the run dir (the lock is a file in it) and nothing else."""
     from ddpo_tpu.launch.lock import RunDirBusy, RunDirLock
 
     key = Path(run_dir).resolve()
     if key not in _run_dir_locks:
         try:
-            _run_dir_locks[key] = RunDirLock(key).acquire()
+            _run_dir_locks[key] = RunDirLock(key, suffix=suffix).acquire()
         except RunDirBusy as e:
             _fail([str(e)], process.EXIT_BUSY)
     return _run_dir_locks[key]
@@ -201,11 +202,13 @@ def _job(cfg) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    lock = _lock_run_dir(run_dir)  # taken by preflight; hydra.run.dir may be overridden: then taken here
     validated = validate(cfg, overridden_keys(hc.overrides.task))
+    node = envmod.node_suffix(validated.cfg)  # another node of a multi-node run: its own files beside node 0's
+    lock = _lock_run_dir(run_dir, node)  # taken by preflight; hydra.run.dir may be overridden: then taken here
     run_dir.mkdir(parents=True, exist_ok=True)
     url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
-    writer = envmod.tpu_worker_id() in (None, 0)  # on a pod only worker 0 writes the bucket's shared files
+    # on a pod only worker 0 writes the bucket's shared files
+    writer = envmod.tpu_worker_id() in (None, 0) and not node
     if url is not None:  # the bucket decides where the run continues (a fresh VM has nothing here)
         try:
             storage.restore(run_dir, url, say=lambda line: print(line, flush=True),
@@ -218,10 +221,11 @@ def _job(cfg) -> None:
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
                   f"the same command again)", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
-    OmegaConf.save(OmegaConf.create(validated.tree), run_dir / "config.yaml")
-    (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
+    OmegaConf.save(OmegaConf.create(validated.tree), run_dir / f"config{node}.yaml")
+    if not node:
+        (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
     child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
-    (run_dir / "env.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
+    (run_dir / f"env{node}.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
     if url is not None and writer:
         try:
             storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"],
@@ -230,7 +234,8 @@ def _job(cfg) -> None:
             print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
     print_start(validated, run_dir)
-    code = process.run_training(child_env, run_dir / "train.log", lock, process.training_command(validated.cfg))
+    code = process.run_training(child_env, run_dir / f"train{node}.log", lock, process.training_command(validated.cfg),
+                                main_node=not node)
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
         try:  # after a failed run (the bucket may be what failed) a short try, and its line was said already
             storage.upload_files(run_dir, url, ["events.jsonl", "train.log"], timeout_s=storage.CHECK_TIMEOUT_S

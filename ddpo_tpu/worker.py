@@ -106,7 +106,7 @@ def hold_locks(cfg, run_dir: Path):
     from ddpo_tpu import env as envmod
     from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock, accelerator_lock_path
 
-    locks = [RunDirLock(run_dir)]
+    locks = [RunDirLock(run_dir, suffix=envmod.node_suffix(cfg))]
     path = accelerator_lock_path(cfg)
     if path is not None:
         locks.append(AcceleratorLock(path, run_dir))
@@ -125,6 +125,12 @@ def hold_locks(cfg, run_dir: Path):
         for lock in locks:
             lock.release()
         return None
+    if cfg.tpu_topology.accelerator == "cpu":
+        from ddpo_tpu.launch.busy import busy_line
+
+        note = busy_line(run_dir)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     return locks
 
 
@@ -161,7 +167,7 @@ def main() -> int:
     if run_dir is None:
         print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
-    validated = validate(OmegaConf.load(run_dir / "config.yaml"))
+    validated = validate(OmegaConf.load(run_dir / envmod.config_file_from_environment()))
     ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.execution == "distributed" else None
     if ranks is not None:  # a rank under torchrun: the launcher (ddpo_tpu/torchrun.py) holds the locks
         _end_with_parent()
@@ -169,6 +175,9 @@ def main() -> int:
             _rank_console(run_dir, ranks[0])
         else:
             guard_console(run_dir / "train.log")
+        from ddpo_tpu.launch.rankwatch import RankBeat
+
+        beat = RankBeat(run_dir, ranks[0]).start()  # beats while the rank works: its launcher watches it
         locks = []
     else:
         guard_console(run_dir / "train.log")
@@ -183,6 +192,8 @@ def main() -> int:
     try:
         return run(validated, run_dir)
     finally:
+        if ranks is not None:
+            beat.end()
         if heartbeat is not None:
             heartbeat.stop()
         for lock in reversed(locks):
@@ -295,12 +306,36 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
             raise
         events.emit(ev.Failed(storage_error_line(e, run_dir)))
         return EXIT_FAILED
-    except RuntimeError as e:
-        if not rt.out_of_memory(e):
+    except Exception as e:  # noqa: BLE001 -- two known causes get one line, any other keeps its traceback
+        if isinstance(e, RuntimeError) and rt.out_of_memory(e):
+            saved = trainer.checkpoints.saved_state() if trainer is not None else "nothing was trained yet"
+            events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
+            return EXIT_FAILED
+        lost = rt.lost_peers(e, run_dir)
+        if not lost:
             raise
-        saved = trainer.checkpoints.saved_state() if trainer is not None else "nothing was trained yet"
-        events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
-        return EXIT_FAILED
+        if not all(ours for _, ours in lost):  # else our launcher saw it end and says how, in the job's one line
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
+            events.emit(ev.Failed(f"{', '.join(d for d, _ in lost)} went away mid-job (a collective with it failed: "
+                                  f"{first}); the job stopped; the same command resumes from the last checkpoint"))
+        _exit_without_teardown(out)
+    return 0
+
+
+def _exit_without_teardown(out) -> None:
+    """End a rank whose peer is gone: what is queued for the bucket goes up, then the process exits at once. The
+    process group's teardown (and the interpreter's) can block on the dead peer's connections for as long as
+    torchrun's SIGTERM grace, and nothing is left to write: the checkpoints are whole."""
+    from ddpo_tpu import storage
+    from ddpo_tpu.launch.process import EXIT_FAILED
+
+    try:
+        out.close()
+    except storage.StorageError:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(EXIT_FAILED)
     return 0
 
 

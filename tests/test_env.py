@@ -195,3 +195,35 @@ def test_env_access_pattern_catches_the_spellings():
                  "from os import path, getenv"):
         assert _ENV_ACCESS.search(line), line
     assert not _ENV_ACCESS.search("from os import path")
+
+
+def test_torch_compile_caches_live_under_the_cache_root_across_restarts(tmp_path, monkeypatch):
+    """distributed.compile_cache_dir: inductor's and AOTAutograd's caches in the user's cache dir (auto), a path, or
+    torch's own /tmp default (null); an eager run sets nothing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    env = envmod.child_environment(cfg("tpu_topology=cpu_dist2"), tmp_path, dirty_environ())
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "xdg" / "ddpo_tpu" / "torch_compile")
+    assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "1"
+    there = envmod.child_environment(cfg("tpu_topology=cpu_dist2", f"distributed.compile_cache_dir={tmp_path}/c"),
+                                     tmp_path, {})
+    assert there["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/c"
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envmod.child_environment(
+        cfg("tpu_topology=cpu_dist2", "distributed.compile_cache_dir=null"), tmp_path, {})
+    assert "TORCHINDUCTOR_CACHE_DIR" not in envmod.child_environment(cfg(), tmp_path, {})
+
+
+def test_each_other_node_of_a_multi_node_run_keeps_its_own_files(tmp_path):
+    """Nodes share the run dir (docs/distributed.md, "Several nodes"): node N > 0 has its own config, lock, log and
+    environment file; node 0, a one-node run and any other execution the usual ones."""
+    nodes = ["tpu_topology=cpu_dist2", "tpu_topology.hosts=2", "tpu_topology.chips_per_host=1",
+             "distributed.rdzv_endpoint=127.0.0.1:29500"]
+    one = cfg(*nodes, "distributed.node_rank=1")
+    assert envmod.node_suffix(one) == "-node1"
+    assert envmod.child_environment(one, tmp_path, {})[envmod.CONFIG_FILE_VARIABLE] == "config-node1.yaml"
+    for c in (cfg(*nodes, "distributed.node_rank=0"), cfg("tpu_topology=cpu_dist2"), cfg()):
+        assert envmod.node_suffix(c) == ""
+        assert envmod.child_environment(c, tmp_path, {})[envmod.CONFIG_FILE_VARIABLE] == "config.yaml"
+    from ddpo_tpu.launch.lock import RunDirLock
+
+    with RunDirLock(tmp_path), RunDirLock(tmp_path, suffix="-node1"):  # two nodes, two locks, neither refused
+        assert {p.name for p in tmp_path.iterdir()} >= {"lock", "lock-node1"}

@@ -180,10 +180,15 @@ def test_unknown_kinds_and_missing_fields_parse_as_none():
 
 
 def test_only_the_main_process_writes_or_prints(tmp_path, capsys):
-    rec = ev.EventLog(tmp_path, is_main=False).emit(ev.Failed("boom"))
+    """Other ranks write no events; their own `error:` line goes to their stderr (ranks/rank<N>.log), which the
+    launcher quotes when that rank ends the job (ddpo_tpu/torchrun.py)."""
+    log = ev.EventLog(tmp_path, is_main=False)
+    assert log.emit(ev.PhaseStart(1, "training"))["event"] == "phase_start"
+    assert capsys.readouterr() == ("", "")
+    rec = log.emit(ev.Failed("boom"))
     assert rec["event"] == "error" and rec["message"] == "boom"
     assert not (tmp_path / ev.EVENTS_FILE).exists()
-    assert capsys.readouterr() == ("", "")
+    assert capsys.readouterr() == ("", "error: boom\n")
 
 
 def test_an_unwritable_events_file_does_not_stop_the_run(tmp_path, capsys):

@@ -82,3 +82,17 @@ def test_a_disk_that_turns_read_only_mid_run(tmp_path, capfd, monkeypatch):
     assert (tmp_path / "train.log").read_text().splitlines() == [f"[epoch 0] line {i}" for i in range(3)]
     assert "checkpoint written after SIGTERM" in out
     assert [e["event"] for e in read_events(tmp_path)] == ["worker_started", "worker_exited"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_training_process_that_names_the_disk_failure_is_the_one_line(tmp_path, capfd):
+    """The same disk refuses the training process's own writes (its checkpoint, events.jsonl): it says so in its
+    `error:` line and exits 1; the front end adds no second line about train.log."""
+    (tmp_path / "train.log").symlink_to("/dev/full")
+    child = CHILD.replace('print("checkpoint written after SIGTERM", flush=True)\n        sys.exit(75)',
+                          'print("error: checkpoints: no space left on the disk", flush=True)\n        sys.exit(1)')
+    assert child != CHILD
+    code = process.run_training(dict(os.environ), tmp_path / "train.log", cmd=[sys.executable, "-c", child])
+    out = capfd.readouterr()
+    errors = [line for line in (out.out + out.err).splitlines() if line.startswith("error:")]
+    assert code == process.EXIT_FAILED and errors == ["error: checkpoints: no space left on the disk"]

@@ -227,6 +227,13 @@ class DistributedConfig(_Strict):
     # seconds a collective may wait for the other ranks before it fails the job (a dead or hung rank): bounded, so a
     # lost rank never hangs the others; the first epoch's compile happens between collectives, so keep it generous
     timeout_s: float = Field(default=900, ge=10, le=86400)
+    # seconds a rank may be stopped (SIGSTOP) or silent (its heartbeat thread not beating: a frozen process) before
+    # its node's launcher ends the job naming it (ddpo_tpu/launch/rankwatch.py); a busy rank keeps beating
+    hang_timeout_s: float = Field(default=60, ge=3, le=86400)
+    # torch.compile's caches (inductor's FX graphs and kernels, AOTAutograd's graphs), kept across restarts as the
+    # XLA runtime keeps its compilation cache: auto = ~/.cache/ddpo_tpu/torch_compile, a path, or null (torch's own
+    # default, /tmp/torchinductor_$USER, which a reboot or a tmp cleaner empties)
+    compile_cache_dir: str | None = "auto"
     # torchrun's c10d rendezvous: null = this host on a free port (one node); HOST:PORT = the rendezvous of several
     # nodes (the first node's address; every node runs the same command), or a fixed port on one node
     rdzv_endpoint: str | None = None

@@ -62,6 +62,11 @@ LOCK_FORMAT = 1
 # its flock and its JSON write, or a holder() probe may be holding a shared lock for a few microseconds
 _GRACE_S = 0.5
 _POLL_S = 0.02
+# how long an acquire waits for a holder that is exiting (killed, tearing down its memory: the kernel closes its files,
+# and so frees the flock, only after it unmaps the process's memory, a second or more for a large torch process) or
+# that has died while a process sharing its lock (the front end it was handed over from) is still going
+EXITING_WAIT_S = 15.0
+_PF_EXITING = 0x4  # the task flag /proc/PID/stat shows once a process has begun to exit (include/linux/sched.h)
 
 
 def _format_time(started: float) -> str:
@@ -141,9 +146,10 @@ class RunDirBusy(AcceleratorBusy):
                 f"another run with run_name=... [lock file {self.lock_path}]")
 
 
-def run_dir_lock_path(run_dir: pathlib.Path) -> pathlib.Path:
-    """The lock of one run dir: held by its training process for the run's life, whatever the accelerator."""
-    return pathlib.Path(run_dir) / "lock"
+def run_dir_lock_path(run_dir: pathlib.Path, suffix: str = "") -> pathlib.Path:
+    """The lock of one run dir: held by its training process for the run's life, whatever the accelerator
+    (`suffix`: "-node<N>" for node N > 0 of a multi-node distributed run, env.node_suffix)."""
+    return pathlib.Path(run_dir) / f"lock{suffix}"
 
 
 def accelerator_lock_path(cfg) -> pathlib.Path | None:
@@ -178,6 +184,22 @@ def _write_record(fd: int, data: bytes) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
     os.fsync(fd)
+
+
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, task flags) of a process from /proc/PID/stat; None when gone or not Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[6])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _exiting(pid: int) -> bool:
+    """Whether `pid` has begun to exit (PF_EXITING) or is a zombie."""
+    state = proc_state(pid)
+    return state is not None and (state[0] in ("Z", "X") or bool(state[1] & _PF_EXITING))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -265,8 +287,12 @@ class AcceleratorLock:
                         raise
                 holder = _read_holder(fd)
                 waited = time.monotonic() - start
-                named = holder is not None and (holder.hostname != socket.gethostname() or _pid_alive(holder.pid))
+                local = holder is not None and holder.hostname == socket.gethostname()
+                named = holder is not None and (not local or _pid_alive(holder.pid))
                 limit = _GRACE_S if timeout is not None and timeout < _GRACE_S and not named else timeout
+                if local and timeout is not None and (not named or _exiting(holder.pid)):
+                    # a killed run restarted at once: its holder is on its way out, wait for the kernel to free it
+                    limit = max(timeout, EXITING_WAIT_S)
                 if limit is not None and waited >= limit:
                     raise self.busy(self.lock_path, holder)
                 time.sleep(_POLL_S)
@@ -391,5 +417,5 @@ class RunDirLock(AcceleratorLock):
 
     busy = RunDirBusy
 
-    def __init__(self, run_dir: pathlib.Path, command: str = ""):
-        super().__init__(run_dir_lock_path(run_dir), run_dir, command)
+    def __init__(self, run_dir: pathlib.Path, command: str = "", suffix: str = ""):
+        super().__init__(run_dir_lock_path(run_dir, suffix), run_dir, command)

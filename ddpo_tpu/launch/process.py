@@ -60,15 +60,16 @@ def training_command(cfg=None) -> list[str]:
             "--monitor-interval", "0.5", "-m", WORKER_MODULE]
 
 
-def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: list[str] | None = None) -> int:
+def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: list[str] | None = None,
+                 main_node: bool = True) -> int:
     """Run the training process to its end; its output goes to the console and to log_path (train.log), and its start
     and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
     front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
-    while either process lives."""
+    while either process lives. `main_node` False (another node of a multi-node run): no events written here."""
     from ddpo_tpu.env import RUN_DIR_LOCK_FD_VARIABLE
 
     run_dir = Path(log_path).parent
-    record = EventLog(run_dir, echo=_silent)
+    record = EventLog(run_dir, is_main=main_node, echo=_silent)
     follow = EventFollower(run_dir / EVENTS_FILE, start=_size(run_dir / EVENTS_FILE))
     cmd = cmd or [sys.executable, "-m", WORKER_MODULE]
     handed = run_dir_lock.handover_fd() if run_dir_lock is not None else None
@@ -92,13 +93,17 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
     try:
         with _Tee(log_path) as log, _LiveStatus(follow) as live:
             assert proc.stdout is not None
+            disk_failed, said_why = False, False
             for line in iter(proc.stdout.readline, b""):
-                if not log.write(line):  # the run dir's disk failed (read-only, full): say so once, stop the run
-                    live.show(log.failure_line())
+                if not log.write(line):  # the run dir's disk failed (read-only, full): stop the run
+                    disk_failed = True
                     if proc.poll() is None:  # it checkpoints at its next safe point, if its disk lets it
                         proc.send_signal(signal.SIGTERM)
+                said_why = said_why or line.startswith(b"error: ")
                 live.show(line)
             returncode = proc.wait()
+            if disk_failed and not said_why:  # one line per failure: the training process's own, else ours
+                live.show(log.failure_line())
             code, how = reported_exit(returncode)
             if how:  # one line saying how it ended, in train.log and on the console
                 hint = ""

@@ -1,16 +1,24 @@
 """Build a directory once into a cache, atomically: the build goes into a temporary sibling that is os.replace'd into
 place only when complete, so a killed or concurrent build never leaves a half-written directory at the final path.
-Concurrent builders race harmlessly (the first rename wins, the others discard their copy). Used by the tiny local
-model (models/tiny.py) and the tiny aesthetic stand-ins (rewards/tiny_clip.py)."""
+Concurrent builders take turns: a lock per build (the flock of launch/lock.py, freed by the kernel however its holder
+ends; under the host's lock dir, ~/.cache/ddpo_tpu/locks/, so the cache folder holds only builds) makes a second process (another run on the same machine, another rank) say whom it
+waits for and then reuse the finished build instead of building it again beside the first (two digits-model builds
+at once took 70x longer on a 2-core machine). Used by the tiny local models and the reward stand-ins."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable
+
+from ddpo_tpu.env import cache_root
+from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
+from ddpo_tpu.rundir import current_umask
 
 STALE_TMP_SECONDS = 15 * 60  # temporary dirs older than this were left by a killed build
 
@@ -23,6 +31,23 @@ def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str],
     if _complete(final, required):
         return final
     cache.mkdir(parents=True, exist_ok=True)
+    where = hashlib.sha256(str(final.resolve()).encode()).hexdigest()[:16]
+    lock = AcceleratorLock(cache_root() / "locks" / f"build-{name}-{where}.lock", cache, command=f"building {name}")
+    try:
+        lock.acquire()
+    except AcceleratorBusy as e:
+        who = f"pid {e.holder.pid}, started {e.holder.started_utc}" if e.holder else "another process"
+        print(f"ddpo_tpu: {final} is being built by {who}: waiting for it, then using it", file=sys.stderr,
+              flush=True)
+        lock.acquire(timeout=None)
+    try:
+        return final if _complete(final, required) else _build(cache, name, required, build)
+    finally:
+        lock.release()
+
+
+def _build(cache: Path, name: str, required: tuple[str, ...], build: Callable[[Path], object]) -> Path:
+    final = cache / name
     prefix = f".{name}.tmp-"
     _remove_stale(cache, prefix)
     if final.exists():  # incomplete and not ours (our builds appear atomically): move it aside, rebuild
@@ -35,10 +60,10 @@ def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str],
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=prefix))
     try:
         build(tmp)
-        os.chmod(tmp, 0o777 & ~_current_umask())  # mkdtemp makes it 0700
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
         try:
             os.replace(tmp, final)
-        except OSError:  # another process renamed its finished build into place first
+        except OSError:  # another host sharing the cache (flock is per host) renamed its build into place first
             if not _complete(final, required):
                 raise
     finally:
@@ -59,15 +84,3 @@ def _remove_stale(cache: Path, prefix: str) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
-
-
-def _current_umask() -> int:
-    """The process umask, read without changing it (os.umask would, briefly, for every thread)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022

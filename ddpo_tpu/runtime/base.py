@@ -170,6 +170,11 @@ class Runtime(abc.ABC):
         graph is compiled or run)."""
         return isinstance(error, torch.OutOfMemoryError) or "RESOURCE_EXHAUSTED" in str(error)
 
+    def lost_peers(self, error: BaseException, run_dir) -> list[tuple[str, bool]]:
+        """The other processes whose loss made `error` (a failed collective): (described, whether this process's
+        launcher reports it); [] for one process."""
+        return []
+
     def counters(self) -> Counters:
         return Counters(host_transfers=self._transfers)
 

@@ -217,6 +217,15 @@ class DistributedRuntime(Runtime):
     def out_of_memory(self, error: BaseException) -> bool:
         return super().out_of_memory(error) or "out of memory" in str(error).lower()
 
+    def lost_peers(self, error: BaseException, run_dir) -> list[tuple[str, bool]]:
+        """The ranks that went away (killed, a node gone) when a collective fails, from their heartbeats
+        (launch/rankwatch.py): the failing collective's own message names only the connection."""
+        if not isinstance(error, (RuntimeError, dist.DistError)) or self.process_count == 1:
+            return []
+        from ddpo_tpu.launch.rankwatch import lost_peers
+
+        return lost_peers(run_dir, self.process_count, self.process_index)
+
     def describe(self) -> str:
         how = (f"FSDP2 over fsdp {self.fsdp}" + (f" x dp {self.replicas // self.fsdp}" if self.replicas > self.fsdp
                                                  else "")) if self.fsdp > 1 else "DDP"

@@ -1,0 +1,228 @@
+"""A rank that stops answering, named in bounded time (torch-free: the launcher and the ranks both use it).
+
+Why not a short collective timeout (torchtitan lowers it after the first step): the rank whose collective times out
+is the one that waited, not the one that hung (gloo's traceback then blames rank 0), and a legitimately long step
+(rank 0 writing a 10 GB checkpoint while the others wait at a barrier) must not end the job. So each rank proves it
+is alive instead, whatever its main thread is doing:
+
+- Every rank runs a daemon thread that touches `ranks/rank<N>.alive` (its pid and host inside) every
+  RANK_BEAT_S seconds. A compile, a long step or a wait in a collective keeps beating; a stopped process (SIGSTOP, a
+  debugger) or a frozen one does not.
+- Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second, and at the other nodes' ranks'
+  beats in the shared run dir: a rank stopped, or whose beat is older than `distributed.hang_timeout_s`, ends the
+  job at once, in one line naming the rank, its pid and the key
+  (and an `error` event); every rank of the node gets SIGKILL (a stopped process cannot act on torchrun's SIGTERM,
+  which would otherwise wait out its 30 s grace; a rank blocked in a collective has nothing to save: checkpoints are
+  written whole, so the last one is intact).
+- A rank whose collective fails because a peer went away (a node killed, a rank killed by another node's launcher)
+  names that peer from the same beats: the rank whose process is gone or whose beat stopped (`lost_peers`). A peer
+  of the same launcher is left to that launcher, which knows how it ended (its exit code or signal): one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+RANK_BEAT_S = 2.0
+HANG_KEY = "distributed.hang_timeout_s"
+
+
+def beat_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "ranks" / f"rank{rank}.alive"
+
+
+class RankBeat:
+    """This rank's heartbeat file, touched by a daemon thread while the process runs."""
+
+    def __init__(self, run_dir: Path, rank: int, interval: float = RANK_BEAT_S):
+        self.path, self.interval = beat_path(run_dir, rank), interval
+        self._stop = threading.Event()
+
+    def _write(self, **extra) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid(), **extra}
+        self.path.write_text(json.dumps(info) + "\n")
+
+    def start(self) -> RankBeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+        threading.Thread(target=self._run, name="ddpo-rank-beat", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                os.utime(self.path)
+            except OSError:  # a disk that refuses it: the launcher may then call the rank silent, which it is
+                pass
+
+    def end(self) -> None:
+        """The rank's work is done: from here its teardown (the process group's, the interpreter's, which stops
+        daemon threads such as this one) is torchrun's to time, not a hang."""
+        self._stop.set()
+        try:
+            self._write(ended=True)
+        except OSError:
+            pass
+
+
+def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float, int, bool] | None:
+    """(pid, host, seconds since its last beat, its launcher's pid, whether it has ended its work) of a rank, or
+    None before its first beat."""
+    path = beat_path(run_dir, rank)
+    try:
+        info = json.loads(path.read_text())
+        return (int(info["pid"]), str(info["host"]), time.time() - path.stat().st_mtime,
+                int(info.get("launcher", 0)), bool(info.get("ended", False)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _gone(pid: int, host: str) -> bool:
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    from ddpo_tpu.launch.lock import proc_state
+
+    state = proc_state(pid)  # a zombie, or a stopped process, is gone too
+    return state is not None and state[0] in ("Z", "X", "T", "t")
+
+
+STALE_S = 2.5 * RANK_BEAT_S  # a beat this old has stopped
+
+
+def lost_peers(run_dir: Path, world: int, me: int, wait_s: float = 3 * RANK_BEAT_S) -> list[tuple[str, bool]]:
+    """The ranks that went away, as seen from rank `me` after a collective failed: (a description, "rank 2 (pid 123
+    on host)"; whether it had this rank's launcher, which then reports how it ended), gone from this host's process
+    table, stopped, or with a stale beat; waits up to `wait_s` for one to show (the living keep beating from their
+    threads while their main threads fail)."""
+    deadline = time.monotonic() + wait_s
+    host_here, launcher = socket.gethostname(), os.getppid()
+    while True:
+        out = []
+        for rank in range(world):
+            beat = read_beat(run_dir, rank)
+            if rank == me or beat is None:
+                continue
+            pid, host, age, its_launcher, ended = beat
+            if _gone(pid, host) or (age > STALE_S and not ended):  # a rank tearing down beats no more
+                out.append((f"rank {rank} (pid {pid} on {host})", host == host_here and its_launcher == launcher))
+        if out or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.25)
+
+
+class RankWatch:
+    """The launcher's look at its own ranks (the children running the worker), every call to `check`."""
+
+    def __init__(self, run_dir: Path, bound_s: float, world: int = 0):
+        self.run_dir, self.bound_s, self.world = Path(run_dir), float(bound_s), world
+        self._start = time.time()
+        self._fresh: set[int] = set()  # other nodes' ranks seen beating in this job (their files are shared)
+        self._stopped_since: dict[int, float] = {}
+        self._seen: set[int] = set()  # pids of this node's ranks seen alive
+        self.ending = False  # one of them has ended: the job is ending
+        self.fired: str | None = None
+
+    def _ranks(self) -> list:
+        import psutil
+
+        from ddpo_tpu.env import torchrun_ranks
+
+        out = []
+        for child in psutil.Process().children(recursive=False):
+            try:
+                ranks = torchrun_ranks(child.environ())
+                if ranks is not None:
+                    out.append((ranks[0], child))
+            except psutil.Error:
+                continue
+        return out
+
+    def check(self) -> str | None:
+        """The line naming a rank that has stopped or gone silent for longer than the bound, after ending every rank
+        of this node (once); None while all answer. Once a rank has ended (the job is ending, and torchrun names
+        that rank), a rank left stopped or silent is killed without a line: its silence is a consequence (a
+        process tearing down stops its daemon threads), and torchrun's SIGTERM grace would wait 30 s for it."""
+        import psutil
+
+        if self.fired is not None:
+            return None
+        now, ranks = time.monotonic(), self._ranks()
+        live = []
+        for rank, proc in ranks:
+            try:
+                status = proc.status()
+            except psutil.Error:
+                continue
+            if status not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                live.append((rank, proc, status))
+        self.ending = self.ending or bool(self._seen - {proc.pid for _, proc, _ in live})
+        self._seen |= {proc.pid for _, proc, _ in live}
+        for rank, proc, status in live:
+            beat = read_beat(self.run_dir, rank)
+            if beat is not None and beat[0] == proc.pid and beat[4]:
+                continue  # its work is done: its exit is torchrun's to wait for
+            if self.ending:
+                if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) or (
+                        beat is not None and beat[0] == proc.pid and beat[2] > STALE_S):
+                    _kill(proc)
+                continue
+            why = None
+            if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                since = self._stopped_since.setdefault(proc.pid, now)
+                if now - since >= self.bound_s:
+                    why = f"has been stopped (SIGSTOP or a debugger) for {now - since:.0f} s"
+            else:
+                self._stopped_since.pop(proc.pid, None)
+                if beat is not None and beat[0] == proc.pid and beat[2] > self.bound_s:
+                    why = f"has not beaten for {beat[2]:.0f} s (frozen)"
+            if why is None:
+                continue
+            self.fired = (f"rank {rank} (pid {proc.pid}) {why}, over {HANG_KEY}={self.bound_s:g}: the job was ended "
+                          f"(every rank of this node killed); the same command resumes from the last checkpoint")
+            for _, other in ranks:
+                _kill(other)
+            return self.fired
+        if not self.ending:
+            return self._check_other_nodes({proc.pid for _, proc, _ in live}, ranks)
+        return None
+
+    def _check_other_nodes(self, ours: set[int], ranks: list) -> str | None:
+        """Another node's rank whose beat (read from the shared run dir) went stale: its node was killed, stopped or
+        cut off. Named here within the bound, whether or not a collective with it comes first (a long accumulation
+        window has none)."""
+        for rank in range(self.world):
+            beat = read_beat(self.run_dir, rank)
+            if beat is None or beat[0] in ours or beat[4]:
+                continue
+            pid, host, age, _, _ = beat
+            if time.time() - age >= self._start:
+                self._fresh.add(rank)
+            if rank in self._fresh and age > self.bound_s:
+                self.fired = (f"rank {rank} (pid {pid} on {host}) has not beaten for {age:.0f} s (its node is gone, "
+                              f"stopped or cut off), over {HANG_KEY}={self.bound_s:g}: the job was ended (every rank "
+                              f"of this node killed); the same commands resume from the last checkpoint")
+                for _, other in ranks:
+                    _kill(other)
+                return self.fired
+        return None
+
+
+def _kill(proc) -> None:
+    import psutil
+
+    try:
+        proc.send_signal(signal.SIGKILL)
+    except psutil.Error:
+        pass
