@@ -7,8 +7,10 @@
 #   .whl/ddpo_tpu/          ddpo_tpu's pure-Python requirements (requirements.txt's pins) that the machine lacks
 #   .whl/ref-ddpo-pytorch/  kvablack/ddpo-pytorch's own pins that matter (diffusers 0.17.1: LoRAAttnProcessor API)
 #   .whl/ref-flow-grpo/     yifan123/flow_grpo's own pins that matter (diffusers 0.33.1)
+#   .whl/ref-common/        what both references share (transformers 4.40.0, tokenizers 0.19.1, ml-collections)
 # torch is never downloaded: the machine's own is kept (README, "Bring your own torch").
-# Usage: bash scripts/device_wheels.sh [DEST]   (DEST default .whl, git-ignored; ~40 MB; carried by the `run` call)
+# Usage: [DDPO_PYTORCH=CLONE FLOW_GRPO=CLONE] bash scripts/device_wheels.sh [DEST]
+#   (DEST default .whl, git-ignored; ~50 MB; the `run` call carries it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}
@@ -47,19 +49,38 @@ for line in open("requirements.txt"):
 PYEOF
 )
 
-rm -rf "$DEST/ddpo_tpu" "$DEST/ref-ddpo-pytorch" "$DEST/ref-flow-grpo"
+rm -rf "$DEST/ddpo_tpu" "$DEST"/ref-*
 # antlr4-python3-runtime 4.9.3 (omegaconf's parser; exactly 4.9.x) exists only as a source archive: built into a wheel
 get ddpo_tpu $(printf '%s\n' "${DDPO_TPU[@]}" | grep -v '^antlr4-python3-runtime==')
 "$PY" -m pip wheel -q --no-deps -w "$DEST/ddpo_tpu" "$(printf '%s\n' "${DDPO_TPU[@]}" | grep '^antlr4-python3-runtime==')"
 
-# ddpo-pytorch@1958463 setup.py pins diffusers 0.17.1, accelerate 0.17, transformers 4.30.2, pydantic 1.10.9,
-# inflect 6.0.4. diffusers 0.17.1 is the one that matters (scripts/train.py builds LoRAAttnProcessor(hidden_size=...)
-# and AttnProcsLayers, removed later). accelerate and transformers come from the machine (transformers 4.30 needs
-# tokenizers < 0.14, which has no Python 3.12 wheel); docs/performance.md records the versions each run used.
-get ref-ddpo-pytorch diffusers==0.17.1 ml-collections==1.1.0 inflect==6.0.4 absl-py==2.5.1
-# flow_grpo@ac4c86e setup.py pins diffusers 0.33.1 (StableDiffusion3Pipeline internals its patches call), peft 0.10.0,
-# transformers 4.40.0, accelerate 1.4.0; diffusers is carried, the rest is the machine's.
-get ref-flow-grpo diffusers==0.33.1 ml-collections==1.1.0 absl-py==2.5.1
+# The references run on the same torch (the machine's) with the diffusers they pin and what that diffusers needs,
+# each from its own folder put first on PYTHONPATH; ref-common is on both paths. Where a pin cannot run on Python 3.12
+# + torch 2.11 the nearest version that does is taken, and docs/performance.md says which and why:
+# - kvablack/ddpo-pytorch@1958463 setup.py: diffusers 0.17.1 (scripts/train.py builds LoRAAttnProcessor(hidden_size=..)
+#   and AttnProcsLayers, removed from later diffusers), accelerate 0.17, transformers 4.30.2, pydantic 1.10.9,
+#   inflect 6.0.4. transformers 4.30 needs tokenizers < 0.14 (no Python 3.12 wheel): 4.40.0 (tokenizers 0.19.1, the
+#   version flow_grpo pins); transformers 4.40 loads with low_cpu_mem_usage, which needs accelerate >= 0.21: 0.21.0;
+#   diffusers 0.17.1 imports huggingface_hub's cached_download (gone in 0.26): 0.25.2; inflect 6.0.4 imports
+#   pydantic.typing (pydantic 1), but wandb 0.31 needs pydantic 2: inflect 7.0.0 (no pydantic; same engine API).
+# - yifan123/flow_grpo@ac4c86e setup.py: diffusers 0.33.1, transformers 4.40.0, accelerate 1.4.0, peft 0.10.0,
+#   huggingface-hub 0.29.1, tokenizers 0.19.1: all as pinned.
+get ref-common transformers==4.40.0 tokenizers==0.19.1 ml-collections==1.1.0
+get ref-ddpo-pytorch diffusers==0.17.1 accelerate==0.21.0 huggingface_hub==0.25.2 inflect==7.0.0 typeguard==4.4.4 \
+    more-itertools==10.8.0
+get ref-flow-grpo diffusers==0.33.1 accelerate==1.4.0 huggingface_hub==0.29.1 peft==0.10.0
+
+# The references' code, when their clones are named (DDPO_PYTORCH=CLONE FLOW_GRPO=CLONE): what their train scripts
+# read (scripts/, config/, the package) at the clone's commit, without .git and the aesthetic model's weights (.pth,
+# unused by the JPEG reward), into $DEST/refs/ (git-ignored with the rest; never committed).
+export_ref() {  # export_ref CLONE NAME PACKAGE
+  local dst=$DEST/refs/$2
+  rm -rf "$dst" && mkdir -p "$dst"
+  (cd "$1" && git ls-files -z -- scripts config "$3" setup.py | grep -zv '\.pth$' | xargs -0 cp --parents -t "$OLDPWD/$dst")
+  git -C "$1" rev-parse HEAD >"$dst/COMMIT"
+}
+[ -n "${DDPO_PYTORCH:-}" ] && export_ref "$DDPO_PYTORCH" ddpo-pytorch ddpo_pytorch
+[ -n "${FLOW_GRPO:-}" ] && export_ref "$FLOW_GRPO" flow_grpo flow_grpo
 
 du -sh "$DEST"/* | sed 's/^/  /'
 echo "wheels in $DEST (carry it: the run call names .whl)"

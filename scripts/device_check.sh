@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The one command a session with a lent GPU runs (docs/performance.md, "On a lent GPU", has the exact `run` call):
+#   1. installs ddpo_tpu into the machine's own Python from the carried wheels (.whl/ddpo_tpu, scripts/device_wheels.sh)
+#      with --no-deps, then `pip install --no-deps -e .`, and checks that its torch is the one it had;
+#   2. the smoke on CUDA (tpu_topology=gpu-1: torchrun, nccl, torch.compile);
+#   3. the side-by-side bench (scripts/bench_accelerator.py --side-by-side): ddpo_tpu vs ddpo-pytorch at SD 1.4's
+#      shape, vs flow_grpo at SD 3.5 Medium's, the references from .whl/refs/ with their own packages;
+#   4. the fast tier's torch-only tests (`-m "not slow"`; torch_xla's are skipped where it is absent) with what is left.
+# Each step has its own time limit inside BUDGET_S (default 540 s, under the 10-minute command limit); what one step
+# leaves undone is said in $OUT/summary.txt and the next step still runs. Results: $OUT/summary.txt, smoke.log,
+# bench.log, side_by_side.json, RESULTS.md (with the appended table), tests.log. Locally (a dry run on CPU):
+#   PYTHON=.venv-byot/bin/python OUT=/tmp/dc SIZE=tiny TOPOLOGY=eager_cpu bash scripts/device_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/device_check}
+PY=${PYTHON:-python3}
+BUDGET=${BUDGET_S:-540}
+SIZE=${SIZE:-full}
+TOPOLOGY=${TOPOLOGY:-gpu-1}
+SITES=${SITES:-/tmp/ddpo_tpu_ref_sites}
+mkdir -p "$OUT"
+START=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+say() { echo "[device_check +$(($(date +%s) - START))s] $*" | tee -a "$OUT/summary.txt"; }
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1
+
+# 1. install into the machine's own Python, keeping its torch
+torch_version() { "$PY" -c "import torch; print(torch.__version__, torch.version.cuda)"; }
+BEFORE=$(torch_version)
+"$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check .whl/ddpo_tpu/*.whl \
+  && "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e . \
+  || { say "FAILED: pip install (see above)"; exit 1; }
+AFTER=$(torch_version)
+say "torch before install: $BEFORE; after: $AFTER; $("$PY" -m pip check 2>&1 | tail -3 | tr '\n' ' ')"
+[ "$BEFORE" = "$AFTER" ] || { say "FAILED: the install changed torch"; exit 1; }
+"$PY" -m pip list 2>/dev/null | grep -iE '^(torch|diffusers|transformers|accelerate|peft|hydra-core|pydantic) ' \
+  >"$OUT/versions.txt"
+for r in ref-common ref-ddpo-pytorch ref-flow-grpo; do  # each reference's own packages, in folders of their own
+  rm -rf "$SITES/$r"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITES/$r" \
+    .whl/$r/*.whl || say "FAILED: installing $r"
+done
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+  | tee -a "$OUT/summary.txt"
+
+# 2. the smoke on the device
+timeout 150 "$PY" -m ddpo_tpu.train +experiment=smoke tpu_topology="$TOPOLOGY" num_epochs=2 \
+  output_root=/tmp/device_check_runs run_name=smoke >"$OUT/smoke.log" 2>&1
+say "smoke (tpu_topology=$TOPOLOGY): exit $? ($(grep -c '^epoch ' "$OUT/smoke.log" 2>/dev/null || true) epoch lines)"
+
+# 3. the side-by-side bench; its own per-side limit keeps a stuck side from eating the rest
+BENCH_S=$(($(left) - ${TESTS_S:-90}))
+timeout "$BENCH_S" "$PY" scripts/bench_accelerator.py --side-by-side --size "$SIZE" --topology "$TOPOLOGY" \
+  --ddpo-pytorch .whl/refs/ddpo-pytorch --flow-grpo .whl/refs/flow_grpo \
+  --ref-site sd14 "$SITES/ref-ddpo-pytorch:$SITES/ref-common" --ref-site sd35 "$SITES/ref-flow-grpo:$SITES/ref-common" \
+  --timeout $((BENCH_S / 3)) --json-out "$OUT/side_by_side.json" >"$OUT/bench.log" 2>&1
+say "side by side: exit $? in a limit of ${BENCH_S} s"
+cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+grep -E '^\| (sd14|sd35|pair) ' "$OUT/bench.log" | tee -a "$OUT/summary.txt"
+
+# 4. the fast tier's torch-only tests, in what is left
+TESTS_LEFT=$(left)
+if [ "$TESTS_LEFT" -gt 20 ]; then
+  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+  timeout "$TESTS_LEFT" "$PY" -m pytest -m "not slow" -q -p no:cacheprovider $XDIST >"$OUT/tests.log" 2>&1
+  say "fast tier (torch-only): exit $? in ${TESTS_LEFT} s: $(tail -1 "$OUT/tests.log")"
+else
+  say "fast tier: not run (${TESTS_LEFT} s left)"
+fi
