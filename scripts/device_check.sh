@@ -2,19 +2,20 @@
 # The one command a session with a lent GPU runs (docs/performance.md, "On a lent GPU", has the exact `run` call):
 #   1. installs ddpo_tpu into the machine's own Python from the carried wheels (.whl/ddpo_tpu, scripts/device_wheels.sh)
 #      with --no-deps, then `pip install --no-deps -e .`, and checks that its torch is the one it had;
-#   2. the smoke on CUDA (tpu_topology=gpu-1: torchrun, nccl, torch.compile);
-#   3. the side-by-side bench (scripts/bench_accelerator.py --side-by-side): ddpo_tpu vs ddpo-pytorch at SD 1.4's
+#   2. the smoke on CUDA (tpu_topology=gpu-1: torchrun, nccl, torch.compile), and 4. beside it;
+#   3. then, alone on the machine, the side-by-side bench (scripts/bench_accelerator.py --side-by-side): ddpo_tpu vs ddpo-pytorch at SD 1.4's
 #      shape, vs flow_grpo at SD 3.5 Medium's, the references from .whl/refs/ with their own packages;
-#   4. the fast tier's torch-only tests (`-m "not slow"`; torch_xla's are skipped where it is absent) with what is left.
-# Each step has its own time limit inside BUDGET_S (default 540 s, under the 10-minute command limit); what one step
+#   4. the fast tier's torch-only tests (`-m "not slow"`; torch_xla's skip themselves), on the CPU beside the smoke.
+# Each step has its own time limit inside BUDGET_S (default 560 s, under the 10-minute command limit); what one step
 # leaves undone is said in $OUT/summary.txt and the next step still runs. Results: $OUT/summary.txt, smoke.log,
-# bench.log, side_by_side.json, RESULTS.md (with the appended table), tests.log. Locally (a dry run on CPU):
+# bench.log, side_by_side.json, RESULTS.md (with the appended table), tests.log, versions.txt. PAIRS=sd35 runs one
+# pair (a second call, if the first ran out of time). Locally (a dry run on CPU):
 #   PYTHON=.venv-byot/bin/python OUT=/tmp/dc SIZE=tiny TOPOLOGY=eager_cpu bash scripts/device_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device_check}
 PY=${PYTHON:-python3}
-BUDGET=${BUDGET_S:-540}
+BUDGET=${BUDGET_S:-560}
 SIZE=${SIZE:-full}
 TOPOLOGY=${TOPOLOGY:-gpu-1}
 SITES=${SITES:-/tmp/ddpo_tpu_ref_sites}
@@ -43,27 +44,24 @@ done
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   | tee -a "$OUT/summary.txt"
 
-# 2. the smoke on the device
+# 2. the fast tier's torch-only tests (CPU, in the background) beside the smoke on the device: neither is a timing
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6")
+timeout "${TESTS_S:-150}" "$PY" -m pytest -m "not slow" -q -p no:cacheprovider $XDIST >"$OUT/tests.log" 2>&1 &
+TESTS_PID=$!
 timeout 150 "$PY" -m ddpo_tpu.train +experiment=smoke tpu_topology="$TOPOLOGY" num_epochs=2 \
   output_root=/tmp/device_check_runs run_name=smoke >"$OUT/smoke.log" 2>&1
 say "smoke (tpu_topology=$TOPOLOGY): exit $? ($(grep -c '^epoch ' "$OUT/smoke.log" 2>/dev/null || true) epoch lines)"
+wait "$TESTS_PID"
+say "fast tier (torch-only, ${TESTS_S:-150} s limit): exit $?: $(tail -1 "$OUT/tests.log")"
 
-# 3. the side-by-side bench; its own per-side limit keeps a stuck side from eating the rest
-BENCH_S=$(($(left) - ${TESTS_S:-90}))
-timeout "$BENCH_S" "$PY" scripts/bench_accelerator.py --side-by-side --size "$SIZE" --topology "$TOPOLOGY" \
+# 3. the side-by-side bench on a quiet machine, in what is left; a side gets what remains of --deadline-s, and
+# `timeout` is the backstop (the bench ends each side's whole process group itself)
+BENCH_S=$(($(left) - 15))
+timeout -k 10 $((BENCH_S + 10)) "$PY" scripts/bench_accelerator.py --side-by-side --size "$SIZE" \
+  --topology "$TOPOLOGY" --pairs ${PAIRS:-sd14 sd35} --deadline-s "$BENCH_S" \
   --ddpo-pytorch .whl/refs/ddpo-pytorch --flow-grpo .whl/refs/flow_grpo \
   --ref-site sd14 "$SITES/ref-ddpo-pytorch:$SITES/ref-common" --ref-site sd35 "$SITES/ref-flow-grpo:$SITES/ref-common" \
-  --timeout $((BENCH_S / 3)) --json-out "$OUT/side_by_side.json" >"$OUT/bench.log" 2>&1
+  --json-out "$OUT/side_by_side.json" >"$OUT/bench.log" 2>&1
 say "side by side: exit $? in a limit of ${BENCH_S} s"
 cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 grep -E '^\| (sd14|sd35|pair) ' "$OUT/bench.log" | tee -a "$OUT/summary.txt"
-
-# 4. the fast tier's torch-only tests, in what is left
-TESTS_LEFT=$(left)
-if [ "$TESTS_LEFT" -gt 20 ]; then
-  XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
-  timeout "$TESTS_LEFT" "$PY" -m pytest -m "not slow" -q -p no:cacheprovider $XDIST >"$OUT/tests.log" 2>&1
-  say "fast tier (torch-only): exit $? in ${TESTS_LEFT} s: $(tail -1 "$OUT/tests.log")"
-else
-  say "fast tier: not run (${TESTS_LEFT} s left)"
-fi

@@ -76,7 +76,7 @@ get ref-flow-grpo diffusers==0.33.1 accelerate==1.4.0 huggingface_hub==0.29.1 pe
 export_ref() {  # export_ref CLONE NAME PACKAGE
   local dst=$DEST/refs/$2
   rm -rf "$dst" && mkdir -p "$dst"
-  (cd "$1" && git ls-files -z -- scripts config "$3" setup.py | grep -zv '\.pth$' | xargs -0 cp --parents -t "$OLDPWD/$dst")
+  git -C "$1" archive HEAD scripts config "$3" setup.py | tar -x -C "$dst" --exclude='*.pth'
   git -C "$1" rev-parse HEAD >"$dst/COMMIT"
 }
 [ -n "${DDPO_PYTORCH:-}" ] && export_ref "$DDPO_PYTORCH" ddpo-pytorch ddpo_pytorch

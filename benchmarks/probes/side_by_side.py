@@ -79,6 +79,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--peak-tflops", type=float, help="the device's peak (default: by its name)")
     ap.add_argument("--json-out", type=Path, help="also write the rows here")
     ap.add_argument("--timeout", type=float, default=600, help="seconds each side may run")
+    ap.add_argument("--deadline-s", type=float, help="seconds the whole bench may run: a side gets what is left")
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs and rows
@@ -274,11 +275,14 @@ def write_prompts(work: Path, n: int) -> Path:
     return work / "train.txt"
 
 
-def run_pair(pair: str, args, facts: dict, work: Path) -> list[dict]:
+def run_pair(pair: str, args, facts: dict, work: Path, deadline: float) -> list[dict]:
     s, rows = SIZES[args.size][pair], []
     peak = peak_of(facts["device"], args.peak_tflops)
     t0 = time.perf_counter()
-    dirs = checkpoint(s["checkpoint"], args.cache_dir)
+    try:
+        dirs = checkpoint(s["checkpoint"], args.cache_dir)
+    except RuntimeError as exc:
+        return [runner.progress({"pair": pair, "side": "both", "failed": " ".join(str(exc).split())[:600]})]
     build_s = round(time.perf_counter() - t0, 1)
     prompts = write_prompts(work, s["batch"])
     sides = [("ddpo_tpu", None)]
@@ -288,12 +292,15 @@ def run_pair(pair: str, args, facts: dict, work: Path) -> list[dict]:
     for side, ref_clone in sides:
         side_work = work / side
         side_work.mkdir(parents=True, exist_ok=True)
+        timeout = min(args.timeout, deadline - time.monotonic())
         try:
+            if timeout < 30:
+                raise RuntimeError(f"not run: {max(timeout, 0):.0f} s were left of --deadline-s")
             if side == "ddpo_tpu":
                 # sd14: ddpo_tpu's own build in the same cache; sd35: the directory the reference loads
                 model = Path(dirs["model" if pair == "sd14" else "reference_model"])
                 overrides = ddpo_tpu_overrides(pair, s, model, args.topology, args.epochs, prompts)
-                m = measure_ddpo_tpu(overrides, side_work, args.timeout)
+                m = measure_ddpo_tpu(overrides, side_work, timeout)
                 m["command"] = shlex.join(["python", "-m", "ddpo_tpu.train", *overrides])
             elif ref_clone is None:
                 raise RuntimeError(f"no clone given (--{REFERENCES[pair][0].replace('_', '-')} PATH)")
@@ -301,7 +308,7 @@ def run_pair(pair: str, args, facts: dict, work: Path) -> list[dict]:
                 argv = reference_argv(pair, s, Path(dirs["reference_model"]), args.epochs,
                                       facts["device"] != "cpu", side_work, prompts)
                 m = measure_reference(pair, ref_clone.resolve(), sites.get(pair, ""), argv, side_work, args.epochs,
-                                      args.timeout)
+                                      timeout)
             rows.append(runner.progress({**row(pair, side, s, m, peak), "command": m["command"],
                                          "versions": m.get("versions"), "checkpoint build s": build_s}))
         except (RuntimeError, subprocess.TimeoutExpired, KeyError, IndexError, ValueError) as exc:
@@ -310,11 +317,12 @@ def run_pair(pair: str, args, facts: dict, work: Path) -> list[dict]:
 
 
 def run(args, report: runner.Report) -> dict:
+    deadline = time.monotonic() + (args.deadline_s or float("inf"))
     facts = device_facts()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in args.pairs:
-            rows += run_pair(pair, args, facts, Path(tmp) / pair)
+            rows += run_pair(pair, args, facts, Path(tmp) / pair, deadline)
     peak = peak_of(facts["device"], args.peak_tflops)
     shown = [{k: v for k, v in r.items() if k not in ("command", "versions")} for r in rows]
     commands = "\n".join(f"- {r['pair']} {r['side']}: `{r['command']}`" + (
