@@ -259,8 +259,8 @@ def test_ratios_are_ddpo_tpu_over_the_reference_per_pair_and_a_missing_side_give
             {"pair": "sd35", "side": "ddpo_tpu", "failed": "exit 1"},
             side_by_side.row("sd35", "flow_grpo", side_by_side.SIZES["tiny"]["sd35"], measured(1, 1, 2), 1.0)]
     (ratio,) = side_by_side.ratios(rows)
-    assert ratio == {"pair": "sd14", "ddpo_tpu / ddpo-pytorch": "ratio", "sampling": 2.0, "training": 2.5,
-                     "epoch": 2.5}
+    assert ratio == {"pair": "sd14", "ddpo_tpu / reference": "ddpo-pytorch", "sampling img/s": 2.0,
+                     "training img/s": 2.5, "epoch img/s": 2.5}
     text = runner.table(rows)  # a failed side is a row with its reason, beside the measured ones
     assert "exit 1" in text and text.count("\n") == len(rows) + 1
 
@@ -318,3 +318,33 @@ def test_the_trajectory_gather_bytes_by_hand():
     whole = 256 * (51 * 4 * 64 * 64 * 4 + 600 + 77 * 768 * 4)
     assert row["GiB held per rank"] == round(whole / 2 ** 30, 2)
     assert row["GiB received per rank (8 ranks)"] == round(whole * 7 / 8 / 2 ** 30, 2)
+
+
+def test_the_sd35_builder_saves_a_checkpoint_both_loaders_read(tmp_path, monkeypatch):
+    """build_sd35_medium end to end at toy widths (its config dicts shrunk): a diffusers directory that ddpo_tpu's
+    load_sd3 reads with its T5, and whose reference view names tokenizer_3 T5TokenizerFast (as SD 3.5 Medium's
+    model_index.json does) while the view's parts are the built ones."""
+    from benchmarks import checkpoints
+    from benchmarks.probes import sd3_activations, sd3_parameters
+    from ddpo_tpu.models.sd3 import load_sd3
+
+    monkeypatch.setattr(sd3_activations, "SD35_MEDIUM_TRANSFORMER", dict(
+        sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=48, out_channels=16,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm"))
+    small = dict(intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77)
+    monkeypatch.setattr(sd3_parameters, "CLIP_L", dict(small, hidden_size=16, projection_dim=16))
+    monkeypatch.setattr(sd3_parameters, "CLIP_G", dict(small, hidden_size=32, projection_dim=32))
+    monkeypatch.setattr(sd3_parameters, "T5_XXL", dict(d_model=32, d_ff=64, d_kv=16, num_heads=2, num_layers=1,
+                                                       feed_forward_proj="gated-gelu"))
+    monkeypatch.setattr(sd3_parameters, "VAE", dict(sd3_parameters.VAE, block_out_channels=(32, 32),
+                                                    down_block_types=("DownEncoderBlock2D",) * 2,
+                                                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1))
+    out = checkpoints.build_sd35_medium(tmp_path / "sd35", device="cpu")
+    comps = load_sd3(str(out), local_files_only=True, load_t5=True)
+    assert comps.text_encoder_3 is not None and comps.transformer.config.num_layers == 2
+    assert next(comps.transformer.parameters()).dtype.is_floating_point
+    view = checkpoints.reference_view(out)
+    index = json.loads((view / "model_index.json").read_text())
+    assert index["tokenizer_3"] == ["transformers", "T5TokenizerFast"]
+    assert (view / "transformer").resolve() == (out / "transformer").resolve()

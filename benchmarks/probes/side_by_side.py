@@ -118,8 +118,8 @@ def ratios(rows: list[dict]) -> list[dict]:
             if ours is None:
                 continue
             div = lambda k: round(ours[k] / ref[k], 2) if ours.get(k) and ref.get(k) else None
-            out.append({"pair": pair, "ddpo_tpu / " + ref_name: "ratio", "sampling": div("sampling img/s"),
-                        "training": div("training img/s"), "epoch": div("epoch img/s")})
+            out.append({"pair": pair, "ddpo_tpu / reference": ref_name, "sampling img/s": div("sampling img/s"),
+                        "training img/s": div("training img/s"), "epoch img/s": div("epoch img/s")})
     return out
 
 
@@ -148,7 +148,9 @@ def ddpo_tpu_overrides(pair: str, s: dict, model_dir: Path, topology: str, epoch
               f"sample.batch_size={s['batch']}", f"sample.num_batches_per_epoch={s['batches']}",
               f"sample.num_steps={s['steps']}", f"train.batch_size={s['train_batch']}",
               f"train.gradient_accumulation_steps={s['accum']}"]
-    common += ["train.mixed_precision=bf16", "model.dtype=bfloat16"] if cuda else []
+    # bf16 on a GPU; float32 on a CPU, as the references compute there (the SD 3.5 experiment sets bf16)
+    common += ["train.mixed_precision=bf16", "model.dtype=bfloat16"] if cuda else ["train.mixed_precision=no",
+                                                                                   "model.dtype=float32"]
     if pair == "sd14":
         return ["+experiment=compressibility_parity", s["ddpo_model"], f"model.cache_dir={model_dir.parent}", *common]
     return ["+experiment=flow_grpo_pickscore_sd35", s["ddpo_model"], f"model.pretrained={model_dir}",
