@@ -69,7 +69,7 @@ def build_sd35_medium(out: Path, device: str | None = None) -> Path:
     ids = {"bos": tok.convert_tokens_to_ids(BOS_TOKEN), "eos": tok.convert_tokens_to_ids(EOS_TOKEN),
            "pad_2": tok_2.convert_tokens_to_ids("!")}
     parts = sd35_medium_parts(device, len(tok), len(tok_3), ids)
-    parts = {k: v.to(torch.bfloat16) for k, v in parts.items()}
+    parts = {k: v.to("cpu", torch.bfloat16) for k, v in parts.items()}  # saved from host memory
     pipe = StableDiffusion3Pipeline(scheduler=_build_scheduler(), tokenizer=tok, tokenizer_2=tok_2, tokenizer_3=tok_3,
                                     **parts)
     pipe.save_pretrained(str(out), safe_serialization=True)
