@@ -16,6 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device_check}
 PY=${PYTHON:-python3}
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # absolute: checked from /tmp below
 BUDGET=${BUDGET_S:-560}
 SIZE=${SIZE:-full}
 TOPOLOGY=${TOPOLOGY:-gpu-1}
@@ -56,15 +57,23 @@ PAIRS=${PAIRS:-sd14 sd35}
 declare -A SPEC=([sd14]=sd14 [sd35]=sd35_medium)
 [ "$SIZE" = tiny ] && SPEC=([sd14]=tiny [sd35]=tiny_sd3)
 for pair in $PAIRS; do
-  timeout 300 "$PY" -m benchmarks.checkpoints "${SPEC[$pair]}" ~/.cache/ddpo_tpu/models >"$OUT/build_$pair.log" 2>&1 &
+  timeout -k 10 300 "$PY" -m benchmarks.checkpoints "${SPEC[$pair]}" ~/.cache/ddpo_tpu/models >"$OUT/build_$pair.log" 2>&1 &
 done
 if [ "${CHECKS:-1}" = 1 ]; then
   XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 6")
-  timeout "${TESTS_S:-150}" "$PY" -m pytest -m "not slow" -q -p no:cacheprovider $XDIST >"$OUT/tests.log" 2>&1 &
+  timeout -k 10 "${TESTS_S:-150}" "$PY" -m pytest -m "not slow" -q -p no:cacheprovider $XDIST >"$OUT/tests.log" 2>&1 &
   TESTS_PID=$!
-  timeout 150 "$PY" -m ddpo_tpu.train +experiment=smoke tpu_topology="$TOPOLOGY" num_epochs=2 \
-    output_root=/tmp/device_check_runs run_name=smoke >"$OUT/smoke.log" 2>&1
-  say "smoke (tpu_topology=$TOPOLOGY): exit $? ($(grep -c '^epoch ' "$OUT/smoke.log" 2>/dev/null || true) epoch lines)"
+  # in a process group of its own, ended whole past its limit (the front end answers SIGTERM by letting its
+  # training processes finish a checkpoint; none may hold the GPU when the bench starts)
+  setsid "$PY" -m ddpo_tpu.train +experiment=smoke tpu_topology="$TOPOLOGY" num_epochs=2 \
+    output_root=/tmp/device_check_runs run_name=smoke >"$OUT/smoke.log" 2>&1 &
+  SMOKE=$!
+  (sleep 180; kill -TERM -- -"$SMOKE"; sleep 20; kill -KILL -- -"$SMOKE") 2>/dev/null &
+  WATCH=$!
+  wait "$SMOKE"
+  SMOKE_RC=$?
+  kill "$WATCH" 2>/dev/null
+  say "smoke (tpu_topology=$TOPOLOGY): exit $SMOKE_RC ($(grep -c '^epoch ' "$OUT/smoke.log" 2>/dev/null || true) epoch lines)"
   wait "$TESTS_PID"
   say "fast tier (torch-only, ${TESTS_S:-150} s limit): exit $?: $(tail -1 "$OUT/tests.log")"
 fi
