@@ -2,8 +2,8 @@
 # Download, ahead, every wheel the lent GPU machine lacks, for ITS Python (3.12, x86-64 manylinux): the machine has
 # torch 2.11 + CUDA 13, transformers, accelerate, peft, safetensors, numpy, pillow, rich, pyyaml, tensorboard, psutil,
 # but no network, no diffusers, no hydra, no pydantic, no wandb (/work/.library/device/KINDS.md lists what it has).
-# Three sets, each installed into its own --target folder by scripts/device_check.sh, so a reference's older
-# diffusers never meets ddpo_tpu's:
+# Four sets: ddpo_tpu's goes into the machine's Python, each reference's into a --target folder of its own
+# (scripts/device_check.sh), so a reference's older diffusers never meets ddpo_tpu's:
 #   .whl/ddpo_tpu/          ddpo_tpu's pure-Python requirements (requirements.txt's pins) that the machine lacks
 #   .whl/ref-ddpo-pytorch/  kvablack/ddpo-pytorch's own pins that matter (diffusers 0.17.1: LoRAAttnProcessor API)
 #   .whl/ref-flow-grpo/     yifan123/flow_grpo's own pins that matter (diffusers 0.33.1)
