@@ -65,6 +65,7 @@ if [ "${CHECKS:-1}" = 1 ]; then
   TESTS_PID=$!
   # in a process group of its own, ended whole past its limit (the front end answers SIGTERM by letting its
   # training processes finish a checkpoint; none may hold the GPU when the bench starts)
+  rm -rf /tmp/device_check_runs/smoke  # a run dir left by an earlier call would be resumed, not run
   setsid "$PY" -m ddpo_tpu.train +experiment=smoke tpu_topology="$TOPOLOGY" num_epochs=2 \
     output_root=/tmp/device_check_runs run_name=smoke >"$OUT/smoke.log" 2>&1 &
   SMOKE=$!
@@ -73,7 +74,7 @@ if [ "${CHECKS:-1}" = 1 ]; then
   wait "$SMOKE"
   SMOKE_RC=$?
   kill "$WATCH" 2>/dev/null
-  say "smoke (tpu_topology=$TOPOLOGY): exit $SMOKE_RC ($(grep -c '^epoch ' "$OUT/smoke.log" 2>/dev/null || true) epoch lines)"
+  say "smoke (tpu_topology=$TOPOLOGY): exit $SMOKE_RC ($(grep -c '\] done: ' "$OUT/smoke.log" 2>/dev/null || true) epochs done)"
   wait "$TESTS_PID"
   say "fast tier (torch-only, ${TESTS_S:-150} s limit): exit $?: $(tail -1 "$OUT/tests.log")"
 fi
