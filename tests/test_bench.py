@@ -5,6 +5,7 @@ probes; the report's format; and the cheapest probe end to end, into a temporary
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 import re
 import subprocess
@@ -19,6 +20,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench  # noqa: E402  (scripts/bench.py)
 
 from benchmarks import probes, runner  # noqa: E402
+from benchmarks.probes import side_by_side  # noqa: E402
 
 PROBES = [importlib.import_module(f"benchmarks.probes.{m.name}") for m in pkgutil.iter_modules(probes.__path__)]
 HEADING = re.compile(r"^## \d{4}-\d\d-\d\d \d\d:\d\d UTC — \S+, \d+ CPU cores, Python [\d.]+, torch \S+$")
@@ -38,7 +40,8 @@ def test_each_probe_imports_says_what_it_measured_and_parses_its_help(probe, cap
 
 def test_the_probes_are_all_reachable_from_a_script():
     """Every probe runs under some command of scripts/bench.py, bench_accelerator.py or bench_bucket.py."""
-    fronted = {p.__name__ for p in bench.PROBES} | {"benchmarks.probes.accelerator", "benchmarks.probes.bucket"}
+    fronted = {p.__name__ for p in bench.PROBES} | {"benchmarks.probes.accelerator", "benchmarks.probes.bucket",
+                                                     "benchmarks.probes.side_by_side"}
     fronted |= {"benchmarks.probes.xla_checkpointing"}  # in --checkpointing
     assert {p.__name__ for p in PROBES} == fronted
 
@@ -180,3 +183,168 @@ def test_the_derived_attention_scores_are_the_memory_models():
 
     assert sd14_activations.attention_scores_gib() == pytest.approx(SD1_ATTENTION_SCORES_GIB_512, abs=0.05)
     assert sd3_activations.attention_scores_gib() == pytest.approx(SD3_ATTENTION_SCORES_GIB_512, rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------ the side-by-side bench
+# The references' phase bars, as their train scripts name them: kvablack/ddpo-pytorch@1958463 scripts/train.py:312
+# "Epoch {epoch}: sampling", :378 "Waiting for rewards", :489 "Epoch {epoch}.{inner_epoch}: training", :503
+# "Timestep"; yifan123/flow_grpo@ac4c86e scripts/train_sd3.py:229 "Eval: ", :614, :687, :848 the same three, and
+# :600 `while True` (no epoch count). A stand-in script with that structure, a sleep for each phase's work:
+STAND_IN = """
+import imp, sys, time            # both references' config files import imp (gone in Python 3.12)
+from functools import partial
+import tqdm
+tqdm = partial(tqdm.tqdm, dynamic_ncols=True)   # bound at import, as both scripts do
+for _ in tqdm(range(1), desc="Eval: "):
+    time.sleep(0.05)
+epoch = 0
+while True:
+    for _ in tqdm(range(2), desc=f"Epoch {epoch}: sampling"):
+        time.sleep(0.2 if epoch == 0 else 0.1)  # the first epoch warms up
+    for _ in tqdm(range(2), desc="Waiting for rewards"):
+        pass
+    for _ in tqdm(range(1), desc=f"Epoch {epoch}.0: training"):
+        for _ in tqdm(range(3), desc="Timestep"):
+            time.sleep(0.1)
+    epoch += 1
+"""
+
+
+def test_the_harness_times_an_unmodified_scripts_bars_and_stops_it_after_n_epochs(tmp_path):
+    script = tmp_path / "scripts" / "train.py"
+    script.parent.mkdir()
+    script.write_text(STAND_IN)
+    out = tmp_path / "h.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "reference_harness.py"), "--json", str(out),
+                           "--stop-after", "2", "--", "scripts/train.py"], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["outcome"] == "stopped before epoch 2"
+    descs = [p["desc"] for p in record["phases"]]
+    assert descs == ["Eval: "] + ["Epoch 0: sampling", "Waiting for rewards", "Epoch 0.0: training",
+                                  "Epoch 1: sampling", "Waiting for rewards", "Epoch 1.0: training"]
+    m = side_by_side.phases_to_measure(record, epochs=2)
+    assert m["sampling_s"] == pytest.approx(0.2, abs=0.15) and m["training_s"] == pytest.approx(0.3, abs=0.15)
+    assert m["epoch_s"] >= m["sampling_s"] + m["training_s"] - 1e-3
+    assert m["warmup_s"] == pytest.approx(0.2, abs=0.15)  # epoch 0 sampled 0.2 s longer
+    assert m["load_s"] == pytest.approx(record["phases"][0]["start"], abs=0.05) and m["eval_s"] >= 0.05
+    assert record["device"] == "cpu" and record["versions"]["torch"]
+
+
+def measured(sampling_s, training_s, epoch_s, **more):
+    return {"sampling_s": sampling_s, "training_s": training_s, "epoch_s": epoch_s, **more}
+
+
+def test_a_rows_rates_and_mfu_follow_from_the_shape_and_the_seconds():
+    """SD 1.4 at the full size's shape: 16 samples of 20 steps; sampling = 16 x (20 x 2 x 0.80 + 2.51) TFLOP,
+    training = 16 x 20 x 2 x 3 x 0.80 (benchmarks/probes/accelerator.py's figures), on a 989 TFLOP/s device."""
+    s = side_by_side.SIZES["full"]["sd14"]
+    sampling_tf, training_tf = 16 * (20 * 2 * 0.80 + 2.51), 16 * 20 * 2 * 3 * 0.80
+    assert side_by_side.epoch_tflop("sd14", s) == pytest.approx((sampling_tf, training_tf))
+    r = side_by_side.row("sd14", "ddpo_tpu", s, measured(4.0, 8.0, 12.5, peak_gib=20.5), 989.0)
+    assert (r["samples/epoch"], r["sampling img/s"], r["training img/s"], r["epoch img/s"]) == (16, 4.0, 2.0, 1.28)
+    assert r["MFU epoch %"] == pytest.approx(100 * (sampling_tf + training_tf) / (12.5 * 989), abs=0.01)
+    assert r["MFU training %"] == pytest.approx(100 * training_tf / (8.0 * 989), abs=0.01)
+    assert r["peak GiB"] == 20.5
+    # SD 3.5: int(10 x 0.99) = 9 trained timesteps of 10 (flow_grpo's timestep_fraction)
+    s35 = side_by_side.SIZES["full"]["sd35"]
+    assert side_by_side.epoch_tflop("sd35", s35)[1] == pytest.approx(18 * 9 * 2 * 3 * 6.08)
+
+
+def test_ratios_are_ddpo_tpu_over_the_reference_per_pair_and_a_missing_side_gives_none():
+    s = side_by_side.SIZES["tiny"]["sd14"]
+    rows = [side_by_side.row("sd14", "ddpo_tpu", s, measured(1.0, 2.0, 3.2), 1.0),
+            side_by_side.row("sd14", "ddpo-pytorch", s, measured(2.0, 5.0, 8.0), 1.0),
+            {"pair": "sd35", "side": "ddpo_tpu", "failed": "exit 1"},
+            side_by_side.row("sd35", "flow_grpo", side_by_side.SIZES["tiny"]["sd35"], measured(1, 1, 2), 1.0)]
+    (ratio,) = side_by_side.ratios(rows)
+    assert ratio == {"pair": "sd14", "ddpo_tpu / reference": "ddpo-pytorch", "sampling img/s": 2.0,
+                     "training img/s": 2.5, "epoch img/s": 2.5}
+    text = runner.table(rows)  # a failed side is a row with its reason, beside the measured ones
+    assert "exit 1" in text and text.count("\n") == len(rows) + 1
+
+
+def test_both_sides_get_the_same_shape_and_the_same_checkpoint(tmp_path):
+    """The ddpo_tpu overrides and the reference's flags name the same batch sizes, batches, steps and directory."""
+    model = tmp_path / "sd35-reference"
+    prompts = tmp_path / "train.txt"
+    for pair in ("sd14", "sd35"):
+        s = side_by_side.SIZES["full"][pair]
+        ours = side_by_side.ddpo_tpu_overrides(pair, s, model, "gpu-1", 2, prompts)
+        ref = side_by_side.reference_argv(pair, s, model, 2, True, tmp_path, prompts)
+        assert f"sample.batch_size={s['batch']}" in ours and f"train.batch_size={s['train_batch']}" in ours
+        assert f"sample.num_batches_per_epoch={s['batches']}" in ours and f"sample.num_steps={s['steps']}" in ours
+        assert f"--config.sample.num_batches_per_epoch={s['batches']}" in ref
+        assert f"--config.sample.num_steps={s['steps']}" in ref and f"--config.pretrained.model={model}" in ref
+        assert "train.mixed_precision=bf16" in ours and not any("mixed_precision" in a for a in ref)  # fp16 there
+    # flow_grpo's per-device batch sizes and the single-GPU KL choice, both sides
+    assert {"--config.sample.train_batch_size=9", "--config.train.batch_size=9", "--config.train.beta=0"} <= set(ref)
+    assert {f"model.pretrained={model}", "algorithm.kl_beta=0", "algorithm.group_size=9"} <= set(ours)
+    # on a CPU accelerate refuses fp16: the reference computes in float32 there
+    assert "--config.mixed_precision=no" in side_by_side.reference_argv("sd14", s, model, 2, False, tmp_path, prompts)
+
+
+def test_the_sd35_checkpoint_has_sd35_mediums_shapes_but_the_embedding_tables():
+    """benchmarks/checkpoints.py's parts on the meta device against the checkpoint's counts (sd3_parameters):
+    equal but for the smaller token tables (514 CLIP tokens for 49,408, 98 T5 tokens for 32,128)."""
+    import torch
+
+    from benchmarks.checkpoints import sd35_medium_parts
+    from benchmarks.probes.sd3_parameters import billions
+
+    parts = sd35_medium_parts("meta", 514, 98, {"bos": 512, "eos": 513, "pad_2": 1})
+    count = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
+    real = billions()
+    assert count["transformer"] / 1e9 == pytest.approx(real["transformer"], abs=1e-3)
+    assert count["vae"] / 1e9 == pytest.approx(real["vae"], abs=1e-3)
+    assert (count["text_encoder_3"] + (32128 - 98) * 4096) / 1e9 == pytest.approx(real["t5"], abs=1e-3)
+    clips = count["text_encoder"] + count["text_encoder_2"] + (49408 - 514) * (768 + 1280)
+    assert clips / 1e9 == pytest.approx(real["clip_l"] + real["clip_g"], abs=2e-3)
+    assert all(p.device == torch.device("meta") for m in parts.values() for p in m.parameters())
+
+
+def test_the_trajectory_gather_bytes_by_hand():
+    """benchmarks/gather_bytes.py, per sample: SD 1.4's 51 float32 latents of 4 x 64 x 64 and its (77, 768) text
+    embeddings; SD 3.5 Medium's 11 bfloat16 latents of 16 x 64 x 64, (205, 4096) embeddings and (2048,) pooled."""
+    from benchmarks import gather_bytes
+
+    sd14, sd35 = gather_bytes.SHAPES
+    assert gather_bytes.per_sample_bytes(sd14) == {"latents": 51 * 4 * 64 * 64 * 4, "log_probs": 200,
+                                                   "step_indices": 400, "conditioning": 77 * 768 * 4}
+    assert gather_bytes.per_sample_bytes(sd35)["latents"] == 11 * 16 * 64 * 64 * 2
+    assert gather_bytes.per_sample_bytes(sd35)["conditioning"] == (205 * 4096 + 2048) * 2
+    row = gather_bytes.gather_row(sd14, 8, (12.5,))
+    whole = 256 * (51 * 4 * 64 * 64 * 4 + 600 + 77 * 768 * 4)
+    assert row["GiB held per rank"] == round(whole / 2 ** 30, 2)
+    assert row["GiB received per rank (8 ranks)"] == round(whole * 7 / 8 / 2 ** 30, 2)
+
+
+def test_the_sd35_builder_saves_a_checkpoint_both_loaders_read(tmp_path, monkeypatch):
+    """build_sd35_medium end to end at toy widths (its config dicts shrunk): a diffusers directory that ddpo_tpu's
+    load_sd3 reads with its T5, and whose reference view names tokenizer_3 T5TokenizerFast (as SD 3.5 Medium's
+    model_index.json does) while the view's parts are the built ones."""
+    from benchmarks import checkpoints
+    from benchmarks.probes import sd3_activations, sd3_parameters
+    from ddpo_tpu.models.sd3 import load_sd3
+
+    monkeypatch.setattr(sd3_activations, "SD35_MEDIUM_TRANSFORMER", dict(
+        sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=48, out_channels=16,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm"))
+    small = dict(intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77)
+    monkeypatch.setattr(sd3_parameters, "CLIP_L", dict(small, hidden_size=16, projection_dim=16))
+    monkeypatch.setattr(sd3_parameters, "CLIP_G", dict(small, hidden_size=32, projection_dim=32))
+    monkeypatch.setattr(sd3_parameters, "T5_XXL", dict(d_model=32, d_ff=64, d_kv=16, num_heads=2, num_layers=1,
+                                                       feed_forward_proj="gated-gelu"))
+    monkeypatch.setattr(sd3_parameters, "VAE", dict(sd3_parameters.VAE, block_out_channels=(32, 32),
+                                                    down_block_types=("DownEncoderBlock2D",) * 2,
+                                                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1))
+    out = checkpoints.build_sd35_medium(tmp_path / "sd35", device="cpu")
+    comps = load_sd3(str(out), local_files_only=True, load_t5=True)
+    assert comps.text_encoder_3 is not None and comps.transformer.config.num_layers == 2
+    assert next(comps.transformer.parameters()).dtype.is_floating_point
+    view = checkpoints.reference_view(out)
+    index = json.loads((view / "model_index.json").read_text())
+    assert index["tokenizer_3"] == ["transformers", "T5TokenizerFast"]
+    assert (view / "transformer").resolve() == (out / "transformer").resolve()
