@@ -51,7 +51,7 @@ class Problem:
     fix: str | Fix = ""
 
     def __str__(self) -> str:
-        value = "null" if self.value is None else self.value
+        value = _value(self.value) if self.value is None or isinstance(self.value, bool) else self.value  # as typed
         text = f"{self.key}={value}: {self.reason}"
         return f"{text} ({self.fix})" if str(self.fix) else text
 

@@ -95,8 +95,8 @@ def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
     _fail_on_output_roots({p.validated.cfg.output_root for p in points})
-    _fail_on_this_machine(points)
-    _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points})
+    _fail_on_this_machine(points, check_only)
+    _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points if not p.on_target})
     if not check_only:
         # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
         # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is
@@ -123,9 +123,17 @@ def _fail_on_output_roots(roots: set[str]) -> None:
             _fail([f"output_root={root}: {existing} is not a writable directory (set output_root=... to one)"])
 
 
-def _fail_on_this_machine(points: list[Point]) -> None:
-    """What the runs need from this machine (devices, runtimes, the model cache, tracker names and credentials)."""
-    errors = [p.where + line for p in points for line in machine.problems(p.validated.cfg, p.overrides)]
+def _fail_on_this_machine(points: list[Point], check_only: bool = False) -> None:
+    """What the runs need from this machine (devices, runtimes, the model cache, tracker names and credentials).
+    --check on a machine without a run's accelerator is a preview for another machine: what that run needs from a
+    machine is set aside (Point.on_target) and shown as what its target must have, not refused here."""
+    errors = []
+    for p in points:
+        lines = machine.problems(p.validated.cfg, p.overrides)
+        if check_only and machine.device_problems(p.validated.cfg):
+            p.on_target = machine.target_checks(p.validated.cfg)
+        else:
+            errors.extend(p.where + line for line in lines)
     if errors:
         _fail(list(dict.fromkeys(errors)))
 
@@ -157,6 +165,17 @@ def print_check(points: list[Point]) -> None:
         for label, text in rows:
             console.print(f"  {label:<{width}}  {text}", markup=False, soft_wrap=True)
         console.print(parity_table(p.validated))
+        if p.on_target:  # this machine is not the run's target: what the target is checked for when it starts there
+            console.print(Text(f"  checked on the target machine when the run starts there (this machine lacks "
+                               f"tpu_topology={p.validated.cfg.tpu_topology.name}'s accelerator, so not here):",
+                               style="bold"), soft_wrap=True)
+            for line in p.on_target:
+                console.print(f"    - {line}", markup=False, soft_wrap=True)
+    elsewhere = sum(bool(p.on_target) for p in points)
+    if elsewhere:
+        console.print(f"ddpo_tpu: {len(points)} run(s) valid; {elsewhere} of them for another machine (its checks are "
+                      f"listed above, run again there); nothing was written", markup=False, soft_wrap=True)
+        return
     console.print(f"ddpo_tpu: {len(points)} run(s) valid and this machine has what they need; nothing was written "
                   f"(the same command without --check starts {'them' if len(points) > 1 else 'it'})", markup=False,
                   soft_wrap=True)

@@ -7,6 +7,7 @@ conf/reward/<name>.yaml."""
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -80,6 +81,11 @@ class RemoteKeys(Keys):
     batch_size: int = Field(default=16, ge=1)
     image_format: Literal["png", "raw"] = "png"
     headers: dict[str, str] | None = None
+
+
+# the digit a prompt names for digit_classifier's target=null: its last digit ("a handwritten digit 7" -> 7); read by
+# the reward (rewards/digits.py) and by the front end, which refuses prompts that name none (config/inputs.py)
+PROMPTED_DIGIT = re.compile(r"(\d)\D*$")
 
 
 class DigitClassifierKeys(Keys):

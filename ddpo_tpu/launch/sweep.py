@@ -67,6 +67,8 @@ class Point:
     validated: Validated | None = None
     problems: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)  # "key=path" of worker-side path problems set aside
+    # --check on a machine without the run's accelerator: what the target machine must have, checked there
+    on_target: list[str] = field(default_factory=list)
 
 
 def compose_points(overrides: list[str], multirun: bool, defer_paths: bool = False) -> list[Point]:
