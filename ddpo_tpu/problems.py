@@ -18,6 +18,11 @@ def _value(v: Any) -> str:
     return str(v)
 
 
+def as_typed(v: Any) -> str:
+    """A value as it is typed in an override (null, true, [a,b])."""
+    return _value(v)
+
+
 @dataclass(frozen=True)
 class Fix:
     """Alternatives, each a set of overrides applied together, e.g. ({"train.batch_size": 2},
