@@ -26,6 +26,9 @@ from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
 from ddpo_tpu.launch.lock import accelerator_lock_path
 
 CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this machine; print the decisions; write nothing
+# the same, where this machine must be the run's target (a pod worker's check, launch/pod.py): a missing accelerator
+# is refused, not previewed
+CHECK_HERE = "--check-here"
 
 _failures: list[str] = []
 _last_code: list[int] = []
@@ -36,9 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("--help", "-h") for a in argv):
         print(help_text())
         return
-    check_only = any(a in CHECK_FLAGS for a in argv)
-    argv = moved([a for a in argv if a not in CHECK_FLAGS])  # keys that moved, under their new names
-    points = preflight(argv, check_only)
+    here = CHECK_HERE in argv
+    check_only = here or any(a in CHECK_FLAGS for a in argv)
+    argv = moved([a for a in argv if a not in (*CHECK_FLAGS, CHECK_HERE)])  # keys that moved, under their new names
+    points = preflight(argv, check_only, preview=check_only and not here)
     if check_only and points:  # (with --cfg or --info there are none: Hydra shows what was asked, runs nothing)
         print_check(points)
         return
@@ -62,9 +66,10 @@ def _fail(lines: list[str], code: int = process.EXIT_CONFIG) -> None:
 
 # --- before anything is written ----------------------------------------------------------------------------------------
 
-def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
+def preflight(argv: list[str], check_only: bool = False, preview: bool = False) -> list[Point]:
     """Everything that must hold before Hydra writes a single file; the runs, validated. With check_only nothing is
-    written at all (the run dirs' locks, which create the run dirs, are not taken)."""
+    written at all (the run dirs' locks, which create the run dirs, are not taken); with preview a run whose
+    accelerator this machine lacks is checked as a run for another machine (--check)."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)
@@ -95,7 +100,7 @@ def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
     _fail_on_output_roots({p.validated.cfg.output_root for p in points})
-    _fail_on_this_machine(points, check_only)
+    _fail_on_this_machine(points, preview)
     _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points if not p.on_target})
     if not check_only:
         # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
@@ -123,14 +128,14 @@ def _fail_on_output_roots(roots: set[str]) -> None:
             _fail([f"output_root={root}: {existing} is not a writable directory (set output_root=... to one)"])
 
 
-def _fail_on_this_machine(points: list[Point], check_only: bool = False) -> None:
+def _fail_on_this_machine(points: list[Point], preview: bool = False) -> None:
     """What the runs need from this machine (devices, runtimes, the model cache, tracker names and credentials).
     --check on a machine without a run's accelerator is a preview for another machine: what that run needs from a
     machine is set aside (Point.on_target) and shown as what its target must have, not refused here."""
     errors = []
     for p in points:
         lines = machine.problems(p.validated.cfg, p.overrides)
-        if check_only and machine.device_problems(p.validated.cfg):
+        if preview and machine.device_problems(p.validated.cfg):
             p.on_target = machine.target_checks(p.validated.cfg)
         else:
             errors.extend(p.where + line for line in lines)
@@ -300,7 +305,9 @@ def help_text() -> str:
         "",
         "Modes:",
         "  --check       compose and validate every run (every sweep point) and check this machine; print each run's",
-        "                decisions and parity table; start and write nothing (exit 0 when all is well)",
+        "                decisions and parity table; start and write nothing (exit 0 when all is well). A run for",
+        "                another machine (a GPU or TPU topology here) lists what its machine is checked for instead",
+        "  --check-here  the same, and this machine must be the run's (ddpo-pod's check on every worker)",
         "  --cfg job     print the composed config and run nothing",
         "  -m            a sweep: key=a,b runs one job per value, each validated before the first starts",
         "  --hydra-help  Hydra's own help",

@@ -59,9 +59,9 @@ def remote_of(argv: list[str]) -> str:
 
 
 def check_argv(remote: str) -> list[str]:
-    """What the workers' check passes to `python -m ddpo_tpu.train --check`."""
+    """What the workers' check passes to `python -m ddpo_tpu.train --check-here` (this worker must be the run's)."""
     words = shlex.split(remote)
-    i = words.index("--check")
+    i = words.index("--check-here")
     assert words[i - 2:i] == ["-m", "ddpo_tpu.train"]
     return words[i + 1:words.index("2>&1", i)].copy() if "2>&1" in words else words[i + 1:]
 

@@ -126,10 +126,11 @@ def build_remote_command(overrides: list[str], workdir: str = "~/ddpo_tpu", venv
 
 
 def build_check_command(overrides: list[str], workdir: str = "~/ddpo_tpu", venv: str = ".venv") -> str:
-    """The front end's whole check on a worker (`python -m ddpo_tpu.train --check ...`: worker-side paths, XLA flag
+    """The front end's whole check on a worker (`python -m ddpo_tpu.train --check-here ...`, this worker being the
+    run's machine: worker-side paths, XLA flag
     names, libtpu, the model cache, a busy TPU), writing nothing: its error lines prefixed with the worker's
     hostname, its exit code passed on (0 when the worker can run it)."""
-    check = " ".join([_python(venv), "-m", TRAIN_MODULE, "--check", *(shlex.quote(o) for o in overrides)])
+    check = " ".join([_python(venv), "-m", TRAIN_MODULE, "--check-here", *(shlex.quote(o) for o in overrides)])
     return (f"{_cd(workdir)}; out=$({check} 2>&1 >/dev/null); code=$?; "
             f"if [ -n \"$out\" ]; then printf '%s\\n' \"$out\" | {_PREFIX} >&2; fi; "
             f"if [ $code -eq 0 ]; then echo \"$(hostname): check passed\"; fi; exit $code")
