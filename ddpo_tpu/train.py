@@ -21,7 +21,7 @@ from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
 from ddpo_tpu.problems import ConfigError
 from ddpo_tpu import env as envmod
-from ddpo_tpu.launch import machine, process, xla_flags
+from ddpo_tpu.launch import machine, process, saved_run, xla_flags
 from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
 from ddpo_tpu.launch.lock import accelerator_lock_path
 
@@ -92,9 +92,13 @@ def preflight(argv: list[str], check_only: bool = False, preview: bool = False) 
         if p.validated is not None:  # against this machine's XLA (not in compose_points: ddpo-pod's XLA is remote)
             cfg = p.validated.cfg
             errors.extend(p.where + line for line in xla_flags.problems(cfg.xla.flags, cfg.tpu_topology.execution))
-        if (p.validated is not None and args.multirun
-                and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in p.overrides)):
-            errors.extend(p.where + line for line in changed_sweep_point(p.validated, p.index))
+        # the run already in its dir: what this command may change there (launch/saved_run.py)
+        if p.validated is not None and not any(o.lstrip("+~").startswith("hydra.") for o in p.overrides):
+            if args.multirun:
+                errors.extend(p.where + line for line in changed_sweep_point(p.validated, p.index))
+            elif not storage.is_url(p.validated.cfg.output_root):  # (a bucket's run is restored in its job)
+                errors.extend(saved_run.problems(p.validated, _run_dir_of(p.validated.cfg, None),
+                                                 overridden=overridden_keys(p.overrides)))
     if errors:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
@@ -245,6 +249,8 @@ def _job(cfg) -> None:
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
                   f"the same command again)", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
+    # settings a resume changed, kept in resumes.jsonl (node 0's config.yaml is the run's; other nodes keep their own)
+    resumed = saved_run.record_changes(run_dir, validated.tree) if not node else None
     OmegaConf.save(OmegaConf.create(validated.tree), run_dir / f"config{node}.yaml")
     if not node:
         (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
@@ -258,6 +264,8 @@ def _job(cfg) -> None:
             print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
     print_start(validated, run_dir)
+    if resumed:
+        print(f"ddpo_tpu: {resumed}", flush=True)
     code = process.run_training(child_env, run_dir / f"train{node}.log", lock, process.training_command(validated.cfg),
                                 main_node=not node)
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
