@@ -98,7 +98,8 @@ def preflight(argv: list[str], check_only: bool = False, preview: bool = False) 
                 errors.extend(p.where + line for line in changed_sweep_point(p.validated, p.index))
             elif not storage.is_url(p.validated.cfg.output_root):  # (a bucket's run is restored in its job)
                 errors.extend(saved_run.problems(p.validated, _run_dir_of(p.validated.cfg, None),
-                                                 overridden=overridden_keys(p.overrides)))
+                                                 overridden=tuple(o.split("=", 1)[0].lstrip("+~")
+                                                                  for o in p.overrides)))
     if errors:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")

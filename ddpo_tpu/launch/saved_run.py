@@ -74,16 +74,17 @@ def _v(value: Any) -> str:
     return "(none)" if value is None else as_typed(value)
 
 
-def _user_first(keys, overridden: frozenset[str]) -> list[str]:
-    """The keys the command line set (a group's keys for group=option) before the others: what the line names."""
-    typed = lambda k: any(k == o or k.startswith(o + ".") for o in overridden)  # noqa: E731
-    return sorted(keys, key=lambda k: not typed(k))
+def _user_first(keys, overridden: tuple[str, ...]) -> list[str]:
+    """The keys the command line set (a group's keys for group=option), in its order, before the others."""
+    def rank(k: str) -> int:
+        return next((i for i, o in enumerate(overridden) if k == o or k.startswith(o + ".")), len(overridden))
+
+    return sorted(keys, key=rank)
 
 
-def problems(validated, run_dir: Path, sweep_job: int | None = None,
-             overridden: frozenset[str] = frozenset()) -> list[str]:
+def problems(validated, run_dir: Path, sweep_job: int | None = None, overridden: tuple[str, ...] = ()) -> list[str]:
     """Why this command must not continue the run already in `run_dir` ([] when it may, or there is none).
-    `overridden`: the keys the command line set, named first."""
+    `overridden`: the keys the command line set, in its order: named first."""
     cfg = validated.cfg
     if cfg.resume != "auto":  # never: starts over; a path: continues that checkpoint (checked when it loads)
         return []
