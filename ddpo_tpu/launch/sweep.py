@@ -13,7 +13,6 @@ a path are set aside (`Point.deferred`) instead of refusing the run; the workers
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
