@@ -25,8 +25,8 @@ from ddpo_tpu.config.batch import flatten
 
 CONFIG_FILE = "config.yaml"
 RESUMES_FILE = "resumes.jsonl"  # one line per start that changed settings a resume may change
-# keys whose change says nothing about the run (how this command reaches it)
-_NOT_SETTINGS = ("resume", "force_resume")
+# keys whose change says nothing about the run (how this command reaches it: the same dir may be spelled another way)
+_NOT_SETTINGS = ("resume", "force_resume", "output_root")
 
 
 def _saved(run_dir: Path) -> dict[str, Any] | None:
