@@ -109,7 +109,7 @@ def test_the_last_step_rule_agrees_with_where_the_windows_are_placed():
 def test_digits_scoring_the_prompted_digit_needs_prompts_that_name_one():
     compose_and_validate(["+experiment=digits", "reward.target=null"])  # digits.txt: "a handwritten digit N"
     p = refused(["+experiment=digits", "reward.target=null", "prompts=simple_animals", "prompts.file=null"])
-    assert p.key == "reward.target" and "name none" in p.reason and "prompts=simple_animals" in p.reason
+    assert p.key == "reward.target" and "name none" in p.reason and "training prompts" in p.reason
     assert p.suggested() == ["reward.target=7"]
     p = refused(["+experiment=digits", "reward.target=null", "evaluation.prompts=[a cat]"])
     assert p.key == "reward.target" and "evaluation.prompts" in p.reason and "'a cat'" in p.reason

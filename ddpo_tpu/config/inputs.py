@@ -64,31 +64,19 @@ def prompt_problems(cfg: RunConfig) -> list[Problem]:
         source = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file)
     except PromptError as e:
         return [Problem(e.key, e.value, e.reason, e.fix)]
-    return _prompted_digit_problems(cfg, source)
+    return _reward_prompt_problems(cfg, source)
 
 
-def _prompted_digit_problems(cfg: RunConfig, source) -> list[Problem]:
-    """digit_classifier with target=null scores the digit each prompt names: a prompt that names none would stop the
-    run at its first reward, after the run dir is written. A prompt is one word of each of the source's lists, so
-    one names no digit when every list has a word without one."""
-    from ddpo_tpu.catalog.rewards import PROMPTED_DIGIT
+def _reward_prompt_problems(cfg: RunConfig, source) -> list[Problem]:
+    """What the run's reward (or each reward=weighted component) needs of its prompts (catalog/rewards.py)."""
+    from ddpo_tpu.catalog import REWARDS
 
     r = cfg.reward
-    keys = [f"reward.components.{i}.target" for i, c in enumerate(getattr(r, "components", ()))
-            if c.name == "digit_classifier" and c.target is None]
-    if r.name == "digit_classifier" and r.target is None:
-        keys.append("reward.target")
-    if not keys:
-        return []
-    plain = [[w for w in part if not PROMPTED_DIGIT.search(w)] for part in source.parts]
+    rewards = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
+        else [("reward", r)]
     evals = cfg.evaluation.prompts if cfg.evaluation.every_n_epochs > 0 else []
-    example, where = (" ".join(words[0] for words in plain), f"prompts={cfg.prompts.name}") \
-        if all(plain) else (next((q for q in evals if not PROMPTED_DIGIT.search(q)), None), "evaluation.prompts")
-    if example is None:
-        return []
-    return [Problem(keys[0], None, f"scores the digit each prompt names, and {where} has prompts that name none "
-                    f"(e.g. {example!r})", Fix.of({keys[0]: 7}, note="(one digit for every prompt), or prompts "
-                                                   "that each name a digit (prompts.file=digits.txt)"))]
+    return [p for prefix, reward in rewards
+            for p in REWARDS.get(reward.name).prompt_problems(reward, prefix, source.parts, evals)]
 
 
 def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:

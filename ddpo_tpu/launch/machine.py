@@ -66,6 +66,8 @@ def device_problems(cfg) -> list[str]:
 
 def target_checks(cfg) -> list[str]:
     """What problems() checks on the machine that runs `cfg`, in words: the preview of --check on another machine."""
+    from ddpo_tpu.catalog.rewards import TINY
+
     topo, m, d = cfg.tpu_topology, cfg.model, cfg.distributed
     if topo.accelerator == "cuda":
         out = [f"{topo.chips_per_host} NVIDIA GPU(s) visible to each of its {topo.hosts} node(s) (the driver, "
@@ -85,7 +87,7 @@ def target_checks(cfg) -> list[str]:
     for reward in (r.components if r.name == "weighted" else [r]):
         for name in REWARD_MODEL_KEYS:
             value = getattr(reward, name, None)
-            if isinstance(value, str) and value != "tiny":
+            if isinstance(value, str) and value != TINY:
                 out.append(f"the {reward.name} reward's {name} {value} there (a directory, or in the Hugging Face "
                            f"cache: hf download {value})")
     if cfg.logger.name == "wandb" and cfg.logger.mode == "online":
