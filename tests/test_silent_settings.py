@@ -165,7 +165,7 @@ def test_the_flux_parity_pins_no_window(tmp_path):
 
 @pytest.mark.parametrize("overrides,key,words", [
     (["+experiment=smoke", "sample.sde_window.size=2"], "sample.sde_window.size",
-     ["flow_sde sampler", "sd3 and flux", "model=tiny_sd3"]),
+     ["flow_sde", "sd3, flux", "model=tiny_sd3"]),
     (["+experiment=smoke", "sample.sde_type=cps"], "sample.sde_type", ["flow_sde sampler", "model=sd35_medium"]),
     (["+experiment=flux_grpo_smoke", "model.text_encoder_3=true"], "model.text_encoder_3",
      ["sd3 model family", "model=tiny_sd3"]),

@@ -139,9 +139,11 @@ def _foreign_model_key(key: str, value: Any) -> Problem | None:
         owners = [s for s in SAMPLERS if name in s.keys or (name == "sde_window" and s.windows)]
         if owners:
             families = [f.name for f in FAMILIES if f.sampler in {s.name for s in owners}]
-            return Problem(key, value, f"a setting of the {' and '.join(s.name for s in owners)} sampler, which "
-                           f"the {' and '.join(families)} model families sample with; the run's sampler does not "
-                           f"have it", f"remove it, or use a model of those families: {_models_of(families)}")
+            samplers = f"{', '.join(s.name for s in owners)} sampler{'s' if len(owners) > 1 else ''}"
+            return Problem(key, value, f"a setting of the {samplers}, which the {', '.join(families)} model "
+                           f"famil{'ies' if len(families) > 1 else 'y'} sample with; the run's sampler does not have "
+                           f"it", f"remove it, or use a model of {'those families' if len(families) > 1 else 'it'}: "
+                           f"{_models_of(families)}")
     if section == "model":
         owners = [f.name for f in FAMILIES if name in f.own_keys]
         if owners:
