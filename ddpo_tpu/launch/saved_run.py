@@ -26,7 +26,7 @@ from ddpo_tpu.config.batch import flatten
 CONFIG_FILE = "config.yaml"
 RESUMES_FILE = "resumes.jsonl"  # one line per start that changed settings a resume may change
 # keys whose change says nothing about the run (how this command reaches it: the same dir may be spelled another way)
-_NOT_SETTINGS = ("resume", "force_resume", "output_root")
+_NOT_SETTINGS = ("resume", "force_resume", "output_root", "distributed.node_rank")  # (node_rank: per node)
 
 
 def _saved(run_dir: Path) -> dict[str, Any] | None:
