@@ -18,6 +18,11 @@ def _value(v: Any) -> str:
     return str(v)
 
 
+def as_typed(v: Any) -> str:
+    """A value as it is typed in an override (null, true, [a,b])."""
+    return _value(v)
+
+
 @dataclass(frozen=True)
 class Fix:
     """Alternatives, each a set of overrides applied together, e.g. ({"train.batch_size": 2},
@@ -51,7 +56,7 @@ class Problem:
     fix: str | Fix = ""
 
     def __str__(self) -> str:
-        value = "null" if self.value is None else self.value
+        value = _value(self.value) if self.value is None or isinstance(self.value, bool) else self.value  # as typed
         text = f"{self.key}={value}: {self.reason}"
         return f"{text} ({self.fix})" if str(self.fix) else text
 

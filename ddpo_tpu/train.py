@@ -21,11 +21,14 @@ from ddpo_tpu import storage
 from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
 from ddpo_tpu.problems import ConfigError
 from ddpo_tpu import env as envmod
-from ddpo_tpu.launch import machine, process, xla_flags
+from ddpo_tpu.launch import machine, process, saved_run, xla_flags
 from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
 from ddpo_tpu.launch.lock import accelerator_lock_path
 
 CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this machine; print the decisions; write nothing
+# the same, where this machine must be the run's target (a pod worker's check, launch/pod.py): a missing accelerator
+# is refused, not previewed
+CHECK_HERE = "--check-here"
 
 _failures: list[str] = []
 _last_code: list[int] = []
@@ -36,9 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     if any(a in ("--help", "-h") for a in argv):
         print(help_text())
         return
-    check_only = any(a in CHECK_FLAGS for a in argv)
-    argv = moved([a for a in argv if a not in CHECK_FLAGS])  # keys that moved, under their new names
-    points = preflight(argv, check_only)
+    here = CHECK_HERE in argv
+    check_only = here or any(a in CHECK_FLAGS for a in argv)
+    argv = moved([a for a in argv if a not in (*CHECK_FLAGS, CHECK_HERE)])  # keys that moved, under their new names
+    points = preflight(argv, check_only, preview=check_only and not here)
     if check_only and points:  # (with --cfg or --info there are none: Hydra shows what was asked, runs nothing)
         print_check(points)
         return
@@ -62,9 +66,10 @@ def _fail(lines: list[str], code: int = process.EXIT_CONFIG) -> None:
 
 # --- before anything is written ----------------------------------------------------------------------------------------
 
-def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
+def preflight(argv: list[str], check_only: bool = False, preview: bool = False) -> list[Point]:
     """Everything that must hold before Hydra writes a single file; the runs, validated. With check_only nothing is
-    written at all (the run dirs' locks, which create the run dirs, are not taken)."""
+    written at all (the run dirs' locks, which create the run dirs, are not taken); with preview a run whose
+    accelerator this machine lacks is checked as a run for another machine (--check)."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)
@@ -87,16 +92,21 @@ def preflight(argv: list[str], check_only: bool = False) -> list[Point]:
         if p.validated is not None:  # against this machine's XLA (not in compose_points: ddpo-pod's XLA is remote)
             cfg = p.validated.cfg
             errors.extend(p.where + line for line in xla_flags.problems(cfg.xla.flags, cfg.tpu_topology.execution))
-        if (p.validated is not None and args.multirun
-                and not any(o.startswith(("hydra.sweep", "+hydra.sweep")) for o in p.overrides)):
-            errors.extend(p.where + line for line in changed_sweep_point(p.validated, p.index))
+        # the run already in its dir: what this command may change there (launch/saved_run.py)
+        if p.validated is not None and not any(o.lstrip("+~").startswith("hydra.") for o in p.overrides):
+            if args.multirun:
+                errors.extend(p.where + line for line in changed_sweep_point(p.validated, p.index))
+            elif not storage.is_url(p.validated.cfg.output_root):  # (a bucket's run is restored in its job)
+                errors.extend(saved_run.problems(p.validated, _run_dir_of(p.validated.cfg, None),
+                                                 overridden=tuple(o.split("=", 1)[0].lstrip("+~")
+                                                                  for o in p.overrides)))
     if errors:
         if args.multirun:
             errors.append(f"{len(points)} sweep point(s) checked; invalid ones are named above")
         _fail(errors)
     _fail_on_output_roots({p.validated.cfg.output_root for p in points})
-    _fail_on_this_machine(points)
-    _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points})
+    _fail_on_this_machine(points, preview)
+    _fail_on_busy_accelerators({accelerator_lock_path(p.validated.cfg) for p in points if not p.on_target})
     if not check_only:
         # one writer per run dir: its lock is taken here, before anything is written there (the same command twice is
         # refused at once, exit 3), and held for the run's life: by this process, and by the training process it is
@@ -123,9 +133,17 @@ def _fail_on_output_roots(roots: set[str]) -> None:
             _fail([f"output_root={root}: {existing} is not a writable directory (set output_root=... to one)"])
 
 
-def _fail_on_this_machine(points: list[Point]) -> None:
-    """What the runs need from this machine (devices, runtimes, the model cache, tracker names and credentials)."""
-    errors = [p.where + line for p in points for line in machine.problems(p.validated.cfg, p.overrides)]
+def _fail_on_this_machine(points: list[Point], preview: bool = False) -> None:
+    """What the runs need from this machine (devices, runtimes, the model cache, tracker names and credentials).
+    --check on a machine without a run's accelerator is a preview for another machine: what that run needs from a
+    machine is set aside (Point.on_target) and shown as what its target must have, not refused here."""
+    errors = []
+    for p in points:
+        lines = machine.problems(p.validated.cfg, p.overrides)
+        if preview and machine.device_problems(p.validated.cfg):
+            p.on_target = machine.target_checks(p.validated.cfg)
+        else:
+            errors.extend(p.where + line for line in lines)
     if errors:
         _fail(list(dict.fromkeys(errors)))
 
@@ -157,6 +175,17 @@ def print_check(points: list[Point]) -> None:
         for label, text in rows:
             console.print(f"  {label:<{width}}  {text}", markup=False, soft_wrap=True)
         console.print(parity_table(p.validated))
+        if p.on_target:  # this machine is not the run's target: what the target is checked for when it starts there
+            console.print(Text(f"  checked on the target machine when the run starts there (this machine lacks "
+                               f"tpu_topology={p.validated.cfg.tpu_topology.name}'s accelerator, so not here):",
+                               style="bold"), soft_wrap=True)
+            for line in p.on_target:
+                console.print(f"    - {line}", markup=False, soft_wrap=True)
+    elsewhere = sum(bool(p.on_target) for p in points)
+    if elsewhere:
+        console.print(f"ddpo_tpu: {len(points)} run(s) valid; {elsewhere} of them for another machine (its checks are "
+                      f"listed above, run again there); nothing was written", markup=False, soft_wrap=True)
+        return
     console.print(f"ddpo_tpu: {len(points)} run(s) valid and this machine has what they need; nothing was written "
                   f"(the same command without --check starts {'them' if len(points) > 1 else 'it'})", markup=False,
                   soft_wrap=True)
@@ -221,6 +250,8 @@ def _job(cfg) -> None:
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
                   f"the same command again)", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
+    # settings a resume changed, kept in resumes.jsonl (node 0's config.yaml is the run's; other nodes keep their own)
+    resumed = saved_run.record_changes(run_dir, validated.tree) if not node else None
     OmegaConf.save(OmegaConf.create(validated.tree), run_dir / f"config{node}.yaml")
     if not node:
         (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
@@ -234,6 +265,8 @@ def _job(cfg) -> None:
             print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
     print_start(validated, run_dir)
+    if resumed:
+        print(f"ddpo_tpu: {resumed}", flush=True)
     code = process.run_training(child_env, run_dir / f"train{node}.log", lock, process.training_command(validated.cfg),
                                 main_node=not node)
     if url is not None and writer:  # the exit the front end recorded, and the log's last lines
@@ -281,7 +314,9 @@ def help_text() -> str:
         "",
         "Modes:",
         "  --check       compose and validate every run (every sweep point) and check this machine; print each run's",
-        "                decisions and parity table; start and write nothing (exit 0 when all is well)",
+        "                decisions and parity table; start and write nothing (exit 0 when all is well). A run for",
+        "                another machine (a GPU or TPU topology here) lists what its machine is checked for instead",
+        "  --check-here  the same, and this machine must be the run's (ddpo-pod's check on every worker)",
         "  --cfg job     print the composed config and run nothing",
         "  -m            a sweep: key=a,b runs one job per value, each validated before the first starts",
         "  --hydra-help  Hydra's own help",

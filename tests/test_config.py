@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddpo_tpu.config.compose import compose_and_validate, conf_dir
-from ddpo_tpu.problems import ConfigError, Fix, Problem
+from ddpo_tpu.problems import ConfigError, Fix, Problem, as_typed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -238,8 +238,8 @@ RULES = [
     ("pinned_int", [COMP, "sample.num_steps=20"], "sample.num_steps", ["pins 50", "set sample.num_steps=50"]),
     ("pinned_top_level", [COMP, "num_epochs=10"], "num_epochs", ["pins 100", "set num_epochs=100"]),
     ("pinned_eta", [COMP, "sample.eta=0.5"], "sample.eta", ["pins 1.0"]),
-    ("pinned_bool", [COMP, "train.cfg=false"], "train.cfg", ["pins True"]),
-    ("pinned_nested_bool", [COMP, "model.lora.enabled=false"], "model.lora.enabled", ["pins True"]),
+    ("pinned_bool", [COMP, "train.cfg=false"], "train.cfg", ["train.cfg=false: ", "pins true"]),
+    ("pinned_nested_bool", [COMP, "model.lora.enabled=false"], "model.lora.enabled", ["pins true"]),
     ("pinned_model", [COMP, "model=sd15"], "model.name", ["sd15", "pins sd14"]),
     ("pinned_prompts", [COMP, "prompts=simple_animals"], "prompts.name", ["pins imagenet_animals"]),
     ("gather_host_on_pod", [COMP, "tpu_topology=v6e-16", "sample.num_batches_per_epoch=4",
@@ -316,7 +316,8 @@ def test_rule_names_key_and_fix(overrides, key, fragments):
     text = str(err)
     assert f"{key}=" in text
     assert p.reason and p.fix, p  # a reason and a fix, rendered as "key=value: reason (fix)"
-    assert str(p) == f"{p.key}={'null' if p.value is None else p.value}: {p.reason} ({p.fix})"
+    assert str(p) == f"{p.key}={as_typed(p.value) if p.value is None or isinstance(p.value, bool) else p.value}: " \
+                     f"{p.reason} ({p.fix})"  # (a value as typed: null, true)
     assert str(p) in text.splitlines()
     for fragment in fragments:
         assert fragment in text, f"{fragment!r} not in:\n{text}"

@@ -59,9 +59,9 @@ def remote_of(argv: list[str]) -> str:
 
 
 def check_argv(remote: str) -> list[str]:
-    """What the workers' check passes to `python -m ddpo_tpu.train --check`."""
+    """What the workers' check passes to `python -m ddpo_tpu.train --check-here` (this worker must be the run's)."""
     words = shlex.split(remote)
-    i = words.index("--check")
+    i = words.index("--check-here")
     assert words[i - 2:i] == ["-m", "ddpo_tpu.train"]
     return words[i + 1:words.index("2>&1", i)].copy() if "2>&1" in words else words[i + 1:]
 
@@ -522,3 +522,30 @@ def test_the_old_script_name_still_works():
     assert proc.returncode == 0, proc.stderr
     (argv,) = gcloud_lines(proc.stdout)
     assert remote_of(argv) == lp.build_stop_command("~/ddpo_tpu")
+
+
+# --- arguments (issue 32) -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,named", [
+    (["--tpu=", "--zone", "z"], "--tpu: an empty name"),
+    (["--tpu", "t", "--zone", "z", "--lines", "-5"], "--lines: -5 is below 0"),
+    (["--tpu", "t", "--zone", "z", "--backoff", "-5"], "--backoff: -5 is below 0"),
+    (["--tpu", "t", "--zone", "z", "--retries", "-1"], "--retries: -1 is below 0"),
+])
+def test_a_bad_argument_is_one_line_and_exit_2(capsys, argv, named):
+    with pytest.raises(SystemExit) as e:
+        lp.main([*argv, "--dry-run", "--", "+experiment=smoke"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines() == [f"ddpo-pod: error: argument {named} (see ddpo-pod --help)"]
+
+
+def test_a_node_rank_pinned_on_a_pod_is_refused(capsys):
+    pod = ["+experiment=smoke", "tpu_topology=v6e-16", "tpu_topology.execution=distributed",
+           "distributed.rdzv_endpoint=10.0.0.2:29500", "sample.batch_size=1", "train.batch_size=1",
+           "train.gradient_accumulation_steps=1"]
+    assert lp.main(["--tpu", "t", "--zone", "z", "--dry-run", "--", *pod, "distributed.node_rank=0"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: distributed.node_rank=0: every worker of the pod"), err
+    assert "auto" in errors[0]
+    assert lp.main(["--tpu", "t", "--zone", "z", "--dry-run", "--", *pod]) == 0  # auto: each worker's own rank

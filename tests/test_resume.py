@@ -92,10 +92,15 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_continues(tmp_path, m
 def test_resume_refuses_a_changed_config_unless_forced(tmp_path, model_cache):
     args = [*BASE, f"model.cache_dir={model_cache}", "num_epochs=1"]
     assert run_train(args, tmp_path).returncode == 0
+    saved = (tmp_path / "outputs" / "smoke" / "config.yaml").read_bytes()
     changed = run_train([*args, "num_epochs=2", "train.learning_rate=1e-4"], tmp_path)
-    assert changed.returncode == 1
-    # the training process writes to the console through the front end (stdout) and to train.log
-    assert "train.learning_rate" in changed.stdout and "force_resume=true" in changed.stdout
+    # refused by the front end before anything starts (launch/saved_run.py; the checkpoint's own check stays behind
+    # it), one line naming the key and the fix, the run dir's config.yaml untouched
+    assert changed.returncode == 2, changed.stdout[-2000:] + changed.stderr[-2000:]
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: train.learning_rate=0.0001: ")
+    assert "force_resume=true" in errors[0]
+    assert (tmp_path / "outputs" / "smoke" / "config.yaml").read_bytes() == saved
     forced = run_train([*args, "num_epochs=2", "train.learning_rate=1e-4", "force_resume=true"], tmp_path)
     assert forced.returncode == 0, forced.stdout[-2000:]
     assert [e["epoch"] for e in read_metrics(tmp_path / "outputs" / "smoke", "epoch")] == [0, 1]

@@ -686,3 +686,39 @@ def test_a_killed_then_resumed_run_read_from_its_events(tmp_path, model_cache):
     kinds = [r["event"] for r in ev.read_events(run)]
     assert kinds.count("worker_started") == kinds.count("worker_exited") == 2
     assert kinds[-2:] == ["run_complete", "worker_exited"] and kinds.count("epoch_done") >= 2
+
+
+# --- arguments (issue 32): a bad one is one line and exit 2, never a traceback ------------------------------------------
+
+@pytest.mark.parametrize("args,named", [(["--events", "-3"], "--events"), (["--stale-after", "-60"], "--stale-after"),
+                                        (["--rows", "-1"], "--rows"), (["--events", "x"], "--events")])
+def test_a_bad_argument_is_one_line(tmp_path, capsys, args, named):
+    run = make_run(tmp_path / "fin", tail=COMPLETE)
+    with pytest.raises(SystemExit) as e:
+        status.main([str(run), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("ddpo-status: error: argument " + named) and args[1] in err
+
+
+def test_plot_into_a_directory_writes_inside_it_and_leaves_no_temporary_file(tmp_path, capsys):
+    run = make_run(tmp_path / "fin", tail=COMPLETE)
+    target = tmp_path / "figures"
+    target.mkdir()
+    code, out, err = run_cli(capsys, run, "--plot", target, "--brief")
+    assert code == 0 and f"reward curve: {target / 'reward_curve.png'}" in out, err
+    assert sorted(p.name for p in target.iterdir()) == ["reward_curve.png"]
+
+
+def test_plot_where_it_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    run = make_run(tmp_path / "fin", tail=COMPLETE)
+    figures = tmp_path / "figures"
+    (figures / "curve.png").mkdir(parents=True)  # a directory that is not empty where the file would go
+    (figures / "curve.png" / "x").write_text("")
+    code, out, err = run_cli(capsys, run, "--plot", figures / "curve.png" / "x" / "c.png", "--brief")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    from ddpo_tpu import plot
+
+    with pytest.raises(OSError):  # the final rename onto a directory fails: the temporary file is removed
+        plot.draw(figures / "curve.png", [(0, 1.0, 0.1)], [])
+    assert sorted(p.name for p in figures.iterdir()) == ["curve.png"]

@@ -145,13 +145,45 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
         problems.append(Problem("algorithm.ratio_norm", True, f"GRPO-Guard normalises the flow SDE's ratio by its "
                                 f"steps' sqrt(dt); sample.name={cfg.sample.name} is not a flow sampler",
                                 Fix.of({"algorithm.ratio_norm": False})))
-    if (a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
-            and tot.train_timesteps >= cfg.sample.num_steps):
+    cps_kl = a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
+    if cps_kl and cfg.sample.sde_window.size is None and tot.train_timesteps >= cfg.sample.num_steps:
         problems.append(Problem("train.timestep_fraction", cfg.train.timestep_fraction,
                                 "the last CPS step is deterministic (std 0), so its KL term is 0/0",
                                 Fix.of({"train.timestep_fraction": 0.99}, verb="train fewer steps, e.g.",
                                        note="(flow_grpo)")))
+    elif cps_kl and _window_reaches_last_step(cfg):
+        problems.append(_last_step_window_problem(cfg))
     return problems
+
+
+def _window_reaches_last_step(cfg: Any) -> bool:
+    """Whether an SDE window (trained steps) covers the last denoising step in some epoch of the run: diffusion/
+    window.py places it (that module's package imports torch, so its sliding arithmetic is restated here)."""
+    w, T = cfg.sample.sde_window, cfg.sample.num_steps
+    lo, hi = w.range if w.range is not None else (0, T)
+    if hi != T:
+        return False
+    if w.placement == "random":  # any start in [lo, hi - size] may be drawn
+        return True
+    last_start = w.start
+    if w.placement == "sliding":  # it moves `stride` steps every `shift_every` epochs, cycling within the range
+        moves = min((hi - w.size - w.start) // w.stride, (cfg.num_epochs - 1) // w.shift_every)
+        last_start = w.start + moves * w.stride
+    return last_start + w.size == T
+
+
+def _last_step_window_problem(cfg: Any) -> Problem:
+    w, T = cfg.sample.sde_window, cfg.sample.num_steps
+    lo = w.range[0] if w.range is not None else 0
+    reason = (f"the window reaches the last of the {T} steps, a deterministic CPS step (std 0), so its KL term is 0/0 "
+              f"(a non-finite loss at the first step)")
+    if w.placement == "fixed" and w.start > lo:
+        return Problem("sample.sde_window.start", w.start, reason,
+                       Fix.of({"sample.sde_window.start": T - 1 - w.size}, {"algorithm.kl_beta": 0}))
+    if T - 1 - lo >= w.size:
+        return Problem("sample.sde_window.range", w.range, reason,
+                       Fix.of({"sample.sde_window.range": [lo, T - 1]}, {"algorithm.kl_beta": 0}))
+    return Problem("sample.sde_window.size", w.size, reason, Fix.of({"algorithm.kl_beta": 0}))
 
 
 def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:

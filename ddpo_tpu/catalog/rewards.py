@@ -7,6 +7,7 @@ conf/reward/<name>.yaml."""
 from __future__ import annotations
 
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -35,6 +36,9 @@ class RewardSpec:
     # the schema cannot say: (keys, dotted prefix) -> problems (files that must exist, URLs, pairs of stand-ins)
     problems: Callable[[Any, str], list[Problem]] = lambda keys, prefix: []
     composite: bool = False  # holds other rewards (weighted): not itself a component
+    # what it needs of the prompts: (keys, dotted prefix, the prompt source's word lists (a prompt is one word of
+    # each), the evaluation prompts) -> problems (config/inputs.py calls it for the run's reward and each component)
+    prompt_problems: Callable[[Any, str, Any, list[str]], list[Problem]] = lambda keys, prefix, parts, evals: []
 
 
 REWARDS: Registry[RewardSpec] = Registry("reward")
@@ -80,6 +84,11 @@ class RemoteKeys(Keys):
     batch_size: int = Field(default=16, ge=1)
     image_format: Literal["png", "raw"] = "png"
     headers: dict[str, str] | None = None
+
+
+# the digit a prompt names for digit_classifier's target=null: its last digit ("a handwritten digit 7" -> 7); read by
+# the reward (rewards/digits.py) and by the front end, which refuses prompts that name none (config/inputs.py)
+PROMPTED_DIGIT = re.compile(r"(\d)\D*$")
 
 
 class DigitClassifierKeys(Keys):
@@ -139,8 +148,26 @@ REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScore
                             torch=True, problems=_tiny_pair("clip_model", "processor")))
 REWARDS.register(RewardSpec("remote", "a reward server over HTTP", RemoteKeys, "ddpo_tpu.rewards.remote",
                             problems=lambda r, prefix: url_problems(f"{prefix}.url", r.url)))
+def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, evals: list[str]) -> list[Problem]:
+    """target=null scores the digit each prompt names: a prompt that names none would stop the run at its first
+    reward, after the run dir is written. One names no digit when every word list has a word without one."""
+    if r.target is not None:
+        return []
+    plain = [[w for w in part if not PROMPTED_DIGIT.search(w)] for part in parts]
+    if all(plain):
+        example, where = " ".join(words[0] for words in plain), "the training prompts"
+    else:
+        example, where = next((q for q in evals if not PROMPTED_DIGIT.search(q)), None), "evaluation.prompts"
+    if example is None:
+        return []
+    return [Problem(f"{prefix}.target", None, f"scores the digit each prompt names, and {where} include prompts that "
+                    f"name none (e.g. {example!r})", Fix.of({f"{prefix}.target": 7}, note="(one digit for every "
+                                                             "prompt), or prompts that each name a digit "
+                                                             "(prompts.file=digits.txt)"))]
+
+
 REWARDS.register(RewardSpec("digit_classifier", "P(digit) of a small MNIST classifier (the digits demo)",
-                            DigitClassifierKeys, "ddpo_tpu.rewards.digits"))
+                            DigitClassifierKeys, "ddpo_tpu.rewards.digits", prompt_problems=_prompted_digit_problems))
 # reward=weighted: a weighted sum of the others; its keys are built by the schema from the components above
 REWARDS.register(RewardSpec("weighted", "a weighted sum of rewards", Keys, "ddpo_tpu.rewards.weighted",
                             composite=True))

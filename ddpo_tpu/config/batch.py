@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.problems import Fix, Problem
+from ddpo_tpu.problems import Fix, Problem, as_typed
 
 
 def num_train_timesteps(cfg: RunConfig) -> int:
@@ -125,7 +125,7 @@ def parity_problems(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[
             problems.append(Problem(f"parity.pinned.{key}", target, "pins a key the config does not have",
                                     "fix the parity config"))
         elif not same(got, target):
-            problems.append(Problem(key, got, f"parity {par.name} pins {target}",
+            problems.append(Problem(key, got, f"parity {par.name} pins {as_typed(target)}",
                                     Fix.of({key: target}, note="or parity=none to leave the reference")))
     return problems
 

@@ -104,8 +104,8 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
     key = m.group(1) if m else "overrides"
     value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), "")
     if "not in struct" in msg or "Could not override" in msg:
-        return _foreign_algorithm_key(key, value) or Problem(key, value, "unknown key",
-                                                             "check the spelling (see --cfg job for every key)")
+        return (_foreign_algorithm_key(key, value) or _foreign_model_key(key, value)
+                or Problem(key, value, "unknown key", "check the spelling (see --cfg job for every key)"))
     m = re.search(r"Could not find '([^']+)'", msg)
     if m:
         group = m.group(1).split("/")[0]
@@ -126,6 +126,38 @@ def _foreign_algorithm_key(key: str, value: Any) -> Problem | None:
         return None
     return Problem(key, value, f"a {owner.title} setting; the run's algorithm does not read it",
                    Fix.of({"algorithm": owner.name}, verb="add"))
+
+
+def _foreign_model_key(key: str, value: Any) -> Problem | None:
+    """A key the run's config lacks because another sampler or model family has it (sample.sde_window under DDIM,
+    model.text_encoder_3 under FLUX): named with who has it, not as a misspelling."""
+    from ddpo_tpu.catalog import FAMILIES, SAMPLERS
+
+    section, _, rest = key.partition(".")
+    name = rest.split(".", 1)[0]
+    if section == "sample":
+        owners = [s for s in SAMPLERS if name in s.keys or (name == "sde_window" and s.windows)]
+        if owners:
+            families = [f.name for f in FAMILIES if f.sampler in {s.name for s in owners}]
+            samplers = f"{', '.join(s.name for s in owners)} sampler{'s' if len(owners) > 1 else ''}"
+            return Problem(key, value, f"a setting of the {samplers}, which the {', '.join(families)} model "
+                           f"famil{'ies' if len(families) > 1 else 'y'} sample with; the run's sampler does not have "
+                           f"it", f"remove it, or use a model of {'those families' if len(families) > 1 else 'it'}: "
+                           f"{_models_of(families)}")
+    if section == "model":
+        owners = [f.name for f in FAMILIES if name in f.own_keys]
+        if owners:
+            return Problem(key, value, f"a setting of the {' and '.join(owners)} model family; the run's model "
+                           f"family does not have it", f"remove it, or use a model of that family: "
+                           f"{_models_of(owners)}")
+    return None
+
+
+def _models_of(families: list[str]) -> str:
+    """The model group's options of these families (conf/model/*.yaml), as overrides."""
+    found = [path.stem for path in sorted((conf_dir() / "model").glob("*.yaml"))
+             if (m := re.search(r"^family:\s*(\w+)", path.read_text(), flags=re.M)) and m.group(1) in families]
+    return ", ".join(f"model={name}" for name in found) or "see conf/model"
 
 
 def grammar_problem(e: Exception) -> Problem:

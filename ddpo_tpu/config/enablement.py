@@ -32,6 +32,19 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("logger.project", "logger.entity", "logger.group", "logger.tags", "logger.notes", "logger.mode",
                "logger.tensorboard"), lambda c: c.logger.name != "none", "logger=none",
               "add logger=wandb or logger=tensorboard"),
+    # logger=tensorboard writes its files whatever logger.tensorboard says (that key adds them to wandb), and never
+    # starts wandb, so wandb's keys would be silently dropped
+    Dependent(("logger.tensorboard",), lambda c: c.logger.name != "tensorboard",
+              "logger=tensorboard always writes TensorBoard files (the key adds them to logger=wandb)",
+              "remove it; use logger=none for no tracker, or logger=wandb_tensorboard for both"),
+    Dependent(("logger.project", "logger.entity", "logger.group", "logger.tags", "logger.notes", "logger.mode"),
+              lambda c: c.logger.name == "wandb", "logger=tensorboard does not start wandb",
+              Fix.of({"logger": "wandb_tensorboard"}, note="(both trackers)")),
+    # torch_xla's PJRT device: eager and distributed topologies run plain torch (TorchTPU on TPUs), never PJRT
+    Dependent(("tpu_topology.pjrt_device",),
+              lambda c: c.tpu_topology.execution != "distributed" or c.tpu_topology.pjrt_device is None,
+              "the distributed execution runs plain torch (torchrun), not PJRT",
+              Fix.of({"tpu_topology.pjrt_device": None})),
     Dependent(("tpu_topology.mesh.",), lambda c: c.tpu_topology.execution in MULTI_DEVICE,
               "this topology drives one device", "use a multi-device topology, e.g. tpu_topology=cpu_spmd4"),
     Dependent(("xla.flags", "xla.libtpu_init_args", "xla.step_compiler", "xla.compilation_cache_dir",
@@ -102,7 +115,20 @@ def ignored_problems(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset
         problems.append(Problem("evaluation.every_n_epochs", every,
                                 f"the run has {cfg.num_epochs} epochs, so no evaluation would run",
                                 Fix.of({"evaluation.every_n_epochs": cfg.num_epochs}, note="or fewer, or 0 for none")))
+    problems.extend(_sliding_problems(cfg))
     return problems
+
+
+def _sliding_problems(cfg: RunConfig) -> list[Problem]:
+    """A sliding window first moves at epoch shift_every (diffusion/window.py): a run that ends before that trains a
+    fixed window while asking for a sliding one."""
+    w, n = cfg.sample.sde_window, cfg.num_epochs
+    if w.size is None or w.placement != "sliding" or w.shift_every < n or w.shift_every == 1:
+        return []
+    fixes = [{"sample.sde_window.shift_every": n - 1}] if n > 1 else []
+    return [Problem("sample.sde_window.shift_every", w.shift_every, f"the run has {n} epoch(s), so the sliding "
+                    f"window would never move (its first move is at epoch {w.shift_every})",
+                    Fix.of(*fixes, {"sample.sde_window.placement": "fixed"}, note="(or raise num_epochs)"))]
 
 
 def _ema_problems(cfg: RunConfig) -> list[Problem]:

@@ -61,10 +61,22 @@ def prompt_problems(cfg: RunConfig) -> list[Problem]:
     if p.name == "from_file" and not p.file:
         return [Problem("prompts.file", p.file, "prompts=from_file needs a file", "set prompts.file=PATH")]
     try:
-        make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file)
+        source = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file)
     except PromptError as e:
         return [Problem(e.key, e.value, e.reason, e.fix)]
-    return []
+    return _reward_prompt_problems(cfg, source)
+
+
+def _reward_prompt_problems(cfg: RunConfig, source) -> list[Problem]:
+    """What the run's reward (or each reward=weighted component) needs of its prompts (catalog/rewards.py)."""
+    from ddpo_tpu.catalog import REWARDS
+
+    r = cfg.reward
+    rewards = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
+        else [("reward", r)]
+    evals = cfg.evaluation.prompts if cfg.evaluation.every_n_epochs > 0 else []
+    return [p for prefix, reward in rewards
+            for p in REWARDS.get(reward.name).prompt_problems(reward, prefix, source.parts, evals)]
 
 
 def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:

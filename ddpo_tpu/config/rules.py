@@ -59,7 +59,8 @@ def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
         {"constraint": "activation checkpointing", "target": None, "effective": memory.activation_checkpointing(cfg)},
     ]
     for key, target in flatten(par.pinned).items():
-        rows.append({"constraint": key, "target": target, "effective": lookup(tree, key)})
+        rows.append({"constraint": key, "target": target, "effective": lookup(tree, key),  # (a pinned null too)
+                     "ok": same(lookup(tree, key), target)})
     for row in rows:
         row.setdefault("ok", row["target"] is None or same(row["effective"], row["target"]))
     return rows

@@ -54,8 +54,46 @@ def _devices_problems(topo, found: int, what: str, why: str, fix: str) -> list[s
 def problems(cfg, overrides: list[str] = ()) -> list[str]:
     """Everything this machine lacks for the run, one line each ([] when it has all). `overrides` are the command
     line's, to say where a key the user did not type came from."""
-    return (cuda_problems(cfg) + distributed_problems(cfg) + tpu_runtime_problems(cfg)
-            + hub_cache_problems(cfg, overrides) + tracker_problems(cfg, overrides))
+    return (device_problems(cfg) + rendezvous_problems(cfg) + hub_cache_problems(cfg, overrides) + reward_model_problems(cfg, overrides)
+            + tracker_problems(cfg, overrides))
+
+
+def device_problems(cfg) -> list[str]:
+    """The accelerator and its runtime: what says whether this machine is the run's target at all (`--check` on a
+    laptop previews a GPU or TPU run and leaves the machine's checks to the target, ddpo_tpu/train.py)."""
+    return cuda_problems(cfg) + distributed_device_problems(cfg) + tpu_runtime_problems(cfg)
+
+
+def target_checks(cfg) -> list[str]:
+    """What problems() checks on the machine that runs `cfg`, in words: the preview of --check on another machine."""
+    from ddpo_tpu.catalog.rewards import TINY
+
+    topo, m, d = cfg.tpu_topology, cfg.model, cfg.distributed
+    if topo.accelerator == "cuda":
+        out = [f"{topo.chips_per_host} NVIDIA GPU(s) visible to each of its {topo.hosts} node(s) (the driver, "
+               f"CUDA_VISIBLE_DEVICES)"]
+    elif topo.torchtpu:
+        out = [f"TorchTPU and libtpu installed (bash scripts/setup.sh --torchtpu) and {topo.chips_per_host} TPU chip(s) "
+               f"on each of its {topo.hosts} node(s)"]
+    elif topo.accelerator.startswith("tpu"):
+        out = [f"the TPU runtime, libtpu (pip install \"torch_xla[tpu]==2.9.0\"), on each of its {topo.hosts} host(s)"]
+    else:
+        out = []
+    if topo.execution == "distributed" and d.rdzv_endpoint is not None:
+        out.append(f"the rendezvous port of distributed.rdzv_endpoint={d.rdzv_endpoint} free on the first node")
+    if m.pretrained is not None and m.local_files_only and is_hub_id(m.pretrained):
+        out.append(f"model.pretrained={m.pretrained} in its local Hugging Face cache ({download_command(m)})")
+    r = cfg.reward
+    for reward in (r.components if r.name == "weighted" else [r]):
+        for name in REWARD_MODEL_KEYS:
+            value = getattr(reward, name, None)
+            if isinstance(value, str) and value != TINY:
+                out.append(f"the {reward.name} reward's {name} {value} there (a directory, or in the Hugging Face "
+                           f"cache: hf download {value})")
+    if cfg.logger.name == "wandb" and cfg.logger.mode == "online":
+        out.append("wandb credentials (WANDB_API_KEY or `wandb login`)")
+    out.append("the accelerator free (no other run holding its lock), the run dir not held by another run")
+    return out
 
 
 def origin(key: str, overrides: list[str]) -> str:
@@ -76,7 +114,7 @@ def origin(key: str, overrides: list[str]) -> str:
 
 def cuda_problems(cfg) -> list[str]:
     """A CUDA topology on one device (tpu_topology=cuda, eager) needs a visible GPU; the distributed ones are
-    checked with their processes per node (distributed_problems)."""
+    checked with their processes per node (distributed_device_problems)."""
     topo = cfg.tpu_topology
     if topo.accelerator != "cuda" or topo.execution == "distributed":
         return []
@@ -85,7 +123,7 @@ def cuda_problems(cfg) -> list[str]:
 
 
 def tpu_runtime_problems(cfg) -> list[str]:
-    """A TPU topology on torch_xla needs libtpu (TorchTPU's own check is in distributed_problems)."""
+    """A TPU topology on torch_xla needs libtpu (TorchTPU's own check is in distributed_device_problems)."""
     topo = cfg.tpu_topology
     if topo.torchtpu or not topo.accelerator.startswith("tpu") or importlib.util.find_spec("libtpu") is not None:
         return []
@@ -94,8 +132,8 @@ def tpu_runtime_problems(cfg) -> list[str]:
             f"or tpu_topology=eager_cpu)"]
 
 
-def distributed_problems(cfg) -> list[str]:
-    topo, d = cfg.tpu_topology, cfg.distributed
+def distributed_device_problems(cfg) -> list[str]:
+    topo = cfg.tpu_topology
     if topo.execution != "distributed":
         return []
     out = []
@@ -110,7 +148,14 @@ def distributed_problems(cfg) -> list[str]:
         else:
             out += _devices_problems(topo, tpu_chips(), "TPU chip", "TorchTPU is installed",
                                      "run on a TPU VM; here use tpu_topology=cpu_dist2")
-    if d.rdzv_endpoint is not None:
+    return out
+
+
+def rendezvous_problems(cfg) -> list[str]:
+    """torchrun's rendezvous port on this host (the first node's), free before the run starts."""
+    topo, d = cfg.tpu_topology, cfg.distributed
+    out = []
+    if topo.execution == "distributed" and d.rdzv_endpoint is not None:
         host, _, port = d.rdzv_endpoint.rpartition(":")
         local = host in LOCAL_HOSTS or host == socket.gethostname()
         if local and envmod.node_rank(cfg) == 0 and _port_in_use(host, int(port)):
@@ -182,6 +227,42 @@ def hub_cache_problems(cfg, overrides: list[str] = ()) -> list[str]:
             f"({constants.HF_HUB_CACHE}) lacks {', '.join(missing)}{rev} (download it once: "
             f"`{download_command(m)}`; or point model.pretrained=DIR at a local "
             f"copy; or set model.local_files_only=false to download at start)"]
+
+
+# the files of a reward's models its loader reads first (transformers' from_pretrained, local_files_only=True: rewards
+# never download, rewards/pickscore.py, aesthetic.py, clip_score.py)
+REWARD_MODEL_KEYS = {"clip_model": "config.json", "processor": "preprocessor_config.json"}
+
+
+def reward_model_problems(cfg, overrides: list[str] = ()) -> list[str]:
+    """The CLIP models of the run's reward (and of each reward=weighted component): a local directory, or a hub id in
+    the local Hugging Face cache, since the reward loads them with local_files_only (else the run stops when the
+    reward is built, after the run dir is written). `tiny` is built locally."""
+    from ddpo_tpu.catalog.rewards import TINY
+
+    r = cfg.reward
+    rewards = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
+        else [("reward", r)]
+    out = []
+    for prefix, reward in rewards:
+        for name, first_file in REWARD_MODEL_KEYS.items():
+            value = getattr(reward, name, None)
+            if not isinstance(value, str) or value == TINY:
+                continue
+            key = f"{prefix}.{name}"
+            if not is_hub_id(value):
+                if not Path(value).expanduser().is_dir():
+                    out.append(f"{key}={value}{origin(key, overrides)}: no such directory (point it at a local copy "
+                               f"of the model, or give its hub id)")
+                continue
+            from huggingface_hub import constants, try_to_load_from_cache
+
+            if not isinstance(try_to_load_from_cache(value, first_file), str):
+                out.append(f"{key}={value}{origin(key, overrides)}: the {reward.name} reward loads it with "
+                           f"local_files_only and the local Hugging Face cache ({constants.HF_HUB_CACHE}) lacks its "
+                           f"{first_file} (download it once: `hf download {value}`; or point {key}=DIR at a local "
+                           f"copy)")
+    return out
 
 
 # --- trackers --------------------------------------------------------------------------------------------------------

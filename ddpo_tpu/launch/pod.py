@@ -51,6 +51,7 @@ import subprocess
 import sys
 import time
 
+from ddpo_tpu.cli_args import OneLineParser, at_least, non_empty
 from ddpo_tpu.events import EVENTS_FILE
 from ddpo_tpu.env import OWNED_VARIABLES
 
@@ -125,10 +126,11 @@ def build_remote_command(overrides: list[str], workdir: str = "~/ddpo_tpu", venv
 
 
 def build_check_command(overrides: list[str], workdir: str = "~/ddpo_tpu", venv: str = ".venv") -> str:
-    """The front end's whole check on a worker (`python -m ddpo_tpu.train --check ...`: worker-side paths, XLA flag
+    """The front end's whole check on a worker (`python -m ddpo_tpu.train --check-here ...`, this worker being the
+    run's machine: worker-side paths, XLA flag
     names, libtpu, the model cache, a busy TPU), writing nothing: its error lines prefixed with the worker's
     hostname, its exit code passed on (0 when the worker can run it)."""
-    check = " ".join([_python(venv), "-m", TRAIN_MODULE, "--check", *(shlex.quote(o) for o in overrides)])
+    check = " ".join([_python(venv), "-m", TRAIN_MODULE, "--check-here", *(shlex.quote(o) for o in overrides)])
     return (f"{_cd(workdir)}; out=$({check} 2>&1 >/dev/null); code=$?; "
             f"if [ -n \"$out\" ]; then printf '%s\\n' \"$out\" | {_PREFIX} >&2; fi; "
             f"if [ $code -eq 0 ]; then echo \"$(hostname): check passed\"; fi; exit $code")
@@ -231,6 +233,12 @@ def validated_topology(overrides: list[str], multirun: bool):
     errors = [line for p in points for line in p.problems]
     if errors:
         raise Refused(errors)
+    pinned = [f"{p.where}distributed.node_rank={p.validated.cfg.distributed.node_rank}: every worker of the pod runs "
+              f"the same command, so all {p.validated.cfg.tpu_topology.hosts} would be that node (remove it: auto "
+              f"reads each worker's TPU_WORKER_ID)" for p in points
+              if p.validated.cfg.distributed.node_rank != "auto" and p.validated.cfg.tpu_topology.hosts > 1]
+    if pinned:
+        raise Refused(pinned)
     found = [(p.validated.cfg.tpu_topology, p.validated.cfg.output_root) for p in points]
     hosts = {topo.hosts for topo, _ in found}
     if len(hosts) > 1:
@@ -277,11 +285,11 @@ def _say(msg: str) -> None:
 # --- CLI --------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s --tpu NAME --zone ZONE [options] [--detach | --status | --stop] -- TRAIN OVERRIDES...")
-    parser.add_argument("--tpu", required=True, metavar="NAME", help="the TPU VM (slice) name")
-    parser.add_argument("--zone", required=True, help="its zone, e.g. europe-west4-a")
+    parser.add_argument("--tpu", required=True, type=non_empty, metavar="NAME", help="the TPU VM (slice) name")
+    parser.add_argument("--zone", required=True, type=non_empty, help="its zone, e.g. europe-west4-a")
     parser.add_argument("--project", help="the GCP project (default: gcloud's configured one)")
     parser.add_argument("--workdir", default="~/ddpo_tpu",
                         help="the ddpo_tpu checkout on every worker (default ~/ddpo_tpu; the run dirs go under it)")
@@ -296,9 +304,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "worker")
     action.add_argument("--stop", action="store_true",
                         help="SIGTERM the training on every worker (it checkpoints and exits 75)")
-    parser.add_argument("--lines", type=int, default=5, help="--status: recent events to show (default 5)")
-    parser.add_argument("--retries", type=int, default=3, help="retries on SSH failure, exit 255 (default 3)")
-    parser.add_argument("--backoff", type=float, default=5.0, help="first retry delay in seconds, doubling (default 5)")
+    parser.add_argument("--lines", type=at_least(0), default=5, help="--status: recent events to show (default 5)")
+    parser.add_argument("--retries", type=at_least(0), default=3, help="retries on SSH failure, exit 255 (default 3)")
+    parser.add_argument("--backoff", type=at_least(0, float), default=5.0, help="first retry delay in seconds, doubling (default 5)")
     parser.add_argument("--gcloud-flag", action="append", default=[], metavar="FLAG",
                         help="extra gcloud flag, repeatable (e.g. --gcloud-flag=--internal-ip)")
     if "--" in argv:

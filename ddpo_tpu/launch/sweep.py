@@ -13,7 +13,6 @@ a path are set aside (`Point.deferred`) instead of refusing the run; the workers
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +66,8 @@ class Point:
     validated: Validated | None = None
     problems: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)  # "key=path" of worker-side path problems set aside
+    # --check on a machine without the run's accelerator: what the target machine must have, checked there
+    on_target: list[str] = field(default_factory=list)
 
 
 def compose_points(overrides: list[str], multirun: bool, defer_paths: bool = False) -> list[Point]:
@@ -128,28 +129,10 @@ def _validated(run: list[str], defer_paths: bool) -> tuple[Validated, list[Probl
 
 def changed_sweep_point(validated: Validated, num: int) -> list[str]:
     """Multirun job dirs are numbered (output_root/run_name-multirun/N): a sweep run again with other values would
-    send job N into the dir of an earlier, different point and overwrite its config.yaml. Refused by name."""
-    from omegaconf import OmegaConf
-
-    from ddpo_tpu.config import resume
+    send job N into the dir of an earlier, different point and overwrite its config.yaml. Refused by name
+    (launch/saved_run.py)."""
+    from ddpo_tpu.launch import saved_run
 
     cfg = validated.cfg
     job_dir = Path(storage.local_root(cfg.output_root)).expanduser() / f"{cfg.run_name}-multirun" / str(num)
-    saved_file = job_dir / "config.yaml"
-    if cfg.force_resume or not saved_file.is_file():
-        return []
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(saved_file))
-    except Exception as e:  # noqa: BLE001 -- any unreadable file is reported the same way
-        return [f"run_name={cfg.run_name}: {saved_file} cannot be read ({type(e).__name__}) (use a new run_name "
-                f"for this sweep)"]
-    then = resume.resume_relevant(saved)
-    now = resume.resume_relevant(json.loads(json.dumps(validated.tree, default=str)))
-    changed = resume.changed_keys(then, now)
-    if not changed:
-        return []
-    key = changed[0]
-    was = ", ".join(f"{k}={then.get(k)}" for k in changed[:4]) + (", ..." if len(changed) > 4 else "")
-    return [f"{key}={now.get(key)}: job dir {job_dir} holds an earlier run of another sweep point ({was}) "
-            f"(start this sweep under a new name, e.g. run_name={cfg.run_name}-2, or repeat the old values to "
-            f"continue it)"]
+    return saved_run.problems(validated, job_dir, sweep_job=num)

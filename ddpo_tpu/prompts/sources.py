@@ -214,6 +214,11 @@ class PromptSource:
         return [" ".join(part[idx[i]] for part, idx in zip(self._parts, picks)) for i in range(n)]
 
     @property
+    def parts(self) -> tuple[tuple[str, ...], ...]:
+        """The lists a prompt's words are drawn from, one word of each (read by the front end's checks)."""
+        return self._parts
+
+    @property
     def size(self) -> int:
         """Entries of the source: the product of its lists' lengths (repeated lines counted)."""
         return math.prod(len(p) for p in self._parts)

@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 
 import numpy as np
 
+from ddpo_tpu.catalog.rewards import PROMPTED_DIGIT
 from ddpo_tpu.rewards.base import Reward, register_reward
 
 CLASSIFIER_VERSION = "v1"
 CLASSIFIER_STEPS = 400
 _WEIGHTS, _META = "classifier.safetensors", "classifier.json"
-_DIGIT = re.compile(r"(\d)\D*$")
 
 
 def _net():
@@ -87,7 +86,7 @@ def ensure_classifier(cache_dir: str | os.PathLike) -> pathlib.Path:
 
 
 def prompted_digit(prompt: str) -> int | None:
-    m = _DIGIT.search(prompt)
+    m = PROMPTED_DIGIT.search(prompt)
     return int(m.group(1)) if m else None
 
 

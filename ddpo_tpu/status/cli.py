@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+from ddpo_tpu.cli_args import OneLineParser, at_least
+from ddpo_tpu.plot import CURVE_FILE
 
 from ddpo_tpu.status.facts import DEFAULT_STALE_S, Facts, collect
 from ddpo_tpu.status.render import plot_curve, render, render_brief
@@ -16,7 +20,7 @@ EXIT_UNREADABLE = 1  # a bucket that cannot be reached or read
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddpo-status", description="Where a ddpo_tpu run stands (reads its run dir), or "
+    p = OneLineParser(prog="ddpo-status", description="Where a ddpo_tpu run stands (reads its run dir), or "
                                                                 "every point of a sweep (reads its multirun dir).")
     p.add_argument("run_dir", help="the run dir (outputs/<run_name>, or gs://BUCKET/PREFIX/<run_name>), or a sweep's "
                                    "multirun dir (outputs/<run_name>-multirun): one row per point")
@@ -24,11 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--json", action="store_true", help="print the facts as JSON")
     how.add_argument("--brief", action="store_true", help="one line: state, progress, phase, last event (a sweep: "
                                                           "one line per point)")
-    p.add_argument("--events", type=int, default=0, metavar="N",
+    p.add_argument("--events", type=at_least(0), default=0, metavar="N",
                    help="also show the last N events of the current attempt as text (default 0)")
-    p.add_argument("--width", type=int, default=60, help="characters of the reward sparkline (default 60)")
-    p.add_argument("--rows", type=int, default=10, help="epochs in the table, the last ones (0: all; default 10)")
-    p.add_argument("--stale-after", type=float, default=DEFAULT_STALE_S, metavar="SECONDS",
+    p.add_argument("--width", type=at_least(1), default=60, help="characters of the reward sparkline (default 60)")
+    p.add_argument("--rows", type=at_least(0), default=10, help="epochs in the table, the last ones (0: all; default 10)")
+    p.add_argument("--stale-after", type=at_least(1, float), default=DEFAULT_STALE_S, metavar="SECONDS",
                    help="with no live lock holder and no heartbeat, a run silent for longer than this (or 1.5x its "
                         f"longest phase) is reported stopped (default {DEFAULT_STALE_S:.0f})")
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
@@ -60,10 +64,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddpo-status: {args.run_dir}: --plot draws one run; give a point's dir ({args.run_dir}/0, ...)",
                   file=sys.stderr)
             return EXIT_NO_RUN
+        out = args.plot or None
+        if out is not None and Path(out).is_dir():  # a directory: the curve goes inside it
+            out = str(Path(out) / CURVE_FILE)
         try:
-            print(f"reward curve: {plot_curve(args.run_dir, args.plot or None)}")
+            print(f"reward curve: {plot_curve(args.run_dir, out)}")
         except FileNotFoundError as e:
             print(f"ddpo-status: {e}", file=sys.stderr)
+            return EXIT_NO_RUN
+        except OSError as e:  # the PNG cannot be written there (a read-only dir, a full disk)
+            print(f"ddpo-status: --plot {args.plot or ''}: cannot write {e.filename or out} ({e.strerror or e}) "
+                  f"(give a writable path)", file=sys.stderr)
             return EXIT_NO_RUN
     from ddpo_tpu.storage import StorageError
 
