@@ -18,8 +18,20 @@ CASES = [
                                                                         "tpu_topology.mesh.dp=4"]),
     (["distributed.compile=none"], "distributed.compile", "not distributed", ["tpu_topology=cpu_dist2"]),
     (["+experiment=flow_grpo_smoke", "stat_tracking.buffer_size=32"], "stat_tracking.buffer_size",
-     "algorithm=grpo does not read it", ["algorithm=ddpo", "stat_tracking.min_count=16"]),
+     "algorithm=grpo does not read it", None),
     (["storage_timeout_s=60"], "storage_timeout_s", "output_root is local", ["output_root=gs://bucket/runs"]),
+    # AWM (its own clip range, ODE sampling, a weighting's parameter, its KL terms' settings) and GRPO's GARDO reset
+    (["+experiment=awm_smoke", "train.clip_range=0.2"], "train.clip_range", "algorithm.clip_range", None),
+    (["+experiment=awm_smoke", "sample.noise_level=0.5"], "sample.noise_level", "algorithm=awm sample with the ODE",
+     None),
+    (["+experiment=awm_smoke", "algorithm.weighting=t", "algorithm.ghuber_power=0.5"], "algorithm.ghuber_power",
+     "not ghuber", ["algorithm.weighting=ghuber"]),
+    (["+experiment=awm_smoke", "algorithm.ema_beta=0.1"], "algorithm.ema_beta", "kl_beta=0",
+     ["algorithm.kl_beta=0.001"]),
+    (["+experiment=awm_smoke", "algorithm.kl_ema_decay=0.2"], "algorithm.kl_ema_decay", "no KL term to the slow copy",
+     ["algorithm.kl_beta=0.001", "algorithm.ema_beta=0.1"]),
+    (["+experiment=flow_grpo_smoke", "algorithm.reference_reset_every=5"], "algorithm.reference_reset_every",
+     "never reset", ["algorithm.reference_reset_kl=0.1"]),
 ]
 
 
@@ -30,7 +42,7 @@ def test_a_key_nothing_reads_is_refused_and_composes_with_its_enabler(overrides,
     found = {p.key: p for p in e.value.problems}
     assert key in found, str(e.value)
     assert reason in found[key].reason and "not read" in found[key].reason
-    if key != "stat_tracking.buffer_size":  # (GRPO's experiment is not DDPO's: its own rules answer that switch)
+    if enable is not None:  # None: the enabler is another algorithm, whose own rules answer that switch
         compose_and_validate([*overrides, *enable])
 
 

@@ -70,17 +70,34 @@ DEPENDENTS: tuple[Dependent, ...] = (
     # policy's schedule when it never decays
     Dependent(("train.adv_clip_max",), lambda c: c.algorithm.name != "nft",
               "algorithm=nft clips with its own algorithm.adv_clip_max", "set algorithm.adv_clip_max instead"),
-    Dependent(("train.clip_range",), lambda c: c.algorithm.name != "nft",
-              "algorithm=nft has no PPO ratio to clip",
+    Dependent(("train.clip_range",), lambda c: c.algorithm.name not in ("nft", "awm"),
+              "algorithm=nft has no PPO ratio to clip; algorithm=awm clips with its own algorithm.clip_range",
               "leave it unset: DiffusionNFT bounds its step with algorithm.beta"),
     Dependent(("sample.noise_level", "sample.sde_type"),
-              lambda c: c.algorithm.name != "nft" or not c.algorithm.ode_sampling,
-              "algorithm=nft samples with the ODE (algorithm.ode_sampling=true)",
+              lambda c: c.algorithm.name not in ("nft", "awm") or (c.algorithm.name == "nft"
+                                                                   and not c.algorithm.ode_sampling),
+              "algorithm=nft (with algorithm.ode_sampling=true) and algorithm=awm sample with the ODE",
               Fix.of({"algorithm.ode_sampling": False}, note="(the SDE; the official presets sample the ODE)")),
     Dependent(("algorithm.decay_max", "algorithm.decay_start"),
               lambda c: c.algorithm.name != "nft" or c.algorithm.decay_rate > 0,
               "algorithm.decay_rate=0: the old policy is the weights that sampled each epoch",
               Fix.of({"algorithm.decay_rate": 0.001}, note="(or another rate)")),
+    # Advantage Weighted Matching (AwmKeys): a weighting's parameter, and its KL terms' settings without the term
+    Dependent(("algorithm.ghuber_power",), lambda c: c.algorithm.name != "awm" or c.algorithm.weighting == "ghuber",
+              "algorithm.weighting is not ghuber", Fix.of({"algorithm.weighting": "ghuber"})),
+    Dependent(("algorithm.ema_beta", "algorithm.kl_weight"),
+              lambda c: c.algorithm.name != "awm" or c.algorithm.kl_beta > 0,
+              "algorithm.kl_beta=0: AWM has no KL term (the slow copy's term is nested in it, as the reference's)",
+              Fix.of({"algorithm.kl_beta": 0.001}, note="(or another weight)")),
+    Dependent(("algorithm.kl_ema_decay",),
+              lambda c: c.algorithm.name != "awm" or (c.algorithm.kl_beta > 0 and c.algorithm.ema_beta > 0),
+              "algorithm.ema_beta=0 (or kl_beta=0): no KL term to the slow copy",
+              Fix.of({"algorithm.ema_beta": 0.1, "algorithm.kl_beta": 0.001}, note="(or other weights)")),
+    # GRPO's GARDO option: the reset period without the reset
+    Dependent(("algorithm.reference_reset_every",),
+              lambda c: c.algorithm.name != "grpo" or c.algorithm.reference_reset_kl is not None,
+              "algorithm.reference_reset_kl=null: the KL's reference is never reset",
+              Fix.of({"algorithm.reference_reset_kl": 0.1}, note="(or another KL threshold)")),
 )
 
 
