@@ -434,6 +434,25 @@ def test_unknown_top_level_key():
     assert "unknown key" in problem(fails(["+foo=1"]), "foo").reason
 
 
+@pytest.mark.parametrize("overrides,key,reason,fix", [
+    # a near miss of a real key: the key it resembles (a new word gets no guess)
+    (["+experiment=smoke", "sample.batch_sise=3"], "sample.batch_sise", "unknown key", "did you mean sample.batch_size?"),
+    (["train.lerning_rate=1e-4"], "train.lerning_rate", "unknown key", "did you mean train.learning_rate?"),
+    # a group outside the defaults list selected without its +
+    (["experiment=smoke"], "experiment", "added to the defaults, not overridden", "use +experiment=smoke"),
+    # Hydra's sweep syntax without -m
+    (["+experiment=smoke", "seed=1,2"], "seed", "a comma list is a sweep", "add -m"),
+])
+def test_the_usual_hydra_slips_get_their_fix(overrides, key, reason, fix):
+    p = problem(fails(overrides), key)
+    assert reason in p.reason and fix in str(p.fix), p
+
+
+def test_a_new_word_is_not_guessed():
+    p = problem(fails(["sample.totally_new=3"]), "sample.totally_new")
+    assert "did you mean" not in str(p.fix) and "--cfg job" in str(p.fix)
+
+
 @pytest.mark.parametrize("override,key,expected", [
     ("train.batch_size=x", "train.batch_size", "integer"),
     ("train.batch_size=1.5", "train.batch_size", "integer"),

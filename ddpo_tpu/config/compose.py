@@ -103,9 +103,13 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
          or re.search(r"Multiple values for ([\w.]+)\.", msg))
     key = m.group(1) if m else "overrides"
     value = next((o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key), "")
+    m = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", msg)
+    if m:  # seed=1,2 without -m: Hydra's sweep syntax outside a sweep
+        return Problem(m.group(1), m.group(2), "a comma list is a sweep",
+                       f"add -m to run one job per value, or quote a list: '{m.group(1)}=[{m.group(2)}]'")
     if "not in struct" in msg or "Could not override" in msg:
-        return (_foreign_algorithm_key(key, value) or _foreign_model_key(key, value)
-                or Problem(key, value, "unknown key", "check the spelling (see --cfg job for every key)"))
+        return (_foreign_algorithm_key(key, value) or _foreign_model_key(key, value) or _slip(key, value, overrides)
+                or Problem(key, value, "unknown key", "check the spelling; --cfg job lists every key"))
     m = re.search(r"Could not find '([^']+)'", msg)
     if m:
         group = m.group(1).split("/")[0]
@@ -117,6 +121,29 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
         return Problem(group, value, "no such option",
                        f"choose one of: {', '.join(options)}" if options else "see --help for the options")
     return Problem(key, value, first.rstrip(".:"), "see --help for the syntax")
+
+
+def _slip(key: str, value: Any, overrides: list[str]) -> Problem | None:
+    """The two usual slips: a group that the defaults list does not hold, selected without its `+`
+    (experiment=smoke), and a near miss of a real key (sample.batch_sise), answered with the key it resembles."""
+    import difflib
+
+    if "." not in key and (conf_dir() / key).is_dir():
+        return Problem(key, value, f"the {key} group is added to the defaults, not overridden",
+                       f"use +{key}={value}")
+    parent, _, name = key.rpartition(".")
+    others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+    try:
+        tree = OmegaConf.to_container(compose(others), resolve=False)
+    except ConfigError:
+        return None
+    keys = lookup(tree, parent) if parent else tree
+    if not isinstance(keys, dict):
+        return None
+    near = difflib.get_close_matches(name, [str(k) for k in keys], n=1, cutoff=0.75)
+    if not near:
+        return None
+    return Problem(key, value, "unknown key", f"did you mean {parent + '.' if parent else ''}{near[0]}?")
 
 
 def _foreign_algorithm_key(key: str, value: Any) -> Problem | None:
