@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from ddpo_tpu import storage
+from ddpo_tpu.catalog import ALGORITHMS
 from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
 from ddpo_tpu.problems import ConfigError
 from ddpo_tpu import env as envmod
@@ -297,8 +299,9 @@ def help_text() -> str:
         "usage: python -m ddpo_tpu.train [+experiment=NAME] [key=value ...] [-m] [--check | --cfg job]",
         "       (ddpo-train is the same command)",
         "",
-        "Fine-tune a diffusion model with RL (DDPO, GRPO). The config is composed with Hydra from conf/ and validated",
-        "before anything is written; the run dir is outputs/<run_name>, and the same command again resumes it.",
+        *textwrap.wrap(f"Fine-tune a diffusion model with RL ({', '.join(a.title for a in ALGORITHMS)}). The config "
+                       "is composed with Hydra from conf/ and validated before anything is written; the run dir is "
+                       "outputs/<run_name>, and the same command again resumes it.", 115),
         "",
         "Start here (the tiny local model on the CPU, about a minute):",
         "  python -m ddpo_tpu.train +experiment=smoke",
@@ -338,6 +341,17 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def _closed(phrase: str) -> str:
+    """A phrase cut short never ends inside a parenthesis: an unclosed one is dropped with what follows it."""
+    opened: list[int] = []
+    for i, ch in enumerate(phrase):
+        if ch == "(":
+            opened.append(i)
+        elif ch == ")" and opened:
+            opened.pop()
+    return phrase[:opened[0]].rstrip(" ,") if opened else phrase
+
+
 def experiments() -> list[tuple[str, str]]:
     """(name, first phrase of its header comment) of each conf/experiment/*.yaml."""
     import re
@@ -355,7 +369,7 @@ def experiments() -> list[tuple[str, str]]:
         if len(first) > 80:  # one line: up to a comma that keeps it short
             cut = cut if cut > 0 else first.find(", ")
             first = first[:cut] if cut > 0 else first
-        out.append((path.stem, first))
+        out.append((path.stem, _closed(first)))
     return out
 
 

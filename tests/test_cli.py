@@ -117,6 +117,11 @@ def test_help_says_what_to_run(tmp_path):
     assert sorted(listed) == sorted(f.stem for f in (conf_dir() / "experiment").glob("*.yaml"))
     assert listed["smoke"] == "A seeded end-to-end run of the whole DDPO loop on the tiny local model and the host CPU"
     assert all(len(v) <= 100 for v in listed.values())
+    assert all(v.count("(") == v.count(")") for v in listed.values()), listed  # never cut inside a parenthesis
+    # every registered algorithm is named in the description (from the catalog, not a copied list)
+    from ddpo_tpu.catalog import ALGORITHMS
+    description = " ".join(out.split("Start here")[0].split())
+    assert all(a.title in description for a in ALGORITHMS) and len(list(ALGORITHMS)) >= 4, description
     groups_text = next(v for k, v in sections.items() if k.startswith("Config groups"))
     listed = dict(re.findall(r"^  (\w+): (.+)$", groups_text, re.M))
     groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in conf_dir().iterdir() if p.is_dir()}
