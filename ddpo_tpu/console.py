@@ -9,6 +9,7 @@ the typed events of events.jsonl (ddpo_tpu/events.py) by `ProgressView`, never f
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -256,9 +257,12 @@ class ProgressView:
         secs = sum(v.get("seconds", 0.0) for v in e.phases.values())
         big = sorted(((k, v.get("seconds", 0.0)) for k, v in e.phases.items()), key=lambda kv: -kv[1])[:2]
         graphs = sum(int(v.get("compilations", 0)) for v in e.phases.values())
+        # an algorithm without a PPO ratio (DiffusionNFT) reports no kl or clipfrac: said by leaving them out
+        ratio = "".join(f"{name} {fmt.format(v)}  " for name, fmt, v in (("kl", "{:.1e}", e.approx_kl),
+                                                                         ("clipfrac", "{:.3f}", e.clipfrac))
+                        if math.isfinite(v))
         line = (f"epoch {e.epoch}  reward {e.reward_mean:.4f} ± {e.reward_std:.4f}{self.evaluated}  "
-                f"kl {e.approx_kl:.1e}  clipfrac {e.clipfrac:.3f}  {e.updates} updates  {secs:.1f} s ("
-                + ", ".join(f"{k} {v:.1f} s" for k, v in big) + ")")
+                f"{ratio}{e.updates} updates  {secs:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in big) + ")")
         if graphs:
             line += f"  {graphs} graphs compiled"
         if self.saved:

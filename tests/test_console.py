@@ -199,3 +199,13 @@ def test_every_bar_fits_an_80_column_terminal():
         label, info = ("epoch " + text[6:].split(" ", 1)[0], text[6:].split(" ", 1)[1]) \
             if text.startswith("epoch ") else text.split(" ", 1)
         assert len(label) <= 9 and len(info) <= BAR_TEXT_COLUMNS, (len(info), info)
+
+
+def test_an_epoch_without_a_ratio_leaves_kl_and_clipfrac_out_of_its_line():
+    view = ProgressView()
+    view.feed([ev.RunStart("eager_cpu", 2, 0, 8, 2, 8, "state", False)], now=0.0)
+    view.feed([ev.EpochDone(0, 0.5, 0.1, float("nan"), float("nan"), 2, {"training": {"seconds": 1.0}}),
+               ev.EpochDone(1, 0.5, 0.1, 1e-3, 0.25, 2, {"training": {"seconds": 1.0}})], now=1.0)
+    nft, ddpo = view.summaries
+    assert "nan" not in nft and "kl" not in nft and "clipfrac" not in nft and "2 updates" in nft
+    assert "kl 1.0e-03  clipfrac 0.250  2 updates" in ddpo
