@@ -374,8 +374,8 @@ def run(args, report: runner.Report) -> dict:
         f"{r['versions']['accelerate']}, peft {r['versions']['peft']})" if r.get("versions") else "")
         for r in rows if r.get("command"))
     report.add(f"Side by side on {facts['device']} (torch {facts['torch']}, CUDA {facts['cuda']}; peak {peak} "
-               f"TFLOP/s for MFU), size `{args.size}`, {args.epochs} epochs a side (the median of those after the first "
-               f"measured), intra-op threads {cpu_threads(args) or 'torch default'} a side:\n\n"
+               f"TFLOP/s for MFU), size `{args.size}`, {args.epochs} epochs a side (the median of those after the "
+               f"first measured), intra-op threads {cpu_threads(args) or 'torch default'} a side:\n\n"
                f"{runner.table(shown)}\n\n{runner.table(ratios(rows))}\n\nCommands:\n{commands}")
     result = {"device": facts, "rows": rows, "ratios": ratios(rows)}
     if args.json_out:
