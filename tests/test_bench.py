@@ -348,3 +348,45 @@ def test_the_sd35_builder_saves_a_checkpoint_both_loaders_read(tmp_path, monkeyp
     index = json.loads((view / "model_index.json").read_text())
     assert index["tokenizer_3"] == ["transformers", "T5TokenizerFast"]
     assert (view / "transformer").resolve() == (out / "transformer").resolve()
+
+
+def harness_record(epoch_seconds):
+    """A reference harness record whose epoch n samples for s/2 and trains for s/2 (s = epoch_seconds[n])."""
+    phases, t = [], 1.0
+    for n, s in enumerate(epoch_seconds):
+        phases += [{"desc": f"Epoch {n}: sampling", "start": t, "end": t + s / 2},
+                   {"desc": f"Epoch {n}.0: training", "start": t + s / 2, "end": t + s}]
+        t += s
+    return {"phases": phases, "outcome": "stopped"}
+
+
+def test_the_measured_epoch_is_the_median_of_those_after_the_first_on_both_sides():
+    """One epoch slowed by other work on the cores (10 s among 0.3-0.4 s) is not the figure, nor is epoch 0's
+    warm-up; with two epochs the measured one is the last, as before."""
+    m = side_by_side.phases_to_measure(harness_record([5.0, 10.0, 0.3, 0.4]), epochs=4)
+    assert m["epoch_s"] == pytest.approx(0.4) and m["sampling_s"] == pytest.approx(0.2)
+    assert m["warmup_s"] == pytest.approx(4.6)
+    assert side_by_side.phases_to_measure(harness_record([5.0, 10.0]), epochs=2)["epoch_s"] == pytest.approx(10.0)
+
+    def ddpo_epoch(sampling, training):
+        secs = {"sampling": sampling, "reward": 0.01, "advantages": 0.01, "training": training}
+        return {"phases": {k: {"seconds": v} for k, v in secs.items()}}
+
+    m = side_by_side.ddpo_tpu_phases([ddpo_epoch(4.0, 1.0), ddpo_epoch(9.0, 1.0), ddpo_epoch(0.2, 0.1),
+                                      ddpo_epoch(0.3, 0.1)])
+    assert (m["sampling_s"], m["training_s"]) == (0.3, 0.1) and m["epoch_s"] == pytest.approx(0.42)
+    assert m["warmup_s"] == pytest.approx(4.6) and m["all_s"] == pytest.approx(5.02 + 10.02 + 0.32 + 0.42)
+
+
+def test_on_a_cpu_both_sides_get_the_same_thread_count():
+    """A CPU topology pins OMP/MKL threads to 1 for both sides (or --threads); a GPU keeps torch's default."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    side_by_side.add_arguments(ap)
+    assert side_by_side.cpu_threads(ap.parse_args(["--topology", "eager_cpu"])) == 1
+    assert side_by_side.cpu_threads(ap.parse_args(["--topology", "gpu-1"])) is None
+    assert side_by_side.cpu_threads(ap.parse_args(["--topology", "eager_cpu", "--threads", "2"])) == 2
+    env = side_by_side.side_env(2, WANDB_MODE="disabled")
+    assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"], env["WANDB_MODE"]) == ("2", "2", "disabled")
+    assert side_by_side.side_env(None) == runner.clean_env()

@@ -12,7 +12,11 @@ The references run unmodified, from clones the user passes (never copied into th
 it pins first on PYTHONPATH (--ref-site: folders scripts/device_check.sh fills from scripts/device_wheels.sh's
 wheels), timed from outside by benchmarks/reference_harness.py. Epochs are shortened, never the model: the per-device
 batch sizes stay the references' (8 sampled / 4 trained for SD 1.4; 9 / 9 for SD 3.5 Medium), fewer batches and
-denoising steps make an epoch (both sides the same); epoch 0 compiles / warms up, the last epoch is measured.
+denoising steps make an epoch (both sides the same); epoch 0 compiles / warms up (reported apart), the measured
+epoch is the median (by its seconds) of the epochs after it: the last one when there are two. On a CPU both sides run
+with the same intra-op thread count, 1 unless --threads says otherwise (OMP_NUM_THREADS and MKL_NUM_THREADS): with
+torch's default (one thread a core) a 2-core machine shared with other work made either side's epoch 3-40x slower
+at random, depending on what else ran at that moment (docs/performance.md, "Where the tiny-SD3 epoch's time goes").
 Single-GPU adjustments, both sides alike: flow_grpo's KL term (beta > 0) calls `transformer.module`, which exists
 only under DDP (scripts/train_sd3.py@ac4c86e:877), so beta = 0 (kl_beta=0); groups of 9 (one GPU's batch) instead
 of 24 across 32 GPUs. On a CPU (--size tiny, the tests) the references run with `--config.mixed_precision=no`:
@@ -74,7 +78,10 @@ def add_arguments(ap) -> None:
     ap.add_argument("--pairs", nargs="+", choices=list(REFERENCES), default=list(REFERENCES))
     ap.add_argument("--size", choices=list(SIZES), default="full", help="full: SD 1.4 / SD 3.5 Medium; tiny: CPU")
     ap.add_argument("--topology", default="gpu-1", help="ddpo_tpu's tpu_topology (gpu-1; eager_cpu on a CPU)")
-    ap.add_argument("--epochs", type=int, default=2, help="epochs per side; the last one is measured")
+    ap.add_argument("--epochs", type=int, default=2, help="epochs per side; the median of those after the first "
+                    "is measured (3 or more on a shared CPU)")
+    ap.add_argument("--threads", type=int, help="intra-op threads of both sides (default: 1 on a CPU topology, "
+                    "torch's own on a GPU)")
     ap.add_argument("--cache-dir", type=Path, default=Path("~/.cache/ddpo_tpu/models"))
     ap.add_argument("--peak-tflops", type=float, help="the device's peak (default: by its name)")
     ap.add_argument("--json-out", type=Path, help="also write the rows here")
@@ -105,7 +112,7 @@ def row(pair: str, side: str, s: dict, m: dict, peak: float) -> dict:
             "MFU epoch %": round(100 * (sampling_tf + training_tf) / (m["epoch_s"] * peak), 2),
             "MFU training %": round(100 * training_tf / (m["training_s"] * peak), 2),
             "peak GiB": m.get("peak_gib"), "warm-up s": m.get("warmup_s"), "compile s": m.get("compile_s"),
-            "load s": m.get("load_s")}
+            "load s": m.get("load_s"), "threads": m.get("threads"), "machine load": m.get("machine_load")}
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -142,6 +149,29 @@ def bounded(cmd: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def side_env(threads: int | None, **extra: str) -> dict:
+    """The environment of either side: the same intra-op thread count for both when one is given."""
+    pinned = {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")} if threads else {}
+    return runner.clean_env(**pinned, **extra)
+
+
+def median_epoch(measured: list[dict]) -> dict:
+    """The epoch whose seconds are the median of the epochs after the first (warm-up), itself when it is the only
+    one: one slow epoch (another process on the cores, a page-cache miss) does not become the figure."""
+    later = sorted(measured[1:] or measured, key=lambda e: e["epoch_s"])
+    return later[(len(later) - 1) // 2]
+
+
+def ddpo_tpu_phases(epochs: list[dict]) -> dict:
+    """ddpo_tpu's epoch records (metrics.jsonl) -> the measured epoch's seconds and the warm-up, as the reference's."""
+    work = lambda e: sum(e["phases"][k]["seconds"] for k in ("sampling", "reward", "advantages", "training"))
+    per = [{"sampling_s": e["phases"]["sampling"]["seconds"], "training_s": e["phases"]["training"]["seconds"],
+            "epoch_s": work(e)} for e in epochs]
+    m = median_epoch(per)
+    return {**m, "warmup_s": round(per[0]["epoch_s"] - m["epoch_s"], 1) if len(per) > 1 else None,
+            "all_s": sum(p["epoch_s"] for p in per)}
+
+
 def ddpo_tpu_overrides(pair: str, s: dict, model_dir: Path, topology: str, epochs: int, prompts: Path) -> list[str]:
     cuda = not topology.startswith(("eager_cpu", "cpu"))
     common = [f"tpu_topology={topology}", "parity=none", f"num_epochs={epochs}", f"save_freq={epochs + 1}",
@@ -158,25 +188,22 @@ def ddpo_tpu_overrides(pair: str, s: dict, model_dir: Path, topology: str, epoch
             f"algorithm.group_size={s['batch']}", "algorithm.kl_beta=0", "train.ema_every=1", *common]
 
 
-def measure_ddpo_tpu(overrides: list[str], out_root: Path, timeout: float) -> dict:
+def measure_ddpo_tpu(overrides: list[str], out_root: Path, timeout: float, threads: int | None = None) -> dict:
     t0 = time.perf_counter()
     proc = bounded([sys.executable, "-m", "ddpo_tpu.train", *overrides, f"output_root={out_root}",
-                    "run_name=side_by_side"], runner.clean_env(), runner.REPO, timeout)
+                    "run_name=side_by_side"], side_env(threads), runner.REPO, timeout)
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"ddpo_tpu exited {proc.returncode}: {runner.failure(proc, 1500)}")
     run = out_root / "side_by_side"
     epochs = runner.read_records(run, "epoch")
-    last, first = epochs[-1], epochs[0]
-    work = lambda e: sum(e["phases"][k]["seconds"] for k in ("sampling", "reward", "advantages", "training"))
+    m = ddpo_tpu_phases(epochs)
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(run / "config.yaml")
-    return {"sampling_s": last["phases"]["sampling"]["seconds"], "training_s": last["phases"]["training"]["seconds"],
-            "epoch_s": work(last), "warmup_s": round(work(first) - work(last), 1) if len(epochs) > 1 else None,
-            "compile_s": round(sum(p["compile_seconds"] for p in first["phases"].values()), 1),
+    return {**m, "compile_s": round(sum(p["compile_seconds"] for p in epochs[0]["phases"].values()), 1),
             "peak_gib": max((e["device_peak_gib"] or 0) for e in epochs) or None,
-            "load_s": round(wall - sum(work(e) for e in epochs), 1),
+            "load_s": round(wall - m.pop("all_s"), 1),
             "precision": f"{cfg.model.dtype} weights, {cfg.train.mixed_precision} autocast", "wall_s": round(wall, 1)}
 
 
@@ -205,7 +232,7 @@ def reference_argv(pair: str, s: dict, model_dir: Path, epochs: int, cuda: bool,
 
 
 def phases_to_measure(record: dict, epochs: int) -> dict:
-    """The harness's phases -> the measured (last) epoch's seconds, the warm-up and the loading time."""
+    """The harness's phases -> the measured (median) epoch's seconds, the warm-up and the loading time."""
     ph = record["phases"]
 
     def epoch(n: int) -> dict:
@@ -216,18 +243,19 @@ def phases_to_measure(record: dict, epochs: int) -> dict:
         return {"sampling_s": sampling["end"] - sampling["start"], "training_s": training["end"] - training["start"],
                 "epoch_s": training["end"] - sampling["start"], "start": sampling["start"]}
 
-    last, first = epoch(epochs - 1), epoch(0)
+    per = [epoch(n) for n in range(epochs)]
+    measured, first = median_epoch(per), per[0]
     evals = [p for p in ph if p["desc"].startswith("Eval")]
     load_end = evals[0]["start"] if evals else first["start"]
-    return {**last, "warmup_s": round(first["epoch_s"] - last["epoch_s"], 1) if epochs > 1 else None,
+    return {**measured, "warmup_s": round(first["epoch_s"] - measured["epoch_s"], 1) if epochs > 1 else None,
             "peak_gib": record.get("peak_device_gib"), "load_s": round(load_end, 1),
             "eval_s": round(sum(p["end"] - p["start"] for p in evals), 1)}
 
 
 def measure_reference(pair: str, clone: Path, site: str, argv: list[str], work: Path, epochs: int,
-                      timeout: float) -> dict:
+                      timeout: float, threads: int | None = None) -> dict:
     out = work / "harness.json"
-    env = runner.clean_env(WANDB_MODE="disabled")
+    env = side_env(threads, WANDB_MODE="disabled")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (site, str(clone)) if p)  # the reference's packages, not ours
     harness = runner.REPO / "benchmarks" / "reference_harness.py"
     cmd = [sys.executable, str(harness), "--json", str(out), "--stop-after", str(epochs), "--",
@@ -291,6 +319,7 @@ def run_pair(pair: str, args, facts: dict, work: Path, deadline: float) -> list[
     clone = getattr(args, REFERENCES[pair][0].replace("-", "_"))
     sides.append((REFERENCES[pair][0], clone))
     sites = dict(args.ref_site)
+    threads = cpu_threads(args)
     for side, ref_clone in sides:
         side_work = work / side
         side_work.mkdir(parents=True, exist_ok=True)
@@ -302,20 +331,33 @@ def run_pair(pair: str, args, facts: dict, work: Path, deadline: float) -> list[
                 # sd14: ddpo_tpu's own build in the same cache; sd35: the directory the reference loads
                 model = Path(dirs["model" if pair == "sd14" else "reference_model"])
                 overrides = ddpo_tpu_overrides(pair, s, model, args.topology, args.epochs, prompts)
-                m = measure_ddpo_tpu(overrides, side_work, timeout)
+                load0 = os.getloadavg()[0]
+                m = measure_ddpo_tpu(overrides, side_work, timeout, threads)
                 m["command"] = shlex.join(["python", "-m", "ddpo_tpu.train", *overrides])
             elif ref_clone is None:
                 raise RuntimeError(f"no clone given (--{REFERENCES[pair][0].replace('_', '-')} PATH)")
             else:
                 argv = reference_argv(pair, s, Path(dirs["reference_model"]), args.epochs,
                                       facts["device"] != "cpu", side_work, prompts)
+                load0 = os.getloadavg()[0]
                 m = measure_reference(pair, ref_clone.resolve(), sites.get(pair, ""), argv, side_work, args.epochs,
-                                      timeout)
+                                      timeout, threads)
+            # the 1-minute load average when the side started and ended (2 cores: above ~1, others shared them)
+            m["threads"], m["machine_load"] = threads, f"{load0:.1f}-{os.getloadavg()[0]:.1f}"
+            if threads:
+                m["command"] = f"OMP_NUM_THREADS={threads} MKL_NUM_THREADS={threads} {m['command']}"
             rows.append(runner.progress({**row(pair, side, s, m, peak), "command": m["command"],
                                          "versions": m.get("versions"), "checkpoint build s": build_s}))
         except (RuntimeError, subprocess.TimeoutExpired, KeyError, IndexError, ValueError) as exc:
             rows.append(runner.progress({"pair": pair, "side": side, "failed": " ".join(str(exc).split())[:600]}))
     return rows
+
+
+def cpu_threads(args) -> int | None:
+    """--threads, else 1 for both sides on a CPU topology (see the module's docstring), else torch's default."""
+    if args.threads:
+        return args.threads
+    return 1 if args.topology.startswith(("eager_cpu", "cpu")) else None
 
 
 def run(args, report: runner.Report) -> dict:
@@ -332,7 +374,8 @@ def run(args, report: runner.Report) -> dict:
         f"{r['versions']['accelerate']}, peft {r['versions']['peft']})" if r.get("versions") else "")
         for r in rows if r.get("command"))
     report.add(f"Side by side on {facts['device']} (torch {facts['torch']}, CUDA {facts['cuda']}; peak {peak} "
-               f"TFLOP/s for MFU), size `{args.size}`, {args.epochs} epochs a side (the last measured):\n\n"
+               f"TFLOP/s for MFU), size `{args.size}`, {args.epochs} epochs a side (the median of those after the "
+               f"first measured), intra-op threads {cpu_threads(args) or 'torch default'} a side:\n\n"
                f"{runner.table(shown)}\n\n{runner.table(ratios(rows))}\n\nCommands:\n{commands}")
     result = {"device": facts, "rows": rows, "ratios": ratios(rows)}
     if args.json_out:
