@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ddpo_tpu.catalog import family
 from ddpo_tpu.diffusion.flow import FlowTables
-from ddpo_tpu.models.loading import ModelLoadError, frozen
+from ddpo_tpu.models.loading import ModelLoadError, family_load_failure, frozen
 
 TINY_FLUX_VERSION = "v1"
 FLUX_VAE_SCALING_FACTOR = 0.3611
@@ -198,17 +198,7 @@ class FluxComponents:
 
 
 def _load_failure(pretrained: str, revision: str | None, what: str, exc: BaseException | None = None) -> ModelLoadError:
-    from ddpo_tpu.models.loading import _short_reason
-
-    spec = family("flux")
-    where = f"model.pretrained={pretrained}" + (f" (model.revision={revision})" if revision else "")
-    reason = f" [{_short_reason(exc)}]" if exc is not None else ""
-    err = ModelLoadError(f"{where}: {what}{reason}. Fix: point model.pretrained at a diffusers FLUX.1 checkpoint "
-                         f"(its {', '.join(s + '/' for s in spec.subfolders)}), e.g. `hf download "
-                         f"{spec.example_hub_id} --local-dir DIR` on a machine with network (a gated repo: accept its "
-                         f"licence first), or use model=tiny_flux")
-    err.original = exc
-    return err
+    return family_load_failure("flux", "FLUX.1", "tiny_flux", pretrained, revision, what, exc, gated=True)
 
 
 def load_flux(pretrained: str | os.PathLike, revision: str | None = None, local_files_only: bool = True, *,

@@ -167,6 +167,22 @@ def frozen(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def family_load_failure(name: str, what_checkpoint: str, tiny: str, pretrained: str, revision: str | None,
+                        what: str, exc: BaseException | None = None, gated: bool = False) -> ModelLoadError:
+    """A flow family's checkpoint that did not load, in one line: the key, what went wrong and the fix (its
+    subfolders, the download command from its catalog entry, its tiny local build)."""
+    spec = family(name)
+    where = f"model.pretrained={pretrained}" + (f" (model.revision={revision})" if revision else "")
+    reason = f" [{_short_reason(exc)}]" if exc is not None else ""
+    licence = " (a gated repo: accept its licence first)" if gated else ""
+    err = ModelLoadError(f"{where}: {what}{reason}. Fix: point model.pretrained at a diffusers {what_checkpoint} "
+                         f"checkpoint (its {', '.join(s + '/' for s in spec.subfolders)}), e.g. `hf download "
+                         f"{spec.example_hub_id} --local-dir DIR` on a machine with network{licence}, or use "
+                         f"model={tiny}")
+    err.original = exc
+    return err
+
+
 def load_parts(pretrained, revision: str | None, local_files_only: bool, classes: dict, dtypes: dict,
                failure, checkpoint: str) -> dict:
     """Each part of a diffusers checkpoint (a local directory or a hub id) with ``classes[sub].from_pretrained(path,

@@ -35,8 +35,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ddpo_tpu.catalog import family
-from ddpo_tpu.models.loading import ModelLoadError, frozen
+from ddpo_tpu.models.loading import ModelLoadError, family_load_failure, frozen
 
 TINY_WAN_VERSION = "v1"
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the keys that decide its sigmas and timesteps)
@@ -156,16 +155,7 @@ class WanComponents:
 
 
 def _load_failure(pretrained: str, revision: str | None, what: str, exc: BaseException | None = None) -> ModelLoadError:
-    from ddpo_tpu.models.loading import _short_reason
-
-    spec = family("wan")
-    where = f"model.pretrained={pretrained}" + (f" (model.revision={revision})" if revision else "")
-    reason = f" [{_short_reason(exc)}]" if exc is not None else ""
-    err = ModelLoadError(f"{where}: {what}{reason}. Fix: point model.pretrained at a diffusers Wan 2.1 checkpoint "
-                         f"(its {', '.join(s + '/' for s in spec.subfolders)}), e.g. `hf download "
-                         f"{spec.example_hub_id} --local-dir DIR` on a machine with network, or use model=tiny_wan")
-    err.original = exc
-    return err
+    return family_load_failure("wan", "Wan 2.1", "tiny_wan", pretrained, revision, what, exc)
 
 
 def load_wan(pretrained: str | os.PathLike, revision: str | None = None, local_files_only: bool = True, *,
