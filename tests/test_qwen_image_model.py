@@ -164,8 +164,8 @@ def test_one_epoch_samples_scores_and_trains(tmp_path, model_cache):
     """One eager GRPO epoch with flow_grpo's guidance (true CFG at sampling and training) and the smoke's window."""
     from PIL import Image
 
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
     from tests.helpers import read_metrics
 

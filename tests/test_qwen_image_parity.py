@@ -224,7 +224,7 @@ def test_guidance_one_is_the_conditional_pass_and_guidance_rescales_as_the_refer
 
 
 def test_training_log_prob_mean_std_and_kl_equal_train_qwenimage_compute_log_prob(family):
-    from ddpo_tpu.ddpo.grpo import kl_to_reference
+    from ddpo_tpu.algorithms.grpo import kl_to_reference
 
     fam, prompts = family, ["a cat", "a dog riding a bike"]
     cond, uncond = fam.encode(prompts), fam.encode([""] * 2)

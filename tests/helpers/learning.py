@@ -19,8 +19,8 @@ def smoke_rewards(tmp_path: Path, model_cache, experiment: str, epochs: int, kl_
     import torch
 
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     torch.set_num_threads(1)
