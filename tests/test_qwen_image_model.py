@@ -145,6 +145,12 @@ def test_the_family_composes_and_the_memory_rule_reads_its_figures(model_cache):
     split = compose_and_validate(real + ["tpu_topology=gpu-8", "tpu_topology.mesh.fsdp=2",
                                          "tpu_topology.mesh.dp=4"]).cfg
     assert memory.resident_gib(split) == pytest.approx(44.0, abs=0.1) and not memory.activation_checkpointing(split)
+    from tests.helpers import REPO
+
+    prompts = f"prompts.file={REPO / 'README.md'}"  # any text file
+    pickscore = compose_and_validate(["+experiment=qwen_image_grpo_pickscore", prompts]).cfg
+    assert memory.activation_checkpointing(pickscore)  # flow_grpo's run: 8 x 80 GiB GPUs, checkpointed as it does
+    assert (pickscore.sample.noise_level, pickscore.sample.sde_window.size, pickscore.train.cfg) == (1.2, 2, True)
     with pytest.raises(ConfigError) as e:  # a 32 GiB chip holds neither the models whole nor one sample at fsdp 8
         compose_and_validate(real + ["tpu_topology=v6e-8", "tpu_topology.mesh.fsdp=8", "tpu_topology.mesh.dp=1"])
     (p,) = e.value.problems
@@ -181,3 +187,23 @@ def test_one_epoch_samples_scores_and_trains(tmp_path, model_cache):
     (step,) = read_metrics(tmp_path, "step")
     assert np.isfinite(step["loss"]) and step["kl"] >= 0
     assert Image.open(tmp_path / "samples" / "epoch_0000.png").size == (4 * 32, 32)
+
+
+def test_one_diffusion_nft_epoch_trains_on_the_velocity(tmp_path, model_cache):
+    """DiffusionNFT (ODE rollouts, the forward-process velocity SD3Family gives the family) runs its epoch here too;
+    the official integer rollout timesteps are SD 3's and refused for this family."""
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import loop
+    from tests.helpers import read_metrics
+
+    base = ["+experiment=nft_smoke", "model=tiny_qwen_image", f"model.cache_dir={model_cache}", "num_epochs=1",
+            "sample.num_batches_per_epoch=1"]
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(base)
+    assert [p.key for p in e.value.problems] == ["algorithm.integer_rollout_timesteps"]
+    v = compose_and_validate(base + ["algorithm.integer_rollout_timesteps=false"])
+    loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree,
+                 stop=SimpleNamespace(requested=False)).fit()
+    (epoch,) = read_metrics(tmp_path, "epoch")
+    assert np.isfinite(epoch["reward_mean"]) and len(read_metrics(tmp_path, "step")) >= 1

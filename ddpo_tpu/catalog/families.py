@@ -279,8 +279,8 @@ WAN = FAMILIES.register(FamilySpec(
 
 # --- Qwen-Image ------------------------------------------------------------------------------------------------------
 # Packed 2x2 latents as FLUX's, Qwen2.5-VL's masked prompt states, true CFG with the norm rescaling, Flow-GRPO's SDE
-# step (sampler flow_sde: flow_grpo's Qwen-Image code calls its SD 3 step). The LoRA layers: QwenImageTransformer2DModel's
-# module paths (Qwen-Image's config and the tiny build on the meta device: tests/test_qwen_image_model.py).
+# step (sampler flow_sde: flow_grpo's Qwen-Image code calls its SD 3 step). The LoRA layers: the module paths of
+# QwenImageTransformer2DModel (Qwen-Image's config and the tiny build on the meta device: test_qwen_image_model.py).
 # Qwen/Qwen-Image's parts in billions of values (diffusers' QwenImageTransformer2DModel and AutoencoderKLQwenImage,
 # transformers' Qwen2_5_VLForConditionalGeneration built with the checkpoint's configs on the meta device): the
 # transformer (60 double-stream blocks of 0.340), Qwen2.5-VL 7B whole (its vision tower 0.677 and LM head 0.545
@@ -292,7 +292,7 @@ QWEN_IMAGE_BILLIONS = {"transformer": 20.430, "text_encoder": 8.292, "vae": 0.12
 # flow_grpo's 8-GPU config: 3 packed latents of 1024 x 64 in its 2-step window, 128 x 3584 prompt states) ~0.1 GiB;
 # ~1 GiB for the runtime and fragmentation. Whole on every chip, as FLUX's.
 QWEN_IMAGE_STATE_GIB = 0.4247 * 20 * 1e9 / GIB + 0.1 + 1.0
-# One Qwen-Image transformer evaluation at 512 px: 1024 image tokens + 128 prompt tokens (models/qwen_image.TEXT_TOKENS),
+# One Qwen-Image transformer evaluation at 512 px: 1024 image tokens + 128 prompt tokens (the family's TEXT_TOKENS),
 # LoRA as model=qwen_image. (1) float32: the bytes autograd saves in a forward + backward at full width (3072, 24 heads
 # of 128) with random weights on eager CPU, 1 and 2 blocks deep, batch 1: 0.240 GiB with one block and the embedders,
 # 0.239 per further block (FLUX.1's double block measured the same), extrapolated to 60 blocks: 14.37 GiB (peak RSS:
