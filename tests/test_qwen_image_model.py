@@ -55,6 +55,9 @@ def test_build_is_cached_and_loads_through_from_pretrained(model_cache, tiny_pat
                                                                                          0.9)
     assert not any(p.requires_grad for m in (comps.transformer, comps.text_encoder, comps.vae) for p in m.parameters())
     assert comps.vae_scale_factor == pipe.vae_scale_factor == 4
+    # the decoder's residual branches start at zero (models/wan._pass_latents_through): images follow the latents
+    blocks = [m for m in comps.vae.decoder.modules() if type(m).__name__ == "QwenImageResidualBlock"]
+    assert blocks and not any(b.conv2.weight.any() for b in blocks)
     assert torch.equal(pipe.transformer.proj_out.weight, comps.transformer.proj_out.weight)
 
 

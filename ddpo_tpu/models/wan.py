@@ -76,7 +76,8 @@ def _build_vae():
 def _pass_latents_through(decoder, prefix: str = "Wan") -> None:
     """Zero the last conv of every residual branch of the decoder (and its attention's projection): each block starts
     as the identity (plus its shortcut), so the decoded video is a function of the latents, not one random texture.
-    ``prefix``: the classes' (Wan's VAE blocks; AutoencoderKLQwenImage has the same blocks as QwenImage...)."""
+    ``prefix`` names the block classes: "Wan" (AutoencoderKLWan), "QwenImage" (AutoencoderKLQwenImage: Wan's blocks
+    under its own names)."""
     with torch.no_grad():
         for name, module in decoder.named_modules():
             if type(module).__name__ == f"{prefix}ResidualBlock":
