@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
+from ddpo_tpu.rundir.storage_faults import DEFAULT_TIMEOUT_S
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, Registry
 from ddpo_tpu.catalog.families import all_builders
 
@@ -278,7 +279,7 @@ class RunConfig(_Strict):
     run_name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     output_root: str
     # gs:// output roots: how long a request waits out an unreachable bucket before the run stops (ddpo_tpu/rundir/storage.py)
-    storage_timeout_s: float = Field(default=300.0, gt=0)
+    storage_timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     seed: int = Field(ge=0, lt=2**31)
     num_epochs: int = Field(ge=1)
     save_freq: int = Field(ge=1)

@@ -28,7 +28,6 @@ from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.algorithms.base import make_algorithm
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
 from ddpo_tpu.training.state import EMA, TrainState
@@ -69,6 +68,14 @@ class EpochSamples:
     advantages: torch.Tensor    # (N,)
     weights: torch.Tensor       # (N,) loss weight of each sample (GRPO's zero-advantage filter; else 1)
     orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
+
+
+def make_algorithm(cfg):
+    """The run's algorithm (the `Algorithm` protocol of algorithms/base.py), found through its catalog spec: the loop
+    names no algorithm, as it names no family."""
+    from ddpo_tpu.catalog import ALGORITHMS, load_object
+
+    return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
 
 
 class NonFinite(RuntimeError):
