@@ -143,6 +143,7 @@ def test_for_videos_wraps_image_rewards_by_their_reduction_and_passes_videos_to_
     assert reward.last_components["frame_consistency"].shape == (2,)  # one value a video, not a frame
     np.testing.assert_allclose(total, per_frame.min(axis=1) + 0.5 * reward.last_components["frame_consistency"],
                                rtol=1e-5)
-    run = compose_and_validate(["+experiment=wan_grpo_smoke", f"model.cache_dir={model_cache}", "reward=frame_consistency"])
+    run = compose_and_validate(["+experiment=wan_grpo_smoke", f"model.cache_dir={model_cache}",
+                                "reward=frame_consistency"])
     alone = reward_from_config(run.cfg.reward, model_cache_dir=model_cache, device="cpu")
     assert for_videos(alone, run.cfg.reward) is alone  # a video reward is not wrapped

@@ -5,8 +5,8 @@ UniPC scheduler's flow sigmas, as yifan123/flow_grpo's ``scripts/train_wan2_1.py
 Everything downstream of the family is the image loop's: trajectories are (B, T + 1, C, f, h, w), the step's
 log-prob is a mean over all latent elements (frames included), GRPO's KL compares the step means. What differs:
 ``decode`` returns uint8 videos (B, F, H, W, 3); ``wrap_reward`` makes an image reward score every frame and reduce
-over frames by its ``frame_reduction`` key, and passes a video reward the videos (``rewards/video.py``); ``stills``
-lays each video's frames side by side for the sample grid.
+over frames by its ``frame_reduction`` key, and passes a video reward the videos (``rewards/video.py``); the run's
+samples are written as mp4 files with a contact sheet (``RunDir.save_videos``).
 
 Guidance is classifier-free with two transformer passes (conditional, then unconditional), as flow_grpo's Wan
 pipeline and compute_log_prob do; the unconditional prompt is "" encoded like any prompt.
@@ -125,8 +125,3 @@ class WanFamily(SD3Family):
         from ddpo_tpu.rewards.video import for_videos
 
         return for_videos(reward, self.cfg.reward)
-
-    def stills(self, images):
-        from ddpo_tpu.rewards.video import contact_strips
-
-        return contact_strips(images)

@@ -65,8 +65,3 @@ def for_videos(reward: Reward, cfg: Any) -> Reward:
 def _for_videos(reward: Reward, cfg: Any) -> Reward:
     return reward if REWARDS.get(cfg.name).takes == "videos" else PerFrame(reward, cfg.frame_reduction)
 
-
-def contact_strips(videos: np.ndarray) -> np.ndarray:
-    """(B, F, H, W, 3) -> (B, H, F * W, 3): each video's frames side by side, a still for the sample grid."""
-    b, f, h, w, c = videos.shape
-    return np.ascontiguousarray(videos.transpose(0, 2, 1, 3, 4).reshape(b, h, f * w, c))
