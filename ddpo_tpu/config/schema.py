@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 from ddpo_tpu.rundir.storage_faults import DEFAULT_TIMEOUT_S
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, Registry
 from ddpo_tpu.catalog.families import all_builders
+from ddpo_tpu.catalog.rewards import FrameReductionKeys
 
 
 class _Strict(BaseModel):
@@ -83,9 +84,16 @@ def _tagged_union(models: list[type[BaseModel]]) -> Any:
 
 
 _LEAF_REWARDS = [r for r in REWARDS if not r.composite]
+
+
+def _frames(spec) -> tuple[type[BaseModel], ...]:
+    """An image reward's frame_reduction key (how a video family reduces its frames' scores); a video reward has none."""
+    return (FrameReductionKeys,) if spec.takes == "images" else ()
+
+
 # a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
 RewardComponent = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Component",
-                                              __base__=(_Component, r.keys)) for r in _LEAF_REWARDS])
+                                              __base__=(_Component, r.keys, *_frames(r))) for r in _LEAF_REWARDS])
 
 
 class WeightedConfig(_RunReward):
@@ -94,7 +102,7 @@ class WeightedConfig(_RunReward):
 
 
 RewardConfig = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Config",
-                                           __base__=(_RunReward, r.keys)) for r in _LEAF_REWARDS]
+                                           __base__=(_RunReward, r.keys, *_frames(r))) for r in _LEAF_REWARDS]
                              + [WeightedConfig])
 
 

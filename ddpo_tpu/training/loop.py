@@ -54,7 +54,7 @@ class SampledEpoch:
     conds: list[Cond]
     prompts: list[str]
     pending_rewards: list        # per batch: a Future or an array
-    first_images: np.ndarray     # the first batch's uint8 images (for the grid)
+    first_images: np.ndarray     # the first batch's uint8 images, or a video family's videos (the samples' files)
 
 
 @dataclass
@@ -292,7 +292,7 @@ class Trainer:
             out.conds.append(cond)
             out.prompts.extend(prompts)
             if out.first_images is None:
-                out.first_images = self.family.stills(images)  # a video family: its frames side by side
+                out.first_images = images
             if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
                 rt.sync()
             self.events.emit(ev.SamplingBatch(epoch, b + 1, n))
@@ -364,7 +364,7 @@ class Trainer:
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt,
                **({"before_training": True} if epoch == ev.BEFORE_TRAINING else {})}
-        self.report.evaluation(rec, self.family.stills(images), prompts, rewards)
+        self.report.evaluation(rec, images, prompts, rewards)
         return rec
 
     # --- training -----------------------------------------------------------------------------------------------
