@@ -48,8 +48,7 @@ def training_activation_gib(cfg: RunConfig, k: int, batch: int | None = None, pr
     evals = k * (batch or cfg.train.batch_size) * (2 if cfg.train.cfg else 1)
     if checkpointed is None:
         checkpointed = activation_checkpointing(cfg)
-    table = mem.checkpointed_gib_per_eval_512 if checkpointed else mem.activation_gib_per_eval_512
-    return evals * table[precision or cfg.train.mixed_precision]
+    return evals * mem.per_eval_gib(cfg.model, precision or cfg.train.mixed_precision, checkpointed)
 
 
 def activation_budget(cfg: RunConfig, resident: float | None = None) -> float | None:
@@ -136,7 +135,7 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
                                 f"about {resident_gib(cfg):.1f} GiB hold the models", fix))
     spec = family(cfg.model.family)
     if not cfg.model.lora.enabled and estimates_memory(topo) and spec.memory is not None:
-        need = spec.memory.full_finetune_gib
+        need = lambda k: spec.memory.full_finetune_gib(cfg.model, k)  # noqa: E731
         fsdp = _fsdp(cfg)
         if topo.hbm_gib_per_chip < need(fsdp):
             fits = [k for k in range(2, topo.chips_per_host + 1) if topo.chips % k == 0
@@ -183,6 +182,8 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
     if cfg.model.dtype == "float32" and (training_activation_gib(cfg, 1, batch=1, precision="bf16")
                                         <= hbm - resident_gib(cfg, dtype="bfloat16")):
         options.append({"model.dtype": "bfloat16", "train.mixed_precision": "bf16", "train.batch_size": 1})
+    if not options:
+        options = _combined_options(cfg)
     if resident >= hbm:
         reason = (f"the models, trained state and sampling buffers alone need about {resident:.1f} GiB per chip "
                   f"(estimate), the {topo.name} chip has {hbm:g} GiB")
@@ -192,3 +193,29 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
            "no setting of this topology fits one sample: use chips with more HBM (v6e, v4: 32 GiB)" if hbm < 32 else
            "no setting fits one sample on these chips")
     return Problem("tpu_topology.name", topo.name, reason, fix)
+
+
+def _combined_options(cfg: RunConfig) -> list[dict]:
+    """When no one setting makes room for one sample: the frozen weights over the host's widest fsdp with activation
+    checkpointing, and for a video family (catalog frame_step) the longest video that then fits."""
+    topo, spec = cfg.tpu_topology, family(cfg.model.family)
+    hbm, mem = topo.hbm_gib_per_chip, spec.memory
+    fsdps = [k for k in range(1, topo.chips_per_host + 1) if topo.chips % k == 0 and topo.chips_per_host % k == 0]
+    k = max(fsdps) if topo.execution in MULTI_DEVICE and mem.fsdp_splits_frozen_weights else _fsdp(cfg)
+    room = hbm - resident_gib(cfg, fsdp=k)
+    base = ({"tpu_topology.mesh.fsdp": k, "tpu_topology.mesh.dp": topo.chips // k} if k != _fsdp(cfg) else {})
+    base |= {"train.activation_checkpointing": True, "train.batch_size": 1}
+    evals = 2 if cfg.train.cfg else 1
+
+    def fits(model) -> bool:
+        return evals * mem.per_eval_gib(model, cfg.train.mixed_precision, True) <= room
+
+    if room <= 0:
+        return []
+    if fits(cfg.model):
+        return [base]
+    step, n = spec.frame_step, cfg.model.num_frames
+    if step is None or n is None:
+        return []
+    shorter = [f for f in range(n - step, 0, -step) if fits(cfg.model.model_copy(update={"num_frames": f}))]
+    return [base | {"model.num_frames": shorter[0]}] if shorter else []
