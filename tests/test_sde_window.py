@@ -78,8 +78,8 @@ def test_a_window_trains_its_steps():
 # GRPO with windows on an image family and on video (Wan: 5-D latents, its own SDE step, the Euler ODE outside)
 @pytest.fixture(scope="module", params=[FLOW, ["+experiment=wan_grpo_smoke"]], ids=["sd3", "wan"])
 def trainer(tmp_path_factory, model_cache, request):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.training import loop
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate([*request.param, f"model.cache_dir={model_cache}", "reward.host_workers=0",
@@ -153,8 +153,8 @@ def test_a_random_window_run_resumes_to_the_same_weights(tmp_path, model_cache):
     import torch
     from safetensors.torch import load_file
 
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     def fit(run_dir, epochs: int):

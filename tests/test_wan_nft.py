@@ -35,9 +35,9 @@ def test_nft_composes_on_wan_and_keeps_its_rules():
 
 @pytest.mark.parametrize("solver", ["euler", pytest.param("dpm2", marks=pytest.mark.slow)])  # the official solver
 def test_one_nft_epoch_on_the_tiny_wan_moves_the_weights(tmp_path, model_cache, solver):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import loop
     from tests.helpers import read_metrics
 
     v = compose_and_validate([*NFT_WAN, *ONE_EPOCH, f"model.cache_dir={model_cache}", f"sample.ode_solver={solver}"])
