@@ -196,15 +196,19 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
 
 
 def _combined_options(cfg: RunConfig) -> list[dict]:
-    """When no one setting makes room for one sample: the frozen weights over the host's widest fsdp with activation
-    checkpointing, and for a video family (catalog frame_step) the longest video that then fits."""
+    """When no one setting makes room for one sample: the frozen weights over the host's widest fsdp (a single chip:
+    over the same chips' 8-chip host, where conf/tpu_topology has one) with activation checkpointing and batch 1,
+    and for a video family (catalog frame_step) the longest video that then fits."""
     topo, spec = cfg.tpu_topology, family(cfg.model.family)
-    hbm, mem = topo.hbm_gib_per_chip, spec.memory
-    fsdps = [k for k in range(1, topo.chips_per_host + 1) if topo.chips % k == 0 and topo.chips_per_host % k == 0]
-    k = max(fsdps) if topo.execution in MULTI_DEVICE and mem.fsdp_splits_frozen_weights else _fsdp(cfg)
-    room = hbm - resident_gib(cfg, fsdp=k)
-    base = ({"tpu_topology.mesh.fsdp": k, "tpu_topology.mesh.dp": topo.chips // k} if k != _fsdp(cfg) else {})
+    mem, k, base = spec.memory, _fsdp(cfg), {}
+    if mem.fsdp_splits_frozen_weights and topo.execution in MULTI_DEVICE:
+        k = max(d for d in range(1, topo.chips_per_host + 1) if topo.chips % d == 0 and topo.chips_per_host % d == 0)
+    elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := _host_of(topo)) is not None:
+        k, base = host[1], {"tpu_topology": host[0]}
+    if k != _fsdp(cfg):
+        base |= {"tpu_topology.mesh.fsdp": k, "tpu_topology.mesh.dp": (topo.chips if not base else k) // k}
     base |= {"train.activation_checkpointing": True, "train.batch_size": 1}
+    room = topo.hbm_gib_per_chip - resident_gib(cfg, fsdp=k)
     evals = 2 if cfg.train.cfg else 1
 
     def fits(model) -> bool:
@@ -219,3 +223,19 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
         return []
     shorter = [f for f in range(n - step, 0, -step) if fits(cfg.model.model_copy(update={"num_frames": f}))]
     return [base | {"model.num_frames": shorter[0]}] if shorter else []
+
+
+def _host_of(topo) -> tuple[str, int] | None:
+    """The 8-chip single-host topology of a single chip's kind with its HBM (v6e-1 -> v6e-8), if conf has one."""
+    import yaml
+
+    from ddpo_tpu.config.compose import conf_dir
+
+    name = f"{topo.name.rsplit('-', 1)[0]}-8"
+    path = conf_dir() / "tpu_topology" / f"{name}.yaml"
+    if name == topo.name or not path.is_file():
+        return None
+    t = yaml.safe_load(path.read_text())
+    same = t.get("accelerator") == topo.accelerator and t.get("hbm_gib_per_chip") == topo.hbm_gib_per_chip
+    whole = same and t.get("hosts") == 1 and t.get("chips") == t["chips_per_host"]
+    return (name, t["chips_per_host"]) if whole else None
