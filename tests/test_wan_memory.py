@@ -122,3 +122,16 @@ def test_tokens_follow_the_video_and_the_figures_grow_with_them():
     mem = family("wan").memory
     assert mem.per_eval_gib(short, "bf16", False) < mem.per_eval_gib(cfg.model, "bf16", False)
     assert mem.per_eval_gib(cfg.model, "bf16", True) < mem.per_eval_gib(cfg.model, "bf16", False)
+
+
+def test_the_figures_read_a_local_checkpoints_transformer_config(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    small = wm.WAN21_T2V["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(dict(small, patch_size=list(small["patch_size"]))))
+    local = wm.transformer_config(SimpleNamespace(pretrained=str(tmp_path)))
+    assert wm.transformer_parameters(local) == wm.transformer_parameters(small)
+    # an unknown hub id: the class defaults, the 14B's widths (a refusal errs toward safety)
+    assert wm.transformer_config(SimpleNamespace(pretrained="someone/wan-finetune")) == wm.DEFAULT_CONFIG
