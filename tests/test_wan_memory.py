@@ -10,6 +10,7 @@ import torch
 
 from ddpo_tpu.catalog import family
 from ddpo_tpu.catalog import wan_memory as wm
+from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config import memory
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
@@ -119,9 +120,9 @@ def test_tokens_follow_the_video_and_the_figures_grow_with_them():
     assert wm.tokens(cfg.model) == 9 * 15 * 26  # flow_grpo's 33 x 240 x 416: 9 latent frames of 15 x 26 patches
     short = cfg.model.model_copy(update={"num_frames": 17})
     assert wm.tokens(short) == 5 * 15 * 26
-    mem = family("wan").memory
-    assert mem.per_eval_gib(short, "bf16", False) < mem.per_eval_gib(cfg.model, "bf16", False)
-    assert mem.per_eval_gib(cfg.model, "bf16", True) < mem.per_eval_gib(cfg.model, "bf16", False)
+    full, shorter = memory_of(family("wan"), cfg.model), memory_of(family("wan"), short)
+    assert shorter.activation_gib_per_eval_512["bf16"] < full.activation_gib_per_eval_512["bf16"]
+    assert full.checkpointed_gib_per_eval_512["bf16"] < full.activation_gib_per_eval_512["bf16"]
 
 
 def test_the_figures_read_a_local_checkpoints_transformer_config(tmp_path):

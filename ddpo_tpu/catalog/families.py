@@ -19,26 +19,16 @@ GIB = 2 ** 30
 
 @dataclass(frozen=True)
 class FamilyMemory:
-    """Per-chip memory figures of a member of the family (estimates for the HBM rules; each figure says how it was
-    measured): per evaluation at 512 px keyed by train.mixed_precision ("no", "bf16"), or a function of the model
-    config (activation_gib)."""
+    """Per-chip memory figures of an SD-sized member of the family at 512 px (estimates for the HBM rules; each
+    figure says how it was measured). Per-evaluation figures are keyed by train.mixed_precision ("no", "bf16")."""
 
+    activation_gib_per_eval_512: Mapping[str, float]    # kept for the backward of one denoiser evaluation
+    checkpointed_gib_per_eval_512: Mapping[str, float]  # the same with activation checkpointing
     # (model config, fsdp, weight dtype) -> GiB held through training besides a micro-step's activations
     resident_gib: Callable[[Any, int, str], float]
-    # (model config, fsdp) -> GiB per chip of a full fine-tune (no LoRA) with AdamW
-    full_finetune_gib: Callable[[Any, int], float]
-    activation_gib_per_eval_512: Mapping[str, float] = field(default_factory=dict)  # kept for the backward of one
-    checkpointed_gib_per_eval_512: Mapping[str, float] = field(default_factory=dict)  # evaluation; with checkpointing
+    # fsdp -> GiB per chip of a full fine-tune (no LoRA) with AdamW
+    full_finetune_gib: Callable[[int], float]
     fsdp_splits_frozen_weights: bool = False  # whether a larger mesh.fsdp lowers resident_gib (a fix to offer)
-    # families whose tokens follow the config (video: frames x patches per frame): (model config, mixed precision,
-    # checkpointed) -> GiB of one evaluation, in place of the 512 px tables
-    activation_gib: Callable[[Any, str, bool], float] | None = None
-
-    def per_eval_gib(self, model, precision: str, checkpointed: bool) -> float:
-        """GiB one denoiser evaluation of one sample keeps for the backward."""
-        if self.activation_gib is not None:
-            return self.activation_gib(model, precision, checkpointed)
-        return (self.checkpointed_gib_per_eval_512 if checkpointed else self.activation_gib_per_eval_512)[precision]
 
 
 @dataclass(frozen=True)
@@ -60,7 +50,9 @@ class FamilySpec:
     resolution_multiple: int | None = None
     # video families: the VAE's temporal compression; model.num_frames must then be 1 + a multiple of it (None: images)
     frame_step: int | None = None
-    memory: FamilyMemory | None = None       # None: no HBM estimate for this family
+    # None: no HBM estimate for this family; a function of the model config where the figures follow it (a video's
+    # tokens: frames x patches), giving that model's figures (its per-evaluation tables at its own size, not 512 px)
+    memory: FamilyMemory | Callable[[Any], FamilyMemory] | None = None
     # how sample.guidance_scale is applied: "cfg" = classifier-free guidance (an unconditional pass beside the
     # conditional one, train.cfg repeats it at train time); "embedded" = a guidance-distilled model reads the scale
     # as an input embedding (one pass, no unconditional prompt; train.cfg must be false)
@@ -72,6 +64,11 @@ FAMILIES: Registry[FamilySpec] = Registry("model family")
 
 def family(name: str) -> FamilySpec:
     return FAMILIES.get(name)
+
+
+def memory_of(spec: FamilySpec, model) -> FamilyMemory | None:
+    """The family's memory figures for this model config (None: not estimated)."""
+    return spec.memory(model) if callable(spec.memory) else spec.memory
 
 
 def family_of_builder(builder: str) -> FamilySpec | None:
@@ -124,7 +121,7 @@ SD1 = FAMILIES.register(FamilySpec(
                                                 + CKPT_XLA_SCORES_RATIO * SD1_ATTENTION_SCORES_GIB_512, 2)
                                        for k, v in SD1_EAGER_GIB.items()},
         resident_gib=lambda model, fsdp, dtype: SD1_RESIDENT_GIB,
-        full_finetune_gib=lambda model, fsdp: SD1_FULL_STATE_GIB / fsdp + SD1_FULL_WHOLE_GIB,
+        full_finetune_gib=lambda fsdp: SD1_FULL_STATE_GIB / fsdp + SD1_FULL_WHOLE_GIB,
     ),
 ))
 
@@ -161,7 +158,7 @@ def _sd3_resident_gib(model, fsdp: int, dtype: str) -> float:
     return (frozen * size + b["vae"] * 4) * 1e9 / GIB + SD3_STATE_GIB
 
 
-def _sd3_full_finetune_gib(model, fsdp: int) -> float:
+def _sd3_full_finetune_gib(fsdp: int) -> float:
     # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp, the rest whole
     b = SD35_MEDIUM_BILLIONS
     whole = (b["pos_embed"] + b["clips"] + b["vae"]) * 4 * 1e9 / GIB + SD3_STATE_GIB
@@ -228,7 +225,7 @@ def _flux_resident_gib(model, fsdp: int, dtype: str) -> float:
     return ((b["transformer"] / fsdp + b["clip"] + b["t5"]) * size + b["vae"] * 4) * 1e9 / GIB + FLUX_STATE_GIB
 
 
-def _flux_full_finetune_gib(model, fsdp: int) -> float:
+def _flux_full_finetune_gib(fsdp: int) -> float:
     # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; the text encoders in
     # bfloat16 (as flow_grpo casts them) and the VAE in float32 whole, and the epoch's samples and runtime
     b = FLUX1_DEV_BILLIONS
@@ -287,10 +284,5 @@ WAN = FAMILIES.register(FamilySpec(
     # latent frames (diffusers 0.42.1 pipelines/wan/pipeline_wan.py:494-498: WanPipeline.__call__ warns on any other
     # count and samples F // 4 * 4 + 1 instead; :341 the latent frames)
     frame_step=4,
-    memory=FamilyMemory(
-        resident_gib=wan_memory.resident_gib,
-        full_finetune_gib=wan_memory.full_finetune_gib,
-        activation_gib=wan_memory.activation_gib,
-        fsdp_splits_frozen_weights=True,
-    ),
+    memory=wan_memory.figures,
 ))

@@ -135,6 +135,20 @@ def resident_gib(model, fsdp: int, dtype: str) -> float:
     return (frozen + lora_values(model, c) * 20) / GIB + STATE_GIB
 
 
+def figures(model):
+    """This model config's FamilyMemory (the catalog's WAN spec calls it): the per-evaluation tables at its own video
+    size, keyed by train.mixed_precision, and the resident and full fine-tune figures of its transformer."""
+    from ddpo_tpu.catalog.families import FamilyMemory
+
+    return FamilyMemory(
+        activation_gib_per_eval_512={p: activation_gib(model, p, False) for p in ("no", "bf16")},
+        checkpointed_gib_per_eval_512={p: activation_gib(model, p, True) for p in ("no", "bf16")},
+        resident_gib=resident_gib,
+        full_finetune_gib=lambda fsdp: full_finetune_gib(model, fsdp),
+        fsdp_splits_frozen_weights=True,
+    )
+
+
 def full_finetune_gib(model, fsdp: int) -> float:
     """The transformer x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; UMT5 (bf16) and the VAE whole."""
     whole = (UMT5_XXL_BILLIONS * 2 + VAE_BILLIONS * 4) * 1e9 / GIB + STATE_GIB

@@ -6,6 +6,7 @@ benchmark that measured it); on TPU topologies and the distributed execution's G
 from __future__ import annotations
 
 from ddpo_tpu.catalog import family
+from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config.batch import Totals, num_train_timesteps, product_fix, totals
 from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
 from ddpo_tpu.problems import Fix, Problem
@@ -24,6 +25,11 @@ def estimates_memory(topo) -> bool:
     return bool(topo.hbm_gib_per_chip) and (topo.accelerator.startswith("tpu") or topo.execution == "distributed")
 
 
+def _memory(cfg: RunConfig):
+    """The model family's memory figures for this model config (catalog FamilyMemory; None: not estimated)."""
+    return memory_of(family(cfg.model.family), cfg.model)
+
+
 def _fsdp(cfg: RunConfig) -> int:
     topo = cfg.tpu_topology
     return topo.mesh.fsdp if topo.execution in MULTI_DEVICE else 1
@@ -32,7 +38,7 @@ def _fsdp(cfg: RunConfig) -> int:
 def resident_gib(cfg: RunConfig, fsdp: int | None = None, dtype: str | None = None) -> float:
     """GiB of a chip held through training besides the micro-step's activations: frozen models, trained state,
     sampling buffers. `fsdp` and `dtype` ask "what if" (default: the config's). 0 for a family without figures."""
-    mem = family(cfg.model.family).memory
+    mem = _memory(cfg)
     if mem is None:
         return 0.0
     return mem.resident_gib(cfg.model, fsdp or _fsdp(cfg), dtype or cfg.model.dtype)
@@ -42,13 +48,14 @@ def training_activation_gib(cfg: RunConfig, k: int, batch: int | None = None, pr
                             checkpointed: bool | None = None) -> float:
     """Estimated activations of one fused training micro-step: k timesteps x train batch (x2 with CFG) evaluations.
     `batch`, `precision` and `checkpointed` ask "what if" (default: the config's)."""
-    mem = family(cfg.model.family).memory
+    mem = _memory(cfg)
     if mem is None:
         return 0.0
     evals = k * (batch or cfg.train.batch_size) * (2 if cfg.train.cfg else 1)
     if checkpointed is None:
         checkpointed = activation_checkpointing(cfg)
-    return evals * mem.per_eval_gib(cfg.model, precision or cfg.train.mixed_precision, checkpointed)
+    table = mem.checkpointed_gib_per_eval_512 if checkpointed else mem.activation_gib_per_eval_512
+    return evals * table[precision or cfg.train.mixed_precision]
 
 
 def activation_budget(cfg: RunConfig, resident: float | None = None) -> float | None:
@@ -56,7 +63,7 @@ def activation_budget(cfg: RunConfig, resident: float | None = None) -> float | 
     estimated (small local builds, families without figures). Negative when the models alone do not fit."""
     spec = family(cfg.model.family)
     small = cfg.model.builder is not None and cfg.model.builder not in spec.full_size_builders
-    if not estimates_memory(cfg.tpu_topology) or spec.memory is None or small:
+    if not estimates_memory(cfg.tpu_topology) or _memory(cfg) is None or small:
         return None
     return cfg.tpu_topology.hbm_gib_per_chip - (resident_gib(cfg) if resident is None else resident)
 
@@ -134,8 +141,8 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
                                 f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "
                                 f"about {resident_gib(cfg):.1f} GiB hold the models", fix))
     spec = family(cfg.model.family)
-    if not cfg.model.lora.enabled and estimates_memory(topo) and spec.memory is not None:
-        need = lambda k: spec.memory.full_finetune_gib(cfg.model, k)  # noqa: E731
+    if not cfg.model.lora.enabled and estimates_memory(topo) and _memory(cfg) is not None:
+        need = _memory(cfg).full_finetune_gib
         fsdp = _fsdp(cfg)
         if topo.hbm_gib_per_chip < need(fsdp):
             fits = [k for k in range(2, topo.chips_per_host + 1) if topo.chips % k == 0
@@ -168,8 +175,7 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
                        f"{B} samples{cfg_x} in one forward/backward need about {B * per:.1f} GiB of activations per "
                        f"chip (estimate), {what}: {most} sample{'s fit' if most > 1 else ' fits'}", fix)
     options: list[dict] = []
-    spec = family(cfg.model.family)
-    if topo.execution in MULTI_DEVICE and spec.memory.fsdp_splits_frozen_weights:
+    if topo.execution in MULTI_DEVICE and _memory(cfg).fsdp_splits_frozen_weights:
         for k in range(topo.mesh.fsdp + 1, topo.chips_per_host + 1):
             if topo.chips % k == 0 and topo.chips_per_host % k == 0 and per <= hbm - resident_gib(cfg, fsdp=k):
                 # splits the frozen weights too
@@ -200,7 +206,7 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
     over the same chips' 8-chip host, where conf/tpu_topology has one) with activation checkpointing and batch 1,
     and for a video family (catalog frame_step) the longest video that then fits."""
     topo, spec = cfg.tpu_topology, family(cfg.model.family)
-    mem, k, base = spec.memory, _fsdp(cfg), {}
+    mem, k, base = _memory(cfg), _fsdp(cfg), {}
     if mem.fsdp_splits_frozen_weights and topo.execution in MULTI_DEVICE:
         k = max(d for d in range(1, topo.chips_per_host + 1) if topo.chips % d == 0 and topo.chips_per_host % d == 0)
     elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := _host_of(topo)) is not None:
@@ -212,7 +218,7 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
     evals = 2 if cfg.train.cfg else 1
 
     def fits(model) -> bool:
-        return evals * mem.per_eval_gib(model, cfg.train.mixed_precision, True) <= room
+        return evals * memory_of(spec, model).checkpointed_gib_per_eval_512[cfg.train.mixed_precision] <= room
 
     if room <= 0:
         return []
