@@ -1,5 +1,8 @@
-"""Wan 2.1's memory model (`python scripts/bench.py --wan-memory`): the source of the fit in
-ddpo_tpu/catalog/wan_memory.py (SAVED_PER_TOKEN, SAVED_PER_TEXT_TOKEN) and its checks.
+"""Wan 2.1's memory model (`python scripts/bench.py --wan-memory`): the fit of what a block saves for the backward,
+its check on the tiny build, and the full-size figures the HBM rule computes.
+
+Memory-model constants (ddpo_tpu/catalog/wan_memory.py): SAVED_PER_TOKEN, SAVED_PER_TEXT_TOKEN and
+SAVED_PER_BLOCK_DIM (the fit below, integers). Its parameter counts come from the config (tests/test_wan_memory.py).
 
 1. The fit: the bytes autograd saves for the backward (saved_tensors_hooks over one forward, weights excluded) in one
    block of WanTransformer3DModel (3 blocks less 2, so the embedders and the first block's frozen input cancel) at toy
@@ -12,7 +15,7 @@ ddpo_tpu/catalog/wan_memory.py (SAVED_PER_TOKEN, SAVED_PER_TEXT_TOKEN) and its c
    the formula (linear in S; the embedders and the text embedder add a constant the formula leaves out).
 3. The full-size figures the HBM rule computes for Wan 2.1 T2V 1.3B and 14B at flow_grpo's 33 x 240 x 416 video.
 
-    python scripts/bench.py --wan-memory   # about 3 minutes on 2 busy cores
+    python scripts/bench.py --wan-memory   # about 6 minutes on 2 cores at load 7.5
 """
 
 from __future__ import annotations
