@@ -193,8 +193,7 @@ def test_one_epoch_samples_scores_and_trains(tmp_path, model_cache):
 
 
 def test_one_diffusion_nft_epoch_trains_on_the_velocity(tmp_path, model_cache):
-    """DiffusionNFT (ODE rollouts, the forward-process velocity SD3Family gives the family) runs its epoch here too;
-    the official integer rollout timesteps are SD 3's and refused for this family."""
+    """DiffusionNFT (ODE rollouts, the forward-process velocity SD3Family gives the family) runs its epoch here too."""
     from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
     from ddpo_tpu.training import loop
@@ -202,10 +201,7 @@ def test_one_diffusion_nft_epoch_trains_on_the_velocity(tmp_path, model_cache):
 
     base = ["+experiment=nft_smoke", "model=tiny_qwen_image", f"model.cache_dir={model_cache}", "num_epochs=1",
             "sample.num_batches_per_epoch=1"]
-    with pytest.raises(ConfigError) as e:
-        compose_and_validate(base)
-    assert [p.key for p in e.value.problems] == ["algorithm.integer_rollout_timesteps"]
-    v = compose_and_validate(base + ["algorithm.integer_rollout_timesteps=false"])
+    v = compose_and_validate(base)
     loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree,
                  stop=SimpleNamespace(requested=False)).fit()
     (epoch,) = read_metrics(tmp_path, "epoch")
