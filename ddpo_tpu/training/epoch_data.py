@@ -21,6 +21,7 @@ same host generator), so nothing else is needed for the advantages. Then:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -70,7 +71,7 @@ def epoch_samples(rt: Runtime, trajectories, conds, adv: np.ndarray, weights: np
     )
 
 
-def train_batches(s: EpochSamples, rt: Runtime, train_batch: int) -> tuple[int, callable]:
+def train_batches(s: EpochSamples, rt: Runtime, train_batch: int) -> tuple[int, Callable[[int], torch.Tensor]]:
     """(train batches per inner epoch, b -> the positions in the shuffled epoch this process trains in batch b).
     Whole epoch: its rows of each global train batch of `train_batch`; own rows: its next train_batch / processes."""
     n = s.advantages.shape[0]

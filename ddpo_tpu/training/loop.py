@@ -135,7 +135,9 @@ class Trainer:
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
-        self.keep_samples_on_rank = cfg.distributed.keep_samples_on_rank and rt.process_count > 1
+        # each rank trains the samples it drew (training/epoch_data.py): the distributed execution's key
+        self.keep_samples_on_rank = (cfg.tpu_topology.execution == "distributed" and rt.process_count > 1
+                                     and cfg.distributed.keep_samples_on_rank)
         self.train_batch = cfg.train.batch_size * rt.replicas
         self.train_timesteps = num_train_timesteps(cfg)
         self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # trained timesteps per update
