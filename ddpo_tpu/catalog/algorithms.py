@@ -6,7 +6,7 @@ besides its own keys, and its rules. Adding an algorithm: its keys and spec here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Optional
 
 from pydantic import Field
 
@@ -77,8 +77,9 @@ class NftKeys(Keys):
     decay_start: int = Field(default=0, ge=0)
     ode_sampling: bool = True                           # sample with the ODE (sample.ode_solver; no log-probs)
     # the transformer's timestep while sampling: trunc(sigma x 1000) as the official sampling pipeline casts it
-    # (training uses the float sigma x 1000 there and here); false: the float (SD3 family only when true)
-    integer_rollout_timesteps: bool = True
+    # (training uses the float sigma x 1000 there and here); false: the float (SD3 family only when true);
+    # null (the default): the official cast on SD3, the float on the families the official code does not train
+    integer_rollout_timesteps: Optional[bool] = None
 
 
 class AwmKeys(Keys):
@@ -192,10 +193,12 @@ def _last_step_window_problem(cfg: Any) -> Problem:
 def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
     from ddpo_tpu.catalog.families import FAMILIES
 
+    from ddpo_tpu.catalog.samplers import SAMPLERS
+
     problems = _group_problems(cfg, tot)
     fam = FAMILIES.get(cfg.model.family)
-    if fam.sampler != "flow_sde":
-        flows = ", ".join(f.name for f in FAMILIES if f.sampler == "flow_sde")
+    if not SAMPLERS.get(fam.sampler).flow:
+        flows = ", ".join(f.name for f in FAMILIES if SAMPLERS.get(f.sampler).flow)
         problems.append(Problem("algorithm.name", "nft", f"DiffusionNFT trains on the flow-matching forward process; "
                                 f"model.family={fam.name} is not a flow family ({fam.sampler} sampler)",
                                 Fix.of({"algorithm": "ddpo"}, note=f"or a flow family's model ({flows})")))
@@ -225,7 +228,7 @@ def _nft_key_problems(cfg: Any, fam: Any) -> list[Problem]:
         problems.append(Problem("sample.ode_solver", "dpm2", "algorithm.ode_sampling=false samples with the SDE: "
                                 "the ODE solver is not read", Fix.of({"algorithm.ode_sampling": True},
                                                                      {"sample.ode_solver": "euler"})))
-    if a.ode_sampling and a.integer_rollout_timesteps and fam.name != "sd3":
+    if a.ode_sampling and a.integer_rollout_timesteps is True and fam.name != "sd3":
         problems.append(Problem("algorithm.integer_rollout_timesteps", True, f"trunc(sigma x 1000) is the SD3 "
                                 f"transformer's timestep (the official code trains SD3 only); model.family={fam.name} "
                                 f"takes its own", Fix.of({"algorithm.integer_rollout_timesteps": False})))
@@ -270,6 +273,12 @@ def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                         f"can never be reached with stat_tracking.buffer_size={st.buffer_size}",
                         Fix.of({"stat_tracking.min_count": st.buffer_size}, note="or fewer"))]
     return []
+
+
+def integer_rollout_timesteps(cfg) -> bool:
+    """NFT's rollout timestep cast, resolved: the key when set, else the official code's (it trains SD3 only)."""
+    value = cfg.algorithm.integer_rollout_timesteps
+    return cfg.model.family == "sd3" if value is None else bool(value)
 
 
 ALGORITHMS.register(AlgorithmSpec(
