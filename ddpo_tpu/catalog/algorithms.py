@@ -25,6 +25,9 @@ class AlgorithmSpec:
     reads: tuple[str, ...] = ()
     # (cfg, totals) -> problems: what its keys need of the rest of the config (totals: config/batch.py Totals)
     problems: Callable[[Any, Any], list[Problem]] = lambda cfg, totals: []
+    # trains its epochs itself (make_epoch_trainer) over the whole epoch's samples, laid out as one process holds
+    # them: distributed.keep_samples_on_rank (each rank keeps its own) does not apply
+    own_epoch_trainer: bool = False
 
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
@@ -283,9 +286,11 @@ ALGORITHMS.register(AlgorithmSpec(
 ALGORITHMS.register(AlgorithmSpec(
     "grpo", "GRPO", GrpoKeys, "ddpo_tpu.algorithms.grpo:GRPO", problems=_grpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
-    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.algorithms.nft:NFT", problems=_nft_problems))
+    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.algorithms.nft:NFT", problems=_nft_problems,
+    own_epoch_trainer=True))
 ALGORITHMS.register(AlgorithmSpec(
-    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems))
+    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems,
+    own_epoch_trainer=True))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:
