@@ -145,6 +145,10 @@ def test_the_start_is_a_few_lines_with_the_parity_verdict(tmp_path):
     assert len(rows) <= 12 and "config.yaml" in rows["config"]
     parity = dict(start_lines(compose_and_validate(["+experiment=compressibility_parity"]), tmp_path))["parity"]
     assert "ddpo_pytorch_compressibility" in parity and "hold" in parity
+    # the sampler line names the sampler's own noise key: DDIM's eta, the flow SDE's noise level (never "eta None")
+    assert "eta 1.0" in rows["sampler"] and "noise level" not in rows["sampler"]
+    flow = dict(start_lines(compose_and_validate(["+experiment=flow_grpo_smoke"]), tmp_path))["sampler"]
+    assert "noise level 0.7" in flow and "eta" not in flow
 
 
 FAKE_WORKER = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""What a video run leaves to look at (display/video.py, RunDir.save_videos, the trackers' log_videos): mp4 files
+"""What a video run leaves to look at (rundir/video.py, RunDir.save_videos, the trackers' log_videos): mp4 files
 that decode back (PyAV) to the frames, size and rate written, written whole like the PNGs; the contact sheet; the
 TensorBoard event file's animated GIF and still; wandb's Video files in an offline run."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from ddpo_tpu.config.schema import LoggerConfig
 from ddpo_tpu.display import tracking
-from ddpo_tpu.display.video import FPS, contact_sheet, encode_gif, encode_mp4, sheet_frames, tiled
+from ddpo_tpu.rundir.video import FPS, contact_sheet, encode_gif, encode_mp4, sheet_frames, tiled
 from ddpo_tpu.rundir.files import VIDEO_SAMPLES, RunDir, interrupted_writes
 
 

@@ -12,24 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
 from ddpo_tpu.catalog import wan_memory
+from ddpo_tpu.catalog.memory_figures import GIB, FamilyMemory
 from ddpo_tpu.catalog.registry import Registry
-
-GIB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class FamilyMemory:
-    """Per-chip memory figures of an SD-sized member of the family at 512 px (estimates for the HBM rules; each
-    figure says how it was measured). Per-evaluation figures are keyed by train.mixed_precision ("no", "bf16")."""
-
-    activation_gib_per_eval_512: Mapping[str, float]    # kept for the backward of one denoiser evaluation
-    checkpointed_gib_per_eval_512: Mapping[str, float]  # the same with activation checkpointing
-    # (model config, fsdp, weight dtype) -> GiB held through training besides a micro-step's activations
-    resident_gib: Callable[[Any, int, str], float]
-    # fsdp -> GiB per chip of a full fine-tune (no LoRA) with AdamW
-    full_finetune_gib: Callable[[int], float]
-    fsdp_splits_frozen_weights: bool = False  # whether a larger mesh.fsdp lowers resident_gib (a fix to offer)
-
 
 @dataclass(frozen=True)
 class FamilySpec:

@@ -32,7 +32,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-GIB = 2 ** 30
+from ddpo_tpu.catalog.memory_figures import GIB, FamilyMemory
+
 TEXT_TOKENS = 512                  # UMT5 tokens: flow_grpo's max_sequence_length for Wan, also its prompt keys
 DEFAULT_FRAME = (240, 416)         # flow_grpo's general_ocr_wan2_1 (config/grpo.py): height 240, width 416
 PIXELS_PER_TOKEN = 16              # the VAE's 8x and the transformer's 2x2 patches
@@ -138,8 +139,6 @@ def resident_gib(model, fsdp: int, dtype: str) -> float:
 def figures(model):
     """This model config's FamilyMemory (the catalog's WAN spec calls it): the per-evaluation tables at its own video
     size, keyed by train.mixed_precision, and the resident and full fine-tune figures of its transformer."""
-    from ddpo_tpu.catalog.families import FamilyMemory
-
     return FamilyMemory(
         activation_gib_per_eval_512={p: activation_gib(model, p, False) for p in ("no", "bf16")},
         checkpointed_gib_per_eval_512={p: activation_gib(model, p, True) for p in ("no", "bf16")},

@@ -21,19 +21,11 @@ from ddpo_tpu.config import rules
 from ddpo_tpu.config.batch import MISSING, lookup
 from ddpo_tpu.config.resume import MOVED_KEYS
 from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.config.topology import conf_dir  # noqa: F401 -- also the front end's (train.py) and the tests'
 from ddpo_tpu.problems import ConfigError, Fix, Problem
 
 # hydra.run.dir / hydra.sweep.dir (conf/config.yaml): a local output_root as it is, a gs:// one's local staging dir
 OmegaConf.register_new_resolver("ddpo_local_root", storage_url.local_root, replace=True)
-
-
-def conf_dir() -> Path:
-    """conf/ of a checkout, or the copy shipped in the wheel as ddpo_tpu/conf."""
-    here = Path(__file__).resolve().parent.parent  # ddpo_tpu/
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(f"ddpo_tpu's conf/ directory is missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
 
 
 @dataclass(frozen=True)

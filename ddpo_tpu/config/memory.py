@@ -9,6 +9,7 @@ from ddpo_tpu.catalog import family
 from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config.batch import Totals, num_train_timesteps, product_fix, totals
 from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
+from ddpo_tpu.config.topology import single_host_of
 from ddpo_tpu.problems import Fix, Problem
 
 AUTO_MAX_FUSED = 10  # auto fuses at most this many timesteps (compile time and graph size grow with K)
@@ -209,7 +210,7 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
     mem, k, base = _memory(cfg), _fsdp(cfg), {}
     if mem.fsdp_splits_frozen_weights and topo.execution in MULTI_DEVICE:
         k = max(d for d in range(1, topo.chips_per_host + 1) if topo.chips % d == 0 and topo.chips_per_host % d == 0)
-    elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := _host_of(topo)) is not None:
+    elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := single_host_of(topo)) is not None:
         k, base = host[1], {"tpu_topology": host[0]}
     if k != _fsdp(cfg):
         base |= {"tpu_topology.mesh.fsdp": k, "tpu_topology.mesh.dp": (topo.chips if not base else k) // k}
@@ -229,19 +230,3 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
         return []
     shorter = [f for f in range(n - step, 0, -step) if fits(cfg.model.model_copy(update={"num_frames": f}))]
     return [base | {"model.num_frames": shorter[0]}] if shorter else []
-
-
-def _host_of(topo) -> tuple[str, int] | None:
-    """The 8-chip single-host topology of a single chip's kind with its HBM (v6e-1 -> v6e-8), if conf has one."""
-    import yaml
-
-    from ddpo_tpu.config.compose import conf_dir
-
-    name = f"{topo.name.rsplit('-', 1)[0]}-8"
-    path = conf_dir() / "tpu_topology" / f"{name}.yaml"
-    if name == topo.name or not path.is_file():
-        return None
-    t = yaml.safe_load(path.read_text())
-    same = t.get("accelerator") == topo.accelerator and t.get("hbm_gib_per_chip") == topo.hbm_gib_per_chip
-    whole = same and t.get("hosts") == 1 and t.get("chips") == t["chips_per_host"]
-    return (name, t["chips_per_host"]) if whole else None

@@ -3,6 +3,8 @@ them. The distributed execution's own rules are in config/distributed.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ddpo_tpu.config.batch import pick
 from ddpo_tpu.config.distributed import distributed_problems
 from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
@@ -83,3 +85,26 @@ def _mesh_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Problem]:
         problems.append(Problem("tpu_topology.hosts", topo.hosts, "PJRT CPU runs on one host",
                                 Fix.of({"tpu_topology.hosts": 1})))
     return problems
+
+
+def conf_dir() -> Path:
+    """conf/ of a checkout, or the copy shipped in the wheel as ddpo_tpu/conf."""
+    here = Path(__file__).resolve().parent.parent  # ddpo_tpu/
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"ddpo_tpu's conf/ directory is missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
+
+
+def single_host_of(topo) -> tuple[str, int] | None:
+    """The 8-chip single-host topology of a single chip's kind with its HBM (v6e-1 -> v6e-8), if conf has one."""
+    import yaml
+
+    name = f"{topo.name.rsplit('-', 1)[0]}-8"
+    path = conf_dir() / "tpu_topology" / f"{name}.yaml"
+    if name == topo.name or not path.is_file():
+        return None
+    t = yaml.safe_load(path.read_text())
+    same = t.get("accelerator") == topo.accelerator and t.get("hbm_gib_per_chip") == topo.hbm_gib_per_chip
+    whole = same and t.get("hosts") == 1 and t.get("chips") == t["chips_per_host"]
+    return (name, t["chips_per_host"]) if whole else None

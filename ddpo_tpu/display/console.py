@@ -51,7 +51,11 @@ def start_lines(validated: Validated, run_dir: Path) -> list[tuple[str, str]]:
         ("run", f"{cfg.run_name}: {cfg.num_epochs} epochs, seed {cfg.seed}"),
         ("run dir", str(run_dir)),
         ("model", f"{m.name} ({m.family}, {source}, {m.dtype}), {lora}"),
-        ("sampler", f"{s.name}, {s.num_steps} steps, eta {s.eta}, guidance {s.guidance_scale}"),
+        ("sampler", ", ".join([f"{s.name}", f"{s.num_steps} steps",
+                               # the sampler's own noise key (DDIM's eta, the flow SDE's noise level): the one it sets
+                               *[f"{k.replace('_', ' ')} {getattr(s, k)}" for k in ("eta", "noise_level")
+                                 if getattr(s, k, None) is not None],
+                               f"guidance {s.guidance_scale}"])),
         ("algorithm", f"{algo}{f' (groups of {group})' if group else ''}: {per_epoch} samples/epoch "
                       f"({s.batch_size} x {s.num_batches_per_epoch} batches x {replicas} replica(s)), "
                       f"{per_update} per update, {num_train_timesteps(cfg)} trained timesteps, lr {t.learning_rate:g}"),

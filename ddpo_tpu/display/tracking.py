@@ -94,7 +94,7 @@ class TensorBoardTracker(Tracker):
         moviepy 2 removed); TensorBoard's image dashboard plays it. The still contact sheet beside it."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        from ddpo_tpu.display.video import contact_sheet, encode_gif, tiled
+        from ddpo_tpu.rundir.video import contact_sheet, encode_gif, tiled
 
         if not len(videos):
             return

@@ -59,7 +59,7 @@ def problems(cfg, overrides: list[str] = ()) -> list[str]:
 
 
 def video_problems(cfg) -> list[str]:
-    """A video model's samples are written as mp4 through PyAV (display/video.py): its package, with FFmpeg's
+    """A video model's samples are written as mp4 through PyAV (rundir/video.py): its package, with FFmpeg's
     libraries in its wheel, must be here, else the run would stop at its first epoch's outputs."""
     from ddpo_tpu.catalog import family
 

@@ -172,8 +172,8 @@ class RunDir:
                     name: str = "epoch") -> list[Path]:
         """An epoch's first VIDEO_SAMPLES videos (uint8, B x F x H x W x 3) as mp4 files samples/NAME_EPOCH_I.mp4,
         and their contact sheet as the grid samples/NAME_EPOCH.png: a row per video, up to 8 of its frames from the
-        first to the last (display/video.py), with the caption file naming each row's mp4. Returns the mp4 paths."""
-        from ddpo_tpu.display.video import contact_sheet, encode_mp4
+        first to the last (rundir/video.py), with the caption file naming each row's mp4. Returns the mp4 paths."""
+        from ddpo_tpu.rundir.video import contact_sheet, encode_mp4
 
         n = min(len(videos), VIDEO_SAMPLES)
         paths = [self.path / "samples" / f"{name}_{epoch:04d}_{i:02d}.mp4" for i in range(n)]
