@@ -23,6 +23,17 @@ from ddpo_tpu.rundir.files import current_umask
 STALE_TMP_SECONDS = 15 * 60  # temporary dirs older than this were left by a killed build
 
 
+def pipeline_files(subfolders: Iterable[str]) -> tuple[str, ...]:
+    """What a saved diffusers pipeline with these subfolders must hold to count as complete: model_index.json and
+    each part's own config (a scheduler's scheduler_config.json, a tokenizer's tokenizer_config.json, a model's
+    config.json)."""
+    def config(sub: str) -> str:
+        kind = "scheduler" if sub.startswith("scheduler") else "tokenizer" if sub.startswith("tokenizer") else ""
+        return f"{sub}/{kind}{'_' if kind else ''}config.json"
+
+    return ("model_index.json", *(config(s) for s in subfolders))
+
+
 def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str], build: Callable[[Path], object]) -> Path:
     """Return cache_dir/name, calling build(tmp_dir) first if it is missing or incomplete."""
     required = tuple(required)

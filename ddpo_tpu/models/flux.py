@@ -168,11 +168,9 @@ def build_tiny_flux(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
 
 def ensure_tiny_flux(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """``cache_dir/tiny-flux-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.models.build_cache import build_once, pipeline_files
 
-    required = ("model_index.json", "scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json",
-                "tokenizer_2/tokenizer_config.json", *(f"{s}/config.json" for s in FLUX_SUBFOLDERS
-                                                       if not s.startswith(("tokenizer", "scheduler"))))
+    required = pipeline_files(FLUX_SUBFOLDERS)
     return build_once(cache_dir, f"tiny-flux-{TINY_FLUX_VERSION}-seed{seed}", required,
                       lambda tmp: build_tiny_flux(tmp, seed=seed))
 

@@ -163,10 +163,9 @@ def build_tiny_qwen_image(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.
 
 def ensure_tiny_qwen_image(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """``cache_dir/tiny-qwen-image-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.models.build_cache import build_once, pipeline_files
 
-    required = ("model_index.json", "scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json",
-                "transformer/config.json", "vae/config.json", "text_encoder/config.json")
+    required = pipeline_files(("scheduler", "tokenizer", "transformer", "vae", "text_encoder"))
     return build_once(cache_dir, f"tiny-qwen-image-{TINY_QWEN_IMAGE_VERSION}-seed{seed}", required,
                       lambda tmp: build_tiny_qwen_image(tmp, seed=seed))
 

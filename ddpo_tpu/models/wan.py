@@ -123,10 +123,9 @@ def build_tiny_wan(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
 
 def ensure_tiny_wan(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """``cache_dir/tiny-wan-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.models.build_cache import build_once, pipeline_files
 
-    required = ("model_index.json", "scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json",
-                "transformer/config.json", "vae/config.json", "text_encoder/config.json")
+    required = pipeline_files(("scheduler", "tokenizer", "transformer", "vae", "text_encoder"))
     return build_once(cache_dir, f"tiny-wan-{TINY_WAN_VERSION}-seed{seed}", required,
                       lambda tmp: build_tiny_wan(tmp, seed=seed))
 
