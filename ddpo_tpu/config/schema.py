@@ -81,7 +81,7 @@ def _tagged_union(models: list[type[BaseModel]]) -> Any:
     return Annotated[Union[tuple(models)], Field(discriminator="name")]  # noqa: UP007 -- built from a list
 
 
-_LEAF_REWARDS = [r for r in REWARDS if not r.composite]
+_LEAF_REWARDS = [r for r in REWARDS if not r.composite and not r.features]  # feature models score nothing
 # a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
 RewardComponent = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Component",
                                               __base__=(_Component, r.keys)) for r in _LEAF_REWARDS])
