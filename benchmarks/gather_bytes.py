@@ -1,7 +1,7 @@
 """What the distributed runtime's gather of an epoch's trajectories moves, computed (not measured): `python -m
 benchmarks.gather_bytes [--ranks 8] [--link-gbps 350 12.5]`; docs/performance.md quotes its table.
 
-Read from the code: after sampling, DDPOTrainer.epoch_samples (ddpo_tpu/ddpo/loop.py) gathers every per-batch part
+Read from the code: after sampling, DDPOTrainer.epoch_samples (ddpo_tpu/training/loop.py) gathers every per-batch part
 of the epoch with DistributedRuntime.gather_batch (ddpo_tpu/runtime/distributed.py, one all_gather_into_tensor per
 part): the latents (B, T + 1, C, h, w) in the conditioning's dtype (sampling.py: `dtype = cond[0].dtype`), the
 log-probs (B, T) and step indices (B, T, int64), and the conditioning (SD 1.x: the text embeddings (B, 77, 768);

@@ -44,7 +44,7 @@ def _forward(signum, _frame) -> None:
 
 def _reported_since(run_dir, start: float) -> bool:
     """Whether a rank wrote an `error` event (its own one line) into the run's events since `start`."""
-    from ddpo_tpu.events import read_events
+    from ddpo_tpu.rundir.events import read_events
 
     return any(r.get("event") == "error" and r.get("time", 0) >= start for r in read_events(run_dir))
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddpo_tpu.config.compose import validate
     from ddpo_tpu import env as envmod
-    from ddpo_tpu.events import EventLog, Failed
+    from ddpo_tpu.rundir.events import EventLog, Failed
     from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_FAILED
     from ddpo_tpu.launch.rankwatch import RankWatch
     from ddpo_tpu.worker import hold_locks

@@ -18,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ddpo_tpu import storage
+from ddpo_tpu.rundir import storage
 from ddpo_tpu.catalog import ALGORITHMS
 from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
 from ddpo_tpu.problems import ConfigError
@@ -165,7 +165,7 @@ def print_check(points: list[Point]) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    from ddpo_tpu.console import parity_table, start_lines
+    from ddpo_tpu.display.console import parity_table, start_lines
 
     console = Console(highlight=False)
     multirun = len(points) > 1 or any(p.where for p in points)
@@ -229,7 +229,7 @@ def _job(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from ddpo_tpu.console import print_start
+    from ddpo_tpu.display.console import print_start
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -244,7 +244,7 @@ def _job(cfg) -> None:
         try:
             storage.restore(run_dir, url, say=lambda line: print(line, flush=True),
                             timeout_s=validated.cfg.storage_timeout_s)
-        except storage.StorageError as e:  # unreachable or refused, named (ddpo_tpu/storage_faults.py)
+        except storage.StorageError as e:  # unreachable or refused, named (ddpo_tpu/rundir/storage_faults.py)
             print(f"error: output_root={validated.cfg.output_root}: {e}", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
         except Exception as e:  # noqa: BLE001 -- network, permission: one line, and the run does not start

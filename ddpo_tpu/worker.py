@@ -1,6 +1,6 @@
 """The training process. Started by the front end (ddpo_tpu.train) with an environment built from the config, so
 torch and torch_xla are imported here, after every XLA/PJRT variable is final. `main` takes the locks, guards the
-console and beats the heartbeat; `run` builds the Trainer (ddpo/loop.py) and turns every expected way a run ends
+console and beats the heartbeat; `run` builds the Trainer (training/loop.py) and turns every expected way a run ends
 (preempted, refused, non-finite, a full disk, a device out of memory) into one event line and an exit code.
 
 Output and train.log (decision): while the front end lives it is the one writer of train.log, because it reads the
@@ -186,7 +186,7 @@ def main() -> int:
             from ddpo_tpu.launch.process import EXIT_BUSY
 
             return EXIT_BUSY
-    from ddpo_tpu.rundir import Heartbeat
+    from ddpo_tpu.rundir.files import Heartbeat
 
     heartbeat = Heartbeat(run_dir).start() if ranks is None or ranks[0] == 0 else None
     try:
@@ -236,20 +236,20 @@ def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
 
 def run(validated: Validated, run_dir: Path) -> int:
     """Train the run in `run_dir` in this process: the Trainer, the bucket mirror, and the exit code."""
-    from ddpo_tpu import events as ev
-    from ddpo_tpu import storage
-    from ddpo_tpu.console import quiet_third_party
-    from ddpo_tpu.ddpo.checkpointing import StopRequest
+    from ddpo_tpu.rundir import events as ev
+    from ddpo_tpu.rundir import storage
+    from ddpo_tpu.display.console import quiet_third_party
+    from ddpo_tpu.training.checkpointing import StopRequest
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
-    quiet_third_party()  # before the model loads (ddpo_tpu/console.py: what is dropped and why)
+    quiet_third_party()  # before the model loads (ddpo_tpu/display/console.py: what is dropped and why)
     stop = StopRequest()
     rt = make_runtime(validated.cfg)
     events = ev.EventLog(run_dir, rt.is_main, raise_errors=True)  # a refused write ends the run in one line
     url = storage.remote_run_dir(validated.cfg.output_root, run_dir)
-    # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/storage.py)
+    # output_root=gs://...: the main process mirrors the run dir to the bucket (ddpo_tpu/rundir/storage.py)
     # an upload that gives up (storage_timeout_s) stops the run at the next safe point, after a local checkpoint
     mirror = (storage.Mirror(run_dir, url, validated.cfg.checkpoint_limit, timeout_s=validated.cfg.storage_timeout_s,
                              on_give_up=lambda: setattr(stop, "requested", True)) if url is not None and rt.is_main
@@ -276,11 +276,11 @@ def run(validated: Validated, run_dir: Path) -> int:
 
 def _run(validated: Validated, rt, out, stop, events) -> int:
     """The Trainer's life, with every expected way it ends as one event line and an exit code."""
-    from ddpo_tpu import events as ev
-    from ddpo_tpu import storage
-    from ddpo_tpu.checkpoint import ResumeRefused
-    from ddpo_tpu.ddpo.checkpointing import CannotStart, Preempted
-    from ddpo_tpu.ddpo.loop import NonFinite, Trainer
+    from ddpo_tpu.rundir import events as ev
+    from ddpo_tpu.rundir import storage
+    from ddpo_tpu.rundir.checkpoint import ResumeRefused
+    from ddpo_tpu.training.checkpointing import CannotStart, Preempted
+    from ddpo_tpu.training.loop import NonFinite, Trainer
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
     from ddpo_tpu.models.loading import ModelLoadError
     from ddpo_tpu.rewards import RewardError
@@ -326,7 +326,7 @@ def _exit_without_teardown(out) -> None:
     """End a rank whose peer is gone: what is queued for the bucket goes up, then the process exits at once. The
     process group's teardown (and the interpreter's) can block on the dead peer's connections for as long as
     torchrun's SIGTERM grace, and nothing is left to write: the checkpoints are whole."""
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
     from ddpo_tpu.launch.process import EXIT_FAILED
 
     try:

@@ -28,9 +28,9 @@ def train(out: Path, overrides: list[str]) -> dict:
     import torch
 
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.plot import curves, read_metrics
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.display.plot import curves, read_metrics
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{ep}: {m:.3f}" for ep, m, _ in r["evals"]))
     (args.out / "summary.json").write_text(json.dumps(runs, indent=1) + "\n")
     if args.figures is not None and "control" in runs:
-        from ddpo_tpu import plot
+        from ddpo_tpu.display import plot
 
         args.figures.mkdir(parents=True, exist_ok=True)
         last = runs["trained"]["evals"][-1][0]

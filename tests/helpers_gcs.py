@@ -54,7 +54,7 @@ def gcs_server(tmp_path_factory):
 def fake_gcs(gcs_server, monkeypatch):
     """A new, empty bucket on the server; its name."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
 
     bucket = f"b-{uuid.uuid4().hex[:12]}"
     fs = storage.filesystem()

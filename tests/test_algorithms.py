@@ -57,7 +57,7 @@ def test_grpo_settings_need_grpo_and_its_reference():
 
 
 def test_grpo_samples_each_prompt_of_an_epoch_group_size_times():
-    from ddpo_tpu.ddpo.algorithm import GRPO
+    from ddpo_tpu.algorithms.grpo import GRPO
     from ddpo_tpu.prompts import make_prompt_source
 
     cfg = compose_and_validate(FLOW_SMOKE).cfg
@@ -97,8 +97,8 @@ def test_grpo_micro_step_at_the_first_inner_step_has_ratio_1_and_kl_0(tmp_path):
     After the adapter moves, the logged KL is the closed form on the two policies' means."""
     import torch
 
-    from ddpo_tpu.ddpo.algorithm import GRPO
-    from ddpo_tpu.ddpo.loop import make_micro_step_loss, make_reference_mean
+    from ddpo_tpu.algorithms.grpo import GRPO
+    from ddpo_tpu.training.loop import make_micro_step_loss, make_reference_mean
     from ddpo_tpu.diffusion.sampling import sample_trajectory
     from ddpo_tpu.families.sd3 import SD3Family
     from ddpo_tpu.runtime import make_runtime

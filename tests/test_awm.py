@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from ddpo_tpu.ddpo.awm import (KL_EMA_RATE, SlowCopy, awm_loss, matching_log_prob, scaled_advantages, time_indices,
+from ddpo_tpu.algorithms.awm import (KL_EMA_RATE, SlowCopy, awm_loss, matching_log_prob, scaled_advantages, time_indices,
                                velocity_kl)
 
 AWM_SMOKE = ["+experiment=awm_smoke"]
@@ -211,8 +211,8 @@ def _reference_epoch(model, slow, opt, scheduler, x0, cond, adv, perm, idx, nois
 
 @pytest.mark.parametrize("weighting,grad_acc", [("ghuber", 1), ("uniform", 2)])
 def test_one_epoch_on_tiny_sd3_equals_the_reference(tmp_path, model_cache, weighting, grad_acc):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     n_batches = 2 * grad_acc  # two optimizer steps: the second's lp_old recorded before the first moved the weights

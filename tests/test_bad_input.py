@@ -288,10 +288,10 @@ def test_the_torch_modules_read_the_catalog_instead_of_copies():
     # read from the source: importing models/loading.py would import torch. No literal copy of a family's folders:
     assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "models" / "loading.py", "SUBFOLDERS") is None
     assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "models" / "sd3.py", "SD3_SUBFOLDERS") is None
-    # checkpoint.py compares configs with the front end's own rules (one copy)
-    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "checkpoint.py", "RUN_CONTROL_KEYS") is None
+    # rundir/checkpoint.py compares configs with the front end's own rules (one copy)
+    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "rundir" / "checkpoint.py", "RUN_CONTROL_KEYS") is None
     assert "from ddpo_tpu.config.resume import changed_keys, resume_relevant" in (
-        REPO / "ddpo_tpu" / "checkpoint.py").read_text()
+        REPO / "ddpo_tpu" / "rundir" / "checkpoint.py").read_text()
 
 
 def test_profile_steps_at_the_last_step_are_accepted():

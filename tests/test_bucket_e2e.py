@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from ddpo_tpu import storage
+from ddpo_tpu.rundir import storage
 from tests.helpers import clean_env, run_train, wait_for_event
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 
@@ -70,7 +70,7 @@ def test_a_bucket_outage_past_the_deadline_ends_in_one_line_and_the_same_command
     ends with one `error:` line naming the unreachable bucket, exit 1, its later checkpoints kept locally. The bucket
     returns: the same command continues from the newest local checkpoint (not the bucket's epoch 0), uploads the
     checkpoints the bucket lacks, and finishes with every epoch's metrics in the bucket once."""
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
     from tests.helpers_gcs import Gate
 
     gate = Gate(gcs_server)  # the training processes reach the bucket through it; this test process directly

@@ -54,8 +54,8 @@ def test_a_family_registered_by_a_test_composes_and_validates(toy_family):
 
 @pytest.mark.slow
 def test_a_family_registered_by_a_test_trains_an_eager_epoch(toy_family, tmp_path, model_cache):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate(["+experiment=smoke", f"model.family={TOY}", "num_epochs=1", "reward.host_workers=0",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpo_tpu import events as ev
-from ddpo_tpu.console import LineMatcher, ProgressView, quiet_third_party, start_lines
+from ddpo_tpu.rundir import events as ev
+from ddpo_tpu.display.console import LineMatcher, ProgressView, quiet_third_party, start_lines
 from tests.helpers import REPO, clean_env, run_in_pty
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -108,7 +108,7 @@ def test_the_start_is_a_few_lines_with_the_parity_verdict(tmp_path):
 FAKE_WORKER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
     # a stand-in for ddpo_tpu.worker: the events of a 3-epoch run, written and printed by the real EventLog
     log = ev.EventLog(Path(os.environ["FAKE_RUN_DIR"]))
     print("some line of the training process", flush=True)
@@ -181,7 +181,7 @@ def test_a_smoke_run_on_a_terminal_and_through_a_pipe(tmp_path, model_cache):
 def test_every_bar_fits_an_80_column_terminal():
     """The live view draws label, a 24-column bar and the text: at 80 columns nothing may be cut (rich cuts the
     last column). States with long numbers: 3-digit epochs, hours on the clocks, a compile with its graph count."""
-    from ddpo_tpu.console import BAR_TEXT_COLUMNS
+    from ddpo_tpu.display.console import BAR_TEXT_COLUMNS
 
     view = ProgressView()
     texts = [f"{b.label} {b.info}" for b in view.bars(now=view.created + 3600)]

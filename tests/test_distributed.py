@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from tests.helpers import clean_env, read_metrics, run_train, wait_for_event
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from tests.helpers import clean_env, wait_for_event
 from tests.test_distributed import DIST, final_weights, relative_difference, train
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddpo_tpu.config.compose import compose_and_validate
-from ddpo_tpu.ddpo.state import EMA, TrainState
+from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.runtime import make_runtime
 
 
@@ -150,8 +150,8 @@ def test_evaluation_samples_its_own_steps_noise_free_with_the_ema_weights(tmp_pa
 
     import numpy as np
 
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
 
     v = compose_and_validate(["+experiment=smoke", f"model.cache_dir={model_cache}", "sample.num_steps=2",
                               "evaluation.every_n_epochs=1", "evaluation.num_steps=3", "evaluation.deterministic=true",

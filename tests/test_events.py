@@ -1,4 +1,4 @@
-"""ddpo_tpu.events: writing, reading and rendering events; and the front end's part (ddpo_tpu.launch.process): the
+"""ddpo_tpu.rundir.events: writing, reading and rendering events; and the front end's part (ddpo_tpu.launch.process): the
 start and exit of the training process recorded as events, the live status line following events.jsonl."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.launch import process
 
 # at least one event of every kind, with what a person is shown: True (a console line), False (machines only). The
@@ -124,7 +124,7 @@ def test_torn_and_foreign_lines_are_skipped(tmp_path):
 def test_an_append_after_a_torn_line_starts_on_a_fresh_line(tmp_path):
     """A kill mid-line leaves no newline: the next attempt's first record must not be glued onto the torn line (and
     lost with it); the torn line stays one line that readers skip. Likewise metrics.jsonl."""
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.rundir.files import RunDir
 
     path = tmp_path / ev.EVENTS_FILE
     log = ev.EventLog(tmp_path, echo=lambda *a: None)
@@ -361,7 +361,7 @@ def test_a_stage_that_fails_has_no_compile_end(tmp_path):
 
 
 def test_the_live_view_counts_a_compile_up_every_poll():
-    from ddpo_tpu.console import ProgressView
+    from ddpo_tpu.display.console import ProgressView
 
     view = ProgressView()
     view.feed([ev.RunStart("xla", 2, 0, 8, 2, 8, "layout", True), ev.PhaseStart(0, "sampling"),
@@ -418,7 +418,7 @@ def test_a_refused_heartbeat_ends_the_trainer_at_its_next_metrics_line(tmp_path,
     it."""
     import errno
 
-    from ddpo_tpu import rundir
+    from ddpo_tpu.rundir import files as rundir
 
     out = rundir.RunDir(tmp_path)
     beat = rundir.Heartbeat(tmp_path)

@@ -19,8 +19,8 @@ class Killed(BaseException):
 
 def trainer(run_dir: Path, model_cache: Path, *extra: str):
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", *extra])
@@ -32,7 +32,7 @@ def trainer(run_dir: Path, model_cache: Path, *extra: str):
 
 @pytest.mark.slow
 def test_a_kill_around_the_checkpoint_neither_loses_nor_duplicates_an_epoch(tmp_path, model_cache, monkeypatch):
-    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu.rundir import checkpoint as ckpt
 
     trainer(tmp_path / "whole", model_cache).fit()
     want = (tmp_path / "whole" / "weights" / "final.safetensors").read_bytes()
@@ -61,7 +61,7 @@ def test_a_kill_around_the_checkpoint_neither_loses_nor_duplicates_an_epoch(tmp_
 def _two_checkpoints(root: Path) -> dict:
     import torch
 
-    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu.rundir import checkpoint as ckpt
     from ddpo_tpu.config.compose import compose_and_validate
 
     tree = compose_and_validate(BASE).tree
@@ -78,7 +78,7 @@ _KILLED_WEIGHTS_WRITE = """
 import os, signal, sys
 from pathlib import Path
 import torch
-from ddpo_tpu.rundir import RunDir
+from ddpo_tpu.rundir.files import RunDir
 os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
 RunDir(Path(sys.argv[1])).save_weights("final", {"w": torch.ones(64, 64)})
 """
@@ -92,11 +92,11 @@ def test_the_next_start_removes_what_killed_writes_left_and_nothing_else(tmp_pat
 
     import torch
 
-    from ddpo_tpu import checkpoint as ckpt
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.rundir import events as ev
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo.checkpointing import CheckpointManager
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training.checkpointing import CheckpointManager
+    from ddpo_tpu.rundir.files import RunDir
     from tests.helpers import REPO, clean_env
 
     run = tmp_path / "run"
@@ -135,7 +135,7 @@ def test_the_next_start_removes_what_killed_writes_left_and_nothing_else(tmp_pat
 
 @pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "state.json"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, name):
-    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu.rundir import checkpoint as ckpt
 
     tree = _two_checkpoints(tmp_path)
     bad = tmp_path / "checkpoints" / "epoch_0001"
@@ -157,7 +157,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
 def test_a_checkpoint_without_checksums_still_loads(tmp_path):
     import json
 
-    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu.rundir import checkpoint as ckpt
 
     tree = _two_checkpoints(tmp_path)
     state_file = tmp_path / "checkpoints" / "epoch_0001" / "state.json"
@@ -193,7 +193,7 @@ def test_a_killed_training_process_exits_1_with_one_line(tmp_path, model_cache):
 
 
 def test_a_nonfinite_stop_before_any_checkpoint_does_not_claim_one():
-    from ddpo_tpu.ddpo.checkpointing import CheckpointManager
+    from ddpo_tpu.training.checkpointing import CheckpointManager
 
     assert "no checkpoint was written yet" in CheckpointManager.saved_state(SimpleNamespace(last_saved_epoch=-1))
     assert "checkpoint (epoch 2) is intact" in CheckpointManager.saved_state(SimpleNamespace(last_saved_epoch=2))
@@ -234,7 +234,7 @@ def test_a_full_or_read_only_disk_is_one_line_naming_the_path(tmp_path, model_ca
     from ddpo_tpu import worker
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.launch.process import EXIT_FAILED
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.rundir.files import RunDir
 
     code = getattr(errno, err)
 
@@ -267,7 +267,7 @@ def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_pa
     was asked and the keys that ask less; any other RuntimeError is still a traceback."""
     from ddpo_tpu import worker
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
+    from ddpo_tpu.training import loop
     from ddpo_tpu.launch.process import EXIT_FAILED
 
     def fit(self):

@@ -76,7 +76,7 @@ def _advantages(n: int, group: int, zero_groups: list[int], seed: int = 0) -> np
 ])
 def test_zero_advantage_plan_forms_flow_grpos_batches_and_per_update_means(n, num_batches, train_batch,
                                                                             accumulation, group, zero_groups, inner):
-    from ddpo_tpu.ddpo.grpo import zero_advantage_plan
+    from ddpo_tpu.algorithms.grpo import zero_advantage_plan
 
     adv = _advantages(n, group, zero_groups)
     block = n // num_batches  # a sampling batch: the reference's per-batch size before filtering
@@ -126,8 +126,9 @@ EPOCH = ["+experiment=flow_grpo_smoke", "num_epochs=1", "reward.host_workers=0",
 
 def _run_epoch(tmp_path, model_cache, overrides, monkeypatch):
     """One epoch of the trainer; returns what the reference needs and what the trainer did."""
-    from ddpo_tpu.ddpo import grpo, loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.algorithms import grpo
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     real_plan = getattr(grpo, "zero_advantage_plan", None)
@@ -376,7 +377,7 @@ def test_cfg_detach_uncond_is_refused_where_training_has_no_guidance():
 # over the replicas in contiguous slices)
 
 def test_grpo_draws_each_sampling_batch_as_distributed_k_repeat_sampler():
-    from ddpo_tpu.ddpo.algorithm import GRPO
+    from ddpo_tpu.algorithms.grpo import GRPO
     from ddpo_tpu.prompts import make_prompt_source
 
     cfg = compose_and_validate(["+experiment=flow_grpo_smoke"]).cfg
@@ -449,8 +450,8 @@ def _epoch(prompts, rewards):
 
 @pytest.mark.parametrize("algorithm", ["ddpo", "grpo"])
 def test_per_prompt_statistics_are_keyed_by_the_tokenizers_decoding(clip_tokenizer, algorithm):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.ddpo.algorithm import make_algorithm
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.algorithms.base import make_algorithm
 
     overrides = (["+experiment=smoke", "stat_tracking.per_prompt=true", "stat_tracking.min_count=1"]
                  if algorithm == "ddpo" else
@@ -471,8 +472,8 @@ def test_per_prompt_statistics_are_keyed_by_the_tokenizers_decoding(clip_tokeniz
 
 
 def test_a_stat_tracker_saved_with_raw_text_keys_resumes_under_the_tokenizers_keys(clip_tokenizer):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.ddpo.algorithm import make_algorithm
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.algorithms.base import make_algorithm
 
     algo = make_algorithm(compose_and_validate(["+experiment=smoke", "stat_tracking.per_prompt=true",
                                                 "stat_tracking.min_count=3"]).cfg)
@@ -487,7 +488,7 @@ def test_a_stat_tracker_saved_with_raw_text_keys_resumes_under_the_tokenizers_ke
 
 
 def test_drop_zero_advantage_is_on_for_grpo_and_its_key_turns_it_off():
-    from ddpo_tpu.ddpo.algorithm import GRPO
+    from ddpo_tpu.algorithms.grpo import GRPO
 
     cfg = compose_and_validate(["+experiment=flow_grpo_smoke"]).cfg
     assert cfg.algorithm.drop_zero_advantage is True

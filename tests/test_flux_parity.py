@@ -189,7 +189,7 @@ def test_sampling_steps_and_log_probs_equal_flow_grpos_flux_pipeline(family):
 def test_training_log_prob_mean_std_and_kl_equal_train_flux_compute_log_prob(family):
     from types import SimpleNamespace
 
-    from ddpo_tpu.ddpo.grpo import kl_to_reference
+    from ddpo_tpu.algorithms.grpo import kl_to_reference
     from ddpo_tpu.models.flux import pack_latents
 
     fam, prompts = family, ["a cat", "a dog riding a bike"]

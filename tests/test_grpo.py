@@ -1,4 +1,4 @@
-"""Tests for the GRPO pieces (ddpo_tpu.ddpo.grpo): group advantages, the closed-form KL, the loss."""
+"""Tests for the GRPO pieces (ddpo_tpu.algorithms.grpo): group advantages, the closed-form KL, the loss."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from ddpo_tpu.ddpo.grpo import GROUP_STD_EPS, group_advantages, grpo_loss, kl_to_reference
-from ddpo_tpu.ddpo.ppo import ppo_loss
+from ddpo_tpu.algorithms.grpo import GROUP_STD_EPS, group_advantages, grpo_loss, kl_to_reference
+from ddpo_tpu.algorithms.ppo import ppo_loss
 from ddpo_tpu.diffusion.flow import FlowTables
 
 

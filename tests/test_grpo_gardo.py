@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from ddpo_tpu.ddpo.algorithm import AdaptiveReference
+from ddpo_tpu.algorithms.guards import AdaptiveReference
 
 SMOKE = ["+experiment=flow_grpo_smoke"]
 
@@ -50,8 +50,8 @@ def test_reset_schedule_equals_the_reference(seed):
 
 
 def test_the_kl_reference_is_the_reset_copy_not_the_adapter_off_model(tmp_path, model_cache):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate([*SMOKE, f"model.cache_dir={model_cache}", "algorithm.reference_reset_kl=3e-4"])
@@ -74,8 +74,8 @@ def test_the_kl_reference_is_the_reset_copy_not_the_adapter_off_model(tmp_path, 
 
 
 def test_off_by_default_the_reference_is_the_adapter_off_model(tmp_path, model_cache):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate([*SMOKE, f"model.cache_dir={model_cache}"])

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from ddpo_tpu.ddpo.grpo import ratio_norm_loss
-from ddpo_tpu.ddpo.ppo import ppo_loss
+from ddpo_tpu.algorithms.grpo import ratio_norm_loss
+from ddpo_tpu.algorithms.ppo import ppo_loss
 
 CLIP, ADV_MAX = 0.2, 5.0
 
@@ -101,8 +101,8 @@ def test_it_changes_the_ratio_and_the_step_weight_of_the_plain_objective():
 
 
 def test_an_epoch_with_ratio_norm_compares_with_the_sampling_weights(tmp_path, model_cache):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate(["+experiment=flow_grpo_smoke", f"model.cache_dir={model_cache}",

@@ -51,7 +51,7 @@ def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_
     before the running run's files are touched."""
     import psutil
 
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
     from ddpo_tpu.launch.lock import run_dir_lock_path
 
     args = ["+experiment=smoke", "num_epochs=2", "reward.host_workers=0", f"model.cache_dir={model_cache}"]
@@ -86,7 +86,7 @@ def test_two_identical_commands_started_together_one_is_refused_at_once(tmp_path
     """The front end takes the run dir's lock before it writes anything (and hands it to its training process):
     of two identical commands started within a second, one runs and the other exits 3 in its front end, naming the
     holder, with no training process of its own and nothing of the run's touched."""
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
 
     args = ["+experiment=smoke", "num_epochs=1", "sample.num_steps=2", "reward.host_workers=0",
             f"model.cache_dir={model_cache}"]

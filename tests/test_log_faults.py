@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpo_tpu.events import read_events
+from ddpo_tpu.rundir.events import read_events
 from ddpo_tpu.launch import process
 
 CHILD = textwrap.dedent("""

@@ -10,7 +10,7 @@ import torch
 
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from ddpo_tpu.ddpo.nft import nft_loss, optimality
+from ddpo_tpu.algorithms.nft import nft_loss, optimality
 
 NFT_SMOKE = ["+experiment=nft_smoke"]
 
@@ -168,7 +168,7 @@ def test_the_kl_term_needs_the_adapter():
 def test_old_policy_soft_update_follows_its_decay_schedule():
     from types import SimpleNamespace
 
-    from ddpo_tpu.ddpo.nft import OldPolicy
+    from ddpo_tpu.algorithms.nft import OldPolicy
 
     rt = SimpleNamespace(device=torch.device("cpu"), place_state=lambda *a: None, sync=lambda: None)  # all EMA uses
     p = torch.zeros(3)

@@ -29,8 +29,8 @@ def run(tmp_path, model_cache, *overrides):
     import torch
 
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     torch.set_num_threads(1)

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from ddpo_tpu.ddpo.loop import STREAM_SHUFFLE, stream_seed
-from ddpo_tpu.ddpo.nft import draw_training_times
+from ddpo_tpu.training.loop import STREAM_SHUFFLE, stream_seed
+from ddpo_tpu.algorithms.nft import draw_training_times
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +33,8 @@ BASE = ["+experiment=nft_smoke", "sample.batch_size=8", "sample.num_batches_per_
 
 def make_trainer(tmp_path, model_cache, *overrides):
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate([*BASE, f"model.cache_dir={model_cache}", *overrides])
@@ -238,7 +238,7 @@ def test_one_epoch_loss_gradient_and_update_equal_the_official_code(tmp_path, mo
 def test_old_policy_schedules_are_the_official_decay_types():
     from types import SimpleNamespace
 
-    from ddpo_tpu.ddpo.nft import OldPolicy
+    from ddpo_tpu.algorithms.nft import OldPolicy
 
     rt = SimpleNamespace(device=torch.device("cpu"), place_state=lambda *a: None, sync=lambda: None)
     # decay_type -> (decay_start, decay_rate, decay_max) as docs/nft.md and the presets set them

@@ -33,6 +33,10 @@ def test_wheel_ships_conf_and_uses_it(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     shipped_conf = {f"ddpo_tpu/conf/{p.relative_to(REPO / 'conf').as_posix()}" for p in (REPO / "conf").rglob("*.yaml")}
     assert shipped_conf - set(names) == set(), "conf/ files missing from the wheel"
+    # every module ships: a subpackage left out of pyproject's `packages` list is missing from a wheel install (the
+    # probe below cannot see that where an editable install of this checkout answers the import in its place)
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "ddpo_tpu").rglob("*.py")}
+    assert modules - set(names) == set(), "modules missing from the wheel: add their package to pyproject.toml"
     for required in ("ddpo_tpu/conf/config.yaml", "ddpo_tpu/conf/experiment/compressibility_parity.yaml",
                      "ddpo_tpu/conf/tpu_topology/v6e-16.yaml", "ddpo_tpu/conf/reward_local/aesthetic_tiny.yaml",
                      "ddpo_tpu/prompts/assets/imagenet_classes.txt", "ddpo_tpu/env.py"):

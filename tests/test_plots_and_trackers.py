@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ddpo_tpu import plot, tracking
+from ddpo_tpu.display import plot
+
+from ddpo_tpu.display import tracking
 from ddpo_tpu.config.schema import LoggerConfig
 from tests.helpers import clean_env, run_train
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
@@ -107,7 +109,7 @@ def test_wandb_and_tensorboard_at_once(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # one smoke epoch with output_root=gs:// (~30 s)
 def test_a_bucket_run_dir_gets_the_curve_and_tensorboard_files(tmp_path, model_cache, fake_gcs):
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
 
     args = ["+experiment=smoke", "num_epochs=2", "logger=tensorboard", f"model.cache_dir={model_cache}",
             f"output_root=gs://{fake_gcs}/runs"]  # the smoke's 2 sampling batches: the captions follow the grid
@@ -155,6 +157,6 @@ def test_the_curve_has_round_ticks_a_legend_of_what_is_drawn_and_a_band_within_t
 
 
 def test_matplotlib_is_imported_only_where_a_curve_is_drawn():
-    code = ("import sys, ddpo_tpu.plot, ddpo_tpu.tracking, ddpo_tpu.status; "
+    code = ("import sys, ddpo_tpu.display.plot, ddpo_tpu.display.tracking, ddpo_tpu.status; "
             "assert 'matplotlib' not in sys.modules, 'imported before a chart was drawn'")
     subprocess.run([sys.executable, "-c", code], check=True, env=clean_env())

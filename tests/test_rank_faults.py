@@ -205,7 +205,7 @@ def test_the_launcher_quotes_only_this_jobs_part_of_a_rank_log(tmp_path):
 
 
 def test_an_error_event_of_this_job_counts_as_reported(tmp_path):
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
 
     ev.EventLog(tmp_path, echo=lambda *a: None).emit(ev.Failed("old"))
     start = time.time() + 0.01
@@ -217,7 +217,7 @@ def test_an_error_event_of_this_job_counts_as_reported(tmp_path):
 
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
 def test_run_files_follow_the_umask(tmp_path, mask, mode):
-    from ddpo_tpu.rundir import atomic_write_bytes
+    from ddpo_tpu.rundir.files import atomic_write_bytes
 
     old = os.umask(mask)
     try:

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from tests.helpers import clean_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -111,13 +111,18 @@ def test_checkpoint_rotation_keeps_the_newest(tmp_path, model_cache):
     assert proc.returncode == 0
     names = sorted(p.name for p in (tmp_path / "outputs" / "smoke" / "checkpoints").iterdir())
     assert names == ["epoch_0002", "epoch_0003"]
+    # a checkpoint names no module of ours (no pickled class of the package: optimizer.pt is a plain state dict read
+    # with weights_only=True), so moving or renaming modules never stops an old checkpoint from resuming
+    files = [f for f in (tmp_path / "outputs" / "smoke" / "checkpoints").rglob("*") if f.is_file()]
+    assert {f.name for f in files} >= {"trainable.safetensors", "optimizer.pt", "state.json"}
+    assert [f for f in files if b"ddpo_tpu" in f.read_bytes()] == []
 
 
 def test_nonfinite_reward_stops_with_the_last_checkpoint_intact(tmp_path, model_cache):
-    from ddpo_tpu import checkpoint as ckpt
+    from ddpo_tpu.rundir import checkpoint as ckpt
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     from types import SimpleNamespace
@@ -158,9 +163,9 @@ def test_too_little_disk_is_reported_before_training(tmp_path, model_cache, monk
     from types import SimpleNamespace
 
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.ddpo.checkpointing import CannotStart
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.training.checkpointing import CannotStart
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     usage = namedtuple("usage", "total used free")

@@ -77,8 +77,8 @@ def test_a_window_trains_its_steps():
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory, model_cache):
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     v = compose_and_validate([*FLOW, f"model.cache_dir={model_cache}", "reward.host_workers=0", "num_epochs=1",
@@ -151,8 +151,8 @@ def test_a_random_window_run_resumes_to_the_same_weights(tmp_path, model_cache):
     import torch
     from safetensors.torch import load_file
 
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     def fit(run_dir, epochs: int):

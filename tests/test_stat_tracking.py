@@ -1,4 +1,4 @@
-"""Tests for ddpo_tpu.ddpo.stat_tracking (per-prompt advantages)."""
+"""Tests for ddpo_tpu.algorithms.stat_tracking (per-prompt advantages)."""
 
 import json
 from collections import deque
@@ -6,7 +6,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from ddpo_tpu.ddpo.stat_tracking import (
+from ddpo_tpu.algorithms.stat_tracking import (
     PerPromptStatTracker,
     clip_advantages,
     global_advantages,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu import status
 from ddpo_tpu.status import RunFiles, Stamped
 from tests.helpers import REPO
@@ -159,7 +159,7 @@ def test_what_decided_is_said():
     f = facts_of(attempt(run_start(), ev.Preempted(2, 6, "SIGTERM: checkpoint written")), holder=HOLDER)
     assert "SIGTERM: checkpoint written" in f.decided_by and "pid 4242 still holds the lock" in f.decided_by
     assert f.decided_by.count("the same command resumes") == 1
-    # the trainer's message (ddpo/checkpointing.py) already says how to resume: said once, not twice
+    # the trainer's message (training/checkpointing.py) already says how to resume: said once, not twice
     f = facts_of(attempt(run_start(), ev.Preempted(2, 6, "stopped after epoch 2; the same command resumes")))
     assert f.decided_by.count("the same command resumes") == 1, f.decided_by
     f = facts_of(attempt(run_start()), heartbeat_age=300)
@@ -468,7 +468,7 @@ def test_heartbeat_file_and_run_dir_lock(tmp_path):
     """The heartbeat the training process writes (rundir.Heartbeat) is what status reads: over a minute old with no
     lock holder reads as dead; a held run dir lock as running; a fresh beat as running."""
     from ddpo_tpu.launch.lock import RunDirLock
-    from ddpo_tpu.rundir import Heartbeat
+    from ddpo_tpu.rundir.files import Heartbeat
 
     # SIGKILLed mid-epoch, front end killed too: no exit recorded; looked at 70 s after its last beat
     run = make_run(tmp_path / "run", num_epochs=6, done=3, t0=time.time() - 100, tail=epoch_events(3, "training"))
@@ -717,7 +717,7 @@ def test_plot_where_it_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path
     (figures / "curve.png" / "x").write_text("")
     code, out, err = run_cli(capsys, run, "--plot", figures / "curve.png" / "x" / "c.png", "--brief")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    from ddpo_tpu import plot
+    from ddpo_tpu.display import plot
 
     with pytest.raises(OSError):  # the final rename onto a directory fails: the temporary file is removed
         plot.draw(figures / "curve.png", [(0, 1.0, 0.1)], [])

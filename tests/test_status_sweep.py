@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu import status
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 from tests.test_status import COMPLETE, age_files, epoch_events, make_run, run_cli
@@ -127,7 +127,7 @@ def test_a_point_dir_is_still_one_run_and_a_dir_of_neither_exits_2(tmp_path, cap
 
 def test_a_sweep_in_a_bucket(fake_gcs, tmp_path, capsys):  # noqa: F811 -- fixture
     """gs://.../<run_name>-multirun: the points listed from the bucket, each read as a bucket run dir."""
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
 
     local = make_sweep(tmp_path)
     fs = storage.filesystem()

@@ -1,4 +1,4 @@
-"""Run dirs in a bucket (ddpo_tpu/storage.py), fast: gs:// URLs, the manifest that marks a checkpoint complete,
+"""Run dirs in a bucket (ddpo_tpu/rundir/storage.py), fast: gs:// URLs, the manifest that marks a checkpoint complete,
 rotation, the mirror against a real GCS-compatible server (fake-gcs-server on 127.0.0.1), compose-time checks.
 End-to-end runs are in test_bucket_e2e.py."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpo_tpu import storage
+from ddpo_tpu.rundir import storage
 from tests.helpers import REPO, clean_env, run_train
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 
@@ -125,7 +125,7 @@ def test_restore_takes_the_newest_complete_checkpoint_and_removes_local_ones_the
 _KILLED_UPLOAD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
     url = storage.Url(sys.argv[1], "runs/k")
     fs = storage.filesystem()
     mirror = storage.Mirror(Path(sys.argv[2]), url, limit=3)

@@ -1,4 +1,4 @@
-"""Bucket faults (ddpo_tpu/storage.py, storage_faults.py): an unreachable bucket and a refusing one are told apart
+"""Bucket faults (ddpo_tpu/rundir/storage.py, storage_faults.py): an unreachable bucket and a refusing one are told apart
 in one line, quickly, with nothing of gcsfs's log on the console; an outage longer than storage_timeout_s stops the
 mirror and asks the trainer to stop, a shorter one is waited out; a resume takes the newest verified checkpoint of
 either copy and uploads what the bucket lacks. Against fake-gcs-server behind a relay a test can shut
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from ddpo_tpu import storage
-from ddpo_tpu.storage_faults import DENIED, FAILED, UNREACHABLE, StorageError, classify, retry
+from ddpo_tpu.rundir import storage
+from ddpo_tpu.rundir.storage_faults import DENIED, FAILED, UNREACHABLE, StorageError, classify, retry
 from tests.helpers_gcs import Refusing, _free_port, fake_gcs, gate, gcs_server  # noqa: F401 -- fixtures
 
 

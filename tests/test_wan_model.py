@@ -164,8 +164,8 @@ def test_one_epoch_scores_videos_per_frame_and_grids_their_frames(tmp_path, mode
     """One eager GRPO epoch with an SDE window: sampled, scored per frame, trained, its grid written."""
     from PIL import Image
 
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
     from tests.helpers import read_metrics
 

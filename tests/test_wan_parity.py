@@ -204,7 +204,7 @@ def test_guidance_changes_the_step_as_the_reference(family):
 def test_training_log_prob_mean_std_and_kl_equal_train_wan_compute_log_prob(family):
     from types import SimpleNamespace
 
-    from ddpo_tpu.ddpo.grpo import kl_to_reference
+    from ddpo_tpu.algorithms.grpo import kl_to_reference
 
     fam, prompts = family, ["a cat", "a dog riding a bike"]
     cond, uncond = fam.encode(prompts), fam.encode([""] * 2)

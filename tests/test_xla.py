@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.helpers import FAST_XLA_CPU, FAST_XLA_FLAGS, REPO, clean_env, read_metrics, run_train
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.runtime.base import KNOWN_CPU_FALLBACKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]

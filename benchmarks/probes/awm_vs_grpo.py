@@ -75,8 +75,8 @@ def run_point(algo: str, epochs: int, root: Path, cache: str) -> dict:
     import torch
 
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo import loop
-    from ddpo_tpu.rundir import RunDir
+    from ddpo_tpu.training import loop
+    from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
     torch.set_num_threads(1)

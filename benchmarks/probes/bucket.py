@@ -76,7 +76,7 @@ def run(args, report: runner.Report) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             env = runner.clean_env(STORAGE_EMULATOR_HOST=url, XDG_CACHE_HOME=str(tmp / "cache"))
-            from ddpo_tpu import storage
+            from ddpo_tpu.rundir import storage
 
             os.environ["STORAGE_EMULATOR_HOST"] = url
             storage.filesystem().mkdir("bench")

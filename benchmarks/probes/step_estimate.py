@@ -37,7 +37,7 @@ def step_times(compiler: str, ks: list[int], checkpointed: bool = False) -> dict
     import torch_xla
 
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.ddpo.ppo import ppo_loss
+    from ddpo_tpu.algorithms.ppo import ppo_loss
     from ddpo_tpu.diffusion.ddim import DDIMTables
     from ddpo_tpu.diffusion.sampling import guided_noise_pred, make_denoise_step
     from ddpo_tpu.models.from_config import load_from_config

@@ -53,7 +53,7 @@ def run_point(backend: str, steps: int, root: Path, overrides: list[str] = ()) -
         return {"backend": backend, "steps": steps, "error": runner.failure(proc, 500)}
     recs = runner.read_records(root / name)
     epochs = [r for r in recs if r["kind"] == "epoch"]
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
 
     layout = next(e for e in ev.read_events(root / name) if e["event"] == "state_layout")  # an event, not a metric
     last = epochs[-1]["phases"]

@@ -1,5 +1,5 @@
 """RL algorithms: each one's keys under `algorithm.` (a pydantic model), its implementation (a class following the
-`Algorithm` protocol of ddpo_tpu/ddpo/algorithm.py, imported by the training process), the config sections it reads
+`Algorithm` protocol of ddpo_tpu/algorithms/base.py, imported by the training process), the config sections it reads
 besides its own keys, and its rules. Adding an algorithm: its keys and spec here, its class, conf/algorithm/<name>.yaml.
 """
 
@@ -55,7 +55,7 @@ class GrpoKeys(Keys):
 
 class NftKeys(Keys):
     """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) as NVlabs/DiffusionNFT@24af5554 trains it:
-    ddpo_tpu/ddpo/nft.py; docs/nft.md maps each key to the official code."""
+    ddpo_tpu/algorithms/nft.py; docs/nft.md maps each key to the official code."""
     name: Literal["nft"]
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch, not the group's
@@ -80,7 +80,7 @@ class NftKeys(Keys):
 
 class AwmKeys(Keys):
     """Advantage Weighted Matching (scxue/advantage_weighted_matching@be51372, scripts/train_sd3_awm.py):
-    ddpo_tpu/ddpo/awm.py. Defaults: the reference's presets (config/dgx_awm.py, pickscore_sd3_no_cfg_1node)."""
+    ddpo_tpu/algorithms/awm.py. Defaults: the reference's presets (config/dgx_awm.py, pickscore_sd3_no_cfg_1node)."""
     name: Literal["awm"]
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch (sample.global_std)
@@ -270,13 +270,13 @@ def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:
 
 
 ALGORITHMS.register(AlgorithmSpec(
-    "ddpo", "DDPO", DdpoKeys, "ddpo_tpu.ddpo.algorithm:DDPO", reads=("stat_tracking",), problems=_ddpo_problems))
+    "ddpo", "DDPO", DdpoKeys, "ddpo_tpu.algorithms.ddpo:DDPO", reads=("stat_tracking",), problems=_ddpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
-    "grpo", "GRPO", GrpoKeys, "ddpo_tpu.ddpo.algorithm:GRPO", problems=_grpo_problems))
+    "grpo", "GRPO", GrpoKeys, "ddpo_tpu.algorithms.grpo:GRPO", problems=_grpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
-    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.ddpo.nft:NFT", problems=_nft_problems))
+    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.algorithms.nft:NFT", problems=_nft_problems))
 ALGORITHMS.register(AlgorithmSpec(
-    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.ddpo.awm:AWM", problems=_awm_problems))
+    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:

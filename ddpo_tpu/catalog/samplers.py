@@ -20,7 +20,7 @@ class SamplerSpec:
 SAMPLERS: Registry[SamplerSpec] = Registry("sampler")
 
 SAMPLERS.register(SamplerSpec("ddim", "DDIM with log-probs (DDPO)", keys=("eta",), group="ddim50"))
-# ode_solver: the noise-free rollouts' solver (euler; dpm2: DiffusionNFT's DPM-Solver++, ddpo/nft_rollout.py)
+# ode_solver: the noise-free rollouts' solver (euler; dpm2: DiffusionNFT's DPM-Solver++, algorithms/nft_rollout.py)
 SAMPLERS.register(SamplerSpec("flow_sde", "Flow-GRPO's SDE with log-probs",
                               keys=("noise_level", "sde_type", "ode_solver"),
                               group="flow_sde10", windows=True))

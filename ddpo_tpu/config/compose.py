@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from ddpo_tpu import storage_url
+from ddpo_tpu.rundir import storage_url
 from ddpo_tpu.catalog.algorithms import ALGORITHMS, owner_of
 from ddpo_tpu.config import rules
 from ddpo_tpu.config.batch import MISSING, lookup

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ddpo_tpu.checkpoint_layout import holds_checkpoint
+from ddpo_tpu.rundir.checkpoint_layout import holds_checkpoint
 from ddpo_tpu.config.batch import Totals
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem
@@ -116,7 +116,7 @@ def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
 
 
 def storage_url_problem(value: str) -> tuple[str, str] | None:
-    from ddpo_tpu.storage_url import url_problem
+    from ddpo_tpu.rundir.storage_url import url_problem
 
     return url_problem(value)
 

@@ -277,7 +277,7 @@ class RunConfig(_Strict):
 
     run_name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     output_root: str
-    # gs:// output roots: how long a request waits out an unreachable bucket before the run stops (ddpo_tpu/storage.py)
+    # gs:// output roots: how long a request waits out an unreachable bucket before the run stops (ddpo_tpu/rundir/storage.py)
     storage_timeout_s: float = Field(default=300.0, gt=0)
     seed: int = Field(ge=0, lt=2**31)
     num_epochs: int = Field(ge=1)

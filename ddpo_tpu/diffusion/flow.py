@@ -26,7 +26,7 @@ A rectified-flow model (SD3, SD 3.5) predicts a velocity ``v`` with ``x_sigma = 
 
 Both return ``std`` as the reference does: ``std_dev_t`` (shape (B, 1, ..., 1)), which for "sde" is *not* the
 step's standard deviation (that is ``std * sqrt(-dt)``) and for "cps" is. Flow-GRPO's KL term divides by
-``2 std_dev_t^2`` (see ``ddpo_tpu.ddpo.grpo.kl_to_reference``).
+``2 std_dev_t^2`` (see ``ddpo_tpu.algorithms.grpo.kl_to_reference``).
 
 Semantics follow flow_grpo's ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py::sde_step_with_logprob``:
 

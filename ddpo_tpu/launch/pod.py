@@ -52,7 +52,7 @@ import sys
 import time
 
 from ddpo_tpu.launch.cli_args import OneLineParser, at_least, non_empty
-from ddpo_tpu.events import EVENTS_FILE
+from ddpo_tpu.rundir.events import EVENTS_FILE
 from ddpo_tpu.env import OWNED_VARIABLES
 
 PROG = "ddpo-pod"

@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ddpo_tpu.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
+from ddpo_tpu.rundir.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
 
 WORKER_MODULE = "ddpo_tpu.worker"
 
@@ -222,7 +222,7 @@ class _LiveStatus:
     """Pass the training process's lines through. On a terminal, also draw live progress bars (rich) from the events
     of events.jsonl, read every half second (never from the lines, so rewording a console line changes nothing here;
     never touching the device or forcing a sync): the run's epochs with elapsed time and ETA, and the current phase
-    with its batches or timesteps, samples/s and ETA, or a compile with its elapsed time (ddpo_tpu/console.py,
+    with its batches or timesteps, samples/s and ETA, or a compile with its elapsed time (ddpo_tpu/display/console.py,
     ProgressView). The lines that those events stand for are then dropped from the console (train.log keeps every
     line), and each finished epoch gets one summary line. Not on a terminal (CI, nohup, a pod's log), the lines pass
     through as they are."""
@@ -233,7 +233,7 @@ class _LiveStatus:
         self.follow = follow
 
     def __enter__(self):
-        from ddpo_tpu.console import LineMatcher, ProgressView
+        from ddpo_tpu.display.console import LineMatcher, ProgressView
 
         self.progress, self.gone = None, False
         self.view, self.matcher = ProgressView(), LineMatcher()

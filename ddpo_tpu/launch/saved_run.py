@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu import checkpoint_layout as layout
+from ddpo_tpu.rundir import checkpoint_layout as layout
 from ddpo_tpu.config import resume
 from ddpo_tpu.config.batch import flatten
 

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpo_tpu import storage
+from ddpo_tpu.rundir import storage
 from ddpo_tpu.config.compose import Validated
 from ddpo_tpu.problems import ConfigError, Problem
 from ddpo_tpu import env as envmod

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from ddpo_tpu.env import cache_root
 from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
-from ddpo_tpu.rundir import current_umask
+from ddpo_tpu.rundir.files import current_umask
 
 STALE_TMP_SECONDS = 15 * 60  # temporary dirs older than this were left by a killed build
 

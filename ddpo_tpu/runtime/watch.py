@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 
 COMPILE_STAGES = ("sampling", "training")  # the phases whose first pass compiles graphs, in the order they run
 PROGRESS_EVERY_S = 30.0

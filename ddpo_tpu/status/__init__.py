@@ -8,7 +8,7 @@ typed frozen `Facts`; the state itself is decide.py's, the phase progress.py's),
 `render_brief`, or JSON through `Facts.to_json`). Never imports torch or numpy and never touches a device, so it is
 instant and works on a machine without the training dependencies (it needs PyYAML and rich only).
 
-The state comes from events (ddpo_tpu/events.py), never from console text. events.jsonl is appended by every attempt
+The state comes from events (ddpo_tpu/rundir/events.py), never from console text. events.jsonl is appended by every attempt
 of a run: the front end writes `worker_started` when it starts the training process and `worker_exited` (its exit
 code) when it ends, whatever ended it; the training process writes `run_start`, the progress of each epoch, and
 `run_complete`, `preempted` or `error`. An attempt opens at `worker_started` (or at a `run_start` that follows another
@@ -38,7 +38,7 @@ Exit codes: 0 the run dir exists and has config.yaml, or the sweep dir has numbe
 2 otherwise.
 """
 
-from ddpo_tpu.rundir import HEARTBEAT_FILE
+from ddpo_tpu.rundir.files import HEARTBEAT_FILE
 from ddpo_tpu.status.cli import EXIT_NO_RUN, EXIT_OK, main, report
 from ddpo_tpu.status.decide import RULES, Decision, Evidence, attempts, decide
 from ddpo_tpu.status.facts import (DEFAULT_STALE_S, Checkpoints, EpochRow, Facts, HostPhase, HostTime, LastError,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ddpo_tpu.launch.cli_args import OneLineParser, at_least
-from ddpo_tpu.plot import CURVE_FILE
+from ddpo_tpu.display.plot import CURVE_FILE
 
 from ddpo_tpu.status.facts import DEFAULT_STALE_S, Facts, collect
 from ddpo_tpu.status.render import plot_curve, render, render_brief
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddpo-status: --plot {args.plot or ''}: cannot write {e.filename or out} ({e.strerror or e}) "
                   f"(give a writable path)", file=sys.stderr)
             return EXIT_NO_RUN
-    from ddpo_tpu.storage import StorageError
+    from ddpo_tpu.rundir.storage import StorageError
 
     try:
         found = report(args.run_dir, args.stale_after)

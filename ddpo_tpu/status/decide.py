@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.launch.process import EXIT_PREEMPTED
 from ddpo_tpu.status.read import Heartbeat, Holder, Stamped
 

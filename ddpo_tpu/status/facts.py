@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.launch.process import EXIT_PREEMPTED
 from ddpo_tpu.status.decide import Evidence, attempts, decide, last_of
 from ddpo_tpu.status.progress import Compiling, epochs_of, locate, open_compile, optimizer_steps, training_detail

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.status.decide import last_of
 from ddpo_tpu.status.read import Metrics, Stamped
 

@@ -1,6 +1,6 @@
 """Reading a run dir (the only I/O of ddpo-status): what the run left there, as typed plain values (`RunFiles`).
 
-A gs:// run dir is read from a copy of the bucket's files (ddpo_tpu/storage.py) in a temporary dir."""
+A gs:// run dir is read from a copy of the bucket's files (ddpo_tpu/rundir/storage.py) in a temporary dir."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu import checkpoint_layout as layout
-from ddpo_tpu import events as ev
-from ddpo_tpu.rundir import HEARTBEAT_FILE
+from ddpo_tpu.rundir import checkpoint_layout as layout
+from ddpo_tpu.rundir import events as ev
+from ddpo_tpu.rundir.files import HEARTBEAT_FILE
 
 LOG_TAIL_BYTES = 64 << 10          # the end of train.log, shown to people
 LOG_TAIL_LINES = 8
@@ -296,7 +296,7 @@ def _accelerator_lock_paths(cfg: dict) -> list[Path]:
 
 def bucket_problem(url: str) -> str | None:
     """Why the bucket URL cannot be read from here (a bad URL, no gcsfs), or None."""
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
 
     problem = storage.url_problem(url)
     if problem is not None:
@@ -310,7 +310,7 @@ def read_bucket_run(url: str) -> RunFiles:
     """read_run of the bucket's copy; a live holder of the run's lock is looked for in this host's staging dir."""
     import tempfile
 
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
 
     problem = bucket_problem(url)
     if problem is not None:

@@ -193,8 +193,8 @@ def _render_rewards(f: Facts, console, width: int, rows: int, blocks: str) -> No
 
 
 def plot_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the run's reward curve (ddpo_tpu/plot.py) from its metrics.jsonl, local or in a bucket."""
-    from ddpo_tpu import plot
+    """Draw the run's reward curve (ddpo_tpu/display/plot.py) from its metrics.jsonl, local or in a bucket."""
+    from ddpo_tpu.display import plot
 
     url = str(run_dir).startswith("gs://")
     run = read_any(run_dir, lock_paths=[])

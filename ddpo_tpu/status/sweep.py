@@ -154,7 +154,7 @@ def summarise(sweep_dir: str | Path, now: float | None = None, stale_after: floa
 def summarise_bucket(url: str, now: float | None = None, stale_after: float = DEFAULT_STALE_S) -> Sweep:
     """Every point of a sweep dir in a bucket (no .hydra/ there: the points are told apart by their configs).
     Raises FileNotFoundError when it holds no numbered job dir."""
-    from ddpo_tpu import storage
+    from ddpo_tpu.rundir import storage
 
     problem = bucket_problem(url)
     if problem is not None:

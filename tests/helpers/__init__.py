@@ -46,7 +46,7 @@ def read_metrics(run_dir: Path, kind: str) -> list[dict]:
 def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: float = 600, **fields) -> dict:
     """The last event of `kind` (with these field values) in a running run's events.jsonl, waiting for it: tests act
     on a run's events, never on its console lines. Fails if the run ends first or none comes within `timeout` s."""
-    from ddpo_tpu import events as ev
+    from ddpo_tpu.rundir import events as ev
 
     end = time.monotonic() + timeout
     while True:

@@ -1,7 +1,7 @@
 """Run dirs in a bucket: `output_root=gs://BUCKET/PREFIX` (through fsspec + gcsfs).
 
 Decision (docs/operations.md, "Spot VMs and buckets"): the run dir stays a local directory, a staging copy derived
-from the URL (`~/.cache/ddpo_tpu/runs/BUCKET/PREFIX/RUN_NAME`, ddpo_tpu/storage_url.py), so Hydra, the locks, the
+from the URL (`~/.cache/ddpo_tpu/runs/BUCKET/PREFIX/RUN_NAME`, ddpo_tpu/rundir/storage_url.py), so Hydra, the locks, the
 heartbeat, train.log and every local writer work unchanged; the bucket (`gs://BUCKET/PREFIX/RUN_NAME`) is the
 durable copy.
 
@@ -19,7 +19,7 @@ durable copy.
   complete one; a manifest is deleted before its files). Between epochs the small live files go up every
   `LIVE_SYNC_S` seconds, so `ddpo-status gs://...` follows a run from anywhere.
 * Requests retry while the bucket is unreachable, up to `storage_timeout_s` from the first try; a refusal is not
-  retried (ddpo_tpu/storage_faults.py). An upload that gives up asks the trainer to stop at its next safe point,
+  retried (ddpo_tpu/rundir/storage_faults.py). An upload that gives up asks the trainer to stop at its next safe point,
   after a local checkpoint; the run ends with one `error:` line, exit 1.
 * Only process 0 of a multi-host run writes to the bucket; every host's front end restores the same checkpoint.
 * Credentials: gcsfs's default chain (GOOGLE_APPLICATION_CREDENTIALS, gcloud application-default login, the VM's
@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpo_tpu.storage_faults import (FAILED, StorageError, default_timeout_s, gcsfs_missing, quiet_gcsfs, retry,
+from ddpo_tpu.rundir.storage_faults import (FAILED, StorageError, default_timeout_s, gcsfs_missing, quiet_gcsfs, retry,
                                      unresolvable)
-from ddpo_tpu import checkpoint_layout as layout
-from ddpo_tpu.storage_url import SCHEME, Url, is_url, local_root, parse, remote_run_dir, url_problem  # noqa: F401
+from ddpo_tpu.rundir import checkpoint_layout as layout
+from ddpo_tpu.rundir.storage_url import SCHEME, Url, is_url, local_root, parse, remote_run_dir, url_problem  # noqa: F401
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
@@ -218,7 +218,7 @@ def _local_complete(ckpt_root: Path) -> dict[int, Path]:
 
 def local_checkpoint(path: Path) -> dict[str, bytes] | None:
     """The files of a local checkpoint whose state.json parses and whose other files match the sha256 sums it
-    holds (ddpo_tpu/checkpoint.py writes them), or None. Torch-free: the front end checks before a resume."""
+    holds (ddpo_tpu/rundir/checkpoint.py writes them), or None. Torch-free: the front end checks before a resume."""
     try:
         files = {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
         sums = json.loads(files["state.json"]).get("sha256")

@@ -1,6 +1,6 @@
 """What a run reports, each fact once: numbers go to metrics.jsonl (one line per optimizer step, epoch and
-evaluation: ddpo_tpu/rundir.py), facts go to events.jsonl (ddpo_tpu/events.py), and the main process mirrors the
-numbers to the tracker (wandb, TensorBoard: ddpo_tpu/tracking.py). The phase clock measures each phase of an epoch
+evaluation: ddpo_tpu/rundir/files.py), facts go to events.jsonl (ddpo_tpu/rundir/events.py), and the main process mirrors the
+numbers to the tracker (wandb, TensorBoard: ddpo_tpu/display/tracking.py). The phase clock measures each phase of an epoch
 for the epoch's line. Only the main process writes files; every process emits events (the EventLog drops the
 others')."""
 
@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.rundir import RunDir
+from ddpo_tpu.rundir.files import RunDir
 from ddpo_tpu.runtime import Runtime
 from ddpo_tpu.runtime.base import Counters
 
@@ -69,7 +69,7 @@ class Reporter:
         self._t0 = time.monotonic()
 
     def start(self, run_id: str, start_epoch: int, layout, samples_per_batch: int, train_timesteps: int) -> None:
-        from ddpo_tpu.tracking import make_tracker
+        from ddpo_tpu.display.tracking import make_tracker
 
         cfg, rt = self.cfg, self.rt
         self.tracker = make_tracker(cfg.logger, self.out.path, run_id, cfg.run_name, self.tree, rt.is_main)

@@ -3,9 +3,9 @@
 A checkpoint is a directory checkpoints/epoch_NNNN/ holding the trained weights (trainable.safetensors), the optimizer
 state (optimizer.pt), and state.json (epoch, global step, stat-tracker buffers, run id, the parity-relevant config).
 It is written under a temporary name, every file fsynced, then renamed into place: a directory with the final name is
-always complete (ddpo_tpu/checkpoint_layout.py: the names, and what makes one complete). Host and device RNG states
+always complete (ddpo_tpu/rundir/checkpoint_layout.py: the names, and what makes one complete). Host and device RNG states
 are not stored because there are none to store: all randomness is drawn from host generators seeded by (seed, epoch,
-stream) (ddpo/loop.py), so a run restarted at an epoch boundary draws exactly what the uninterrupted run drew.
+stream) (training/loop.py), so a run restarted at an epoch boundary draws exactly what the uninterrupted run drew.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ddpo_tpu import checkpoint_layout as layout
-from ddpo_tpu.checkpoint_layout import STATE_FILE, complete
+from ddpo_tpu.rundir import checkpoint_layout as layout
+from ddpo_tpu.rundir.checkpoint_layout import STATE_FILE, complete
 from ddpo_tpu.config.resume import changed_keys, resume_relevant  # one copy of what a resume compares
 
 FORMAT = 1

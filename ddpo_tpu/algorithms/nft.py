@@ -2,7 +2,7 @@
 2509.16117) as `algorithm=nft` for the flow-matching families, following NVlabs' code (NVlabs/DiffusionNFT@24af5554,
 scripts/train_nft_sd3.py; docs/nft.md maps every key to it).
 
-An epoch: the old policy samples (the ODE: sample.ode_solver, dpm2 in the official presets; ddpo/nft_rollout.py),
+An epoch: the old policy samples (the ODE: sample.ode_solver, dpm2 in the official presets; algorithms/nft_rollout.py),
 rewards become group advantages A (as GRPO's) and an optimality probability r = clip(clip(A, -c, c) / c / 2 + 1/2,
 0, 1). Training runs on the forward process, not on the recorded steps: each clean final latent x0 is noised again,
 x_t = (1 - t) x0 + t eps, at int(T x train.timestep_fraction) training times per sample drawn at random from the T
@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ddpo_tpu import events as ev
-from ddpo_tpu.ddpo.ppo import weighted_mean
-from ddpo_tpu.ddpo.state import EMA
+from ddpo_tpu.rundir import events as ev
+from ddpo_tpu.algorithms.ppo import weighted_mean
+from ddpo_tpu.training.state import EMA
 
 OLD = "nft_old"            # the old policy's name in TrainState.copies (and in the checkpoint's optimizer state)
 WEIGHT_FLOOR = 1e-5        # the reference's clip of the adaptive weight
@@ -98,7 +98,7 @@ class NFT:
     shuffle_timesteps = False
 
     def __init__(self, cfg):
-        from ddpo_tpu.ddpo.algorithm import GRPO
+        from ddpo_tpu.algorithms.grpo import GRPO
 
         self.cfg = cfg
         self.epoch_metrics: dict[str, float | int] = {}
@@ -109,7 +109,7 @@ class NFT:
         return self._groups(self, source, batches, batch_size, rng)
 
     def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
-        from ddpo_tpu.ddpo.grpo import group_advantages
+        from ddpo_tpu.algorithms.grpo import group_advantages
 
         return group_advantages(rewards, keys, global_std=self.cfg.algorithm.global_std)
 
@@ -117,7 +117,7 @@ class NFT:
         pass
 
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> None:
-        from ddpo_tpu.ddpo.grpo import zero_std_ratio
+        from ddpo_tpu.algorithms.grpo import zero_std_ratio
 
         finite = np.isfinite(rewards)
         self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
@@ -155,7 +155,7 @@ class NftEpochTrainer:
     the host generator of (seed, epoch, STREAM_SHUFFLE, inner), each function compiled once (rt.compile_step)."""
 
     def __init__(self, trainer):
-        from ddpo_tpu.ddpo.nft_rollout import integer_timesteps, make_rollout_step
+        from ddpo_tpu.algorithms.nft_rollout import integer_timesteps, make_rollout_step
 
         self.tr = trainer
         cfg, rt, fam = trainer.cfg, trainer.rt, trainer.family
@@ -195,7 +195,7 @@ class NftEpochTrainer:
         return self.old.swapped_in()
 
     def train_epoch(self, epoch: int, s) -> list[dict[str, float]]:
-        from ddpo_tpu.ddpo.loop import PROGRESS_EVERY_S, STREAM_SHUFFLE, stream_seed
+        from ddpo_tpu.training.loop import PROGRESS_EVERY_S, STREAM_SHUFFLE, stream_seed
 
         tr = self.tr
         cfg, rt, dev = tr.cfg, tr.rt, tr.rt.device

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ddpo_tpu import events as ev
-from ddpo_tpu.ddpo.algorithm import GRPO
-from ddpo_tpu.ddpo.state import EMA
+from ddpo_tpu.rundir import events as ev
+from ddpo_tpu.algorithms.grpo import GRPO
+from ddpo_tpu.training.state import EMA
 
 SLOW = "awm_ema"        # the slow copy's name in TrainState.copies
 TINY = 1e-10            # the reference's floor inside the huber weightings (awm:247, 249)
@@ -130,7 +130,7 @@ class AWM(GRPO):
 
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> None:
         """Every sample with weight 1: the reference keeps zero-advantage samples (awm:1076-1078)."""
-        from ddpo_tpu.ddpo.grpo import zero_std_ratio
+        from ddpo_tpu.algorithms.grpo import zero_std_ratio
 
         finite = np.isfinite(rewards)
         self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
@@ -192,7 +192,7 @@ class AwmEpochTrainer:
     def draws(self, epoch: int, n_batches: int, B: int, latent_shape) -> tuple[Tensor, Tensor, Tensor]:
         """The epoch's sample order (N,), each train batch's time indices (n_batches, K) and noise
         (n_batches, K, B, ...), from the host generator of (seed, epoch, STREAM_SHUFFLE)."""
-        from ddpo_tpu.ddpo.loop import STREAM_SHUFFLE, stream_seed
+        from ddpo_tpu.training.loop import STREAM_SHUFFLE, stream_seed
 
         cfg, tr = self.tr.cfg, self.tr
         gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE))
@@ -204,7 +204,7 @@ class AwmEpochTrainer:
         return perm, idx, noise
 
     def train_epoch(self, epoch: int, s) -> list[dict[str, float]]:
-        from ddpo_tpu.ddpo.loop import PROGRESS_EVERY_S
+        from ddpo_tpu.training.loop import PROGRESS_EVERY_S
 
         tr, a = self.tr, self.a
         cfg, rt, fam, dev = tr.cfg, tr.rt, tr.family, tr.rt.device

@@ -4,7 +4,7 @@ drawn, labelled axes); it is imported only inside `draw`, so the trainer and ddp
 curve is drawn.
 
 `curves(records)` takes metrics.jsonl's records; `draw(path, ...)` writes the PNG (atomically: a reader never sees
-half a file). Written by the main process at the end of every epoch (ddpo_tpu/tracking.py) and by `ddpo-status
+half a file). Written by the main process at the end of every epoch (ddpo_tpu/display/tracking.py) and by `ddpo-status
 --plot`.
 """
 

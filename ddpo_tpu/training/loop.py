@@ -1,5 +1,5 @@
 """The training loop, written once against small interfaces: a runtime (ddpo_tpu/runtime: eager, XLA, SPMD), a model
-family (ddpo_tpu/families: encode, a denoising step with its log-prob, decode) and an algorithm (ddpo/algorithm.py:
+family (ddpo_tpu/families: encode, a denoising step with its log-prob, decode) and an algorithm (algorithms/base.py:
 advantages and the loss). Read `Trainer.fit` top to bottom:
 
   sample      per batch: prompts -> conditioning -> trajectory with log-probs -> uint8 images to the host
@@ -10,8 +10,8 @@ advantages and the loss). Read `Trainer.fit` top to bottom:
 
 All randomness comes from host generators seeded by (seed, epoch, stream), so every backend sees the same prompts,
 noise and shuffles for the same seed, and a run restarted at an epoch boundary continues identically. Checkpoints,
-resume and the stop point are ddpo/checkpointing.py's; what the run reports (metrics, events, trackers) is
-ddpo/reporting.py's; the process around the Trainer (errors to one line, exit codes) is ddpo_tpu/worker.py's.
+resume and the stop point are training/checkpointing.py's; what the run reports (metrics, events, trackers) is
+training/reporting.py's; the process around the Trainer (errors to one line, exit codes) is ddpo_tpu/worker.py's.
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddpo_tpu import events as ev
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.ddpo.algorithm import make_algorithm
-from ddpo_tpu.ddpo.checkpointing import CheckpointManager, StopRequest
-from ddpo_tpu.ddpo.reporting import PhaseClock, Reporter
-from ddpo_tpu.ddpo.state import EMA, TrainState
+from ddpo_tpu.algorithms.base import make_algorithm
+from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
+from ddpo_tpu.training.reporting import PhaseClock, Reporter
+from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.diffusion.window import sde_window_at
 from ddpo_tpu.families import Cond, load_family
 from ddpo_tpu.rewards.remote import RewardInterrupted
-from ddpo_tpu.rundir import RunDir
+from ddpo_tpu.rundir.files import RunDir
 from ddpo_tpu.runtime import Runtime
 
 STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpo_tpu.events import append_line  # torch- and numpy-free: ddpo-status imports this module
+from ddpo_tpu.rundir.events import append_line  # torch- and numpy-free: ddpo-status imports this module
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -3,7 +3,7 @@ of third-party messages that say nothing about the run. Never touches a device.
 
 The start names the run dir, what is trained (model, algorithm, reward, topology) in a few lines and the parity
 verdict; the whole config is in the run dir's config.yaml (and `--cfg job` prints it). The progress is drawn from
-the typed events of events.jsonl (ddpo_tpu/events.py) by `ProgressView`, never from console text.
+the typed events of events.jsonl (ddpo_tpu/rundir/events.py) by `ProgressView`, never from console text.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class ProgressView:
     created: float = field(default_factory=time.monotonic)
 
     def feed(self, events: list, now: float | None = None) -> None:
-        from ddpo_tpu import events as ev
+        from ddpo_tpu.rundir import events as ev
 
         now = time.monotonic() if now is None else now
         for e in events:

@@ -14,7 +14,7 @@ Semantics follow the reference:
   "sde" step ``std_dev_t`` is the reference's ``std`` *before* the ``sqrt(-dt)`` factor, so this is the exact KL of
   the two step Gaussians (per latent element, averaged) times ``-dt``; for "cps" ``std_dev_t`` is the step's std and
   the value is the exact per-element KL. We keep the reference's value.
-* Loss: the PPO-clip policy loss of ``ddpo_tpu.ddpo.ppo.ppo_loss`` (the same as the reference's GRPO logic: advantages
+* Loss: the PPO-clip policy loss of ``ddpo_tpu.algorithms.ppo.ppo_loss`` (the same as the reference's GRPO logic: advantages
   clamped to ``+-adv_clip_max``, ratio ``exp(logp - logp_old)``, ``mean(max(-A r, -A clip(r, 1 +- eps)))``), plus
   ``beta * mean(kl)`` when ``beta > 0``.
 
@@ -31,15 +31,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ddpo_tpu.ddpo.ppo import ppo_loss, weighted_mean
+from ddpo_tpu.algorithms.base import TrainPlan
+from ddpo_tpu.algorithms.guards import AdaptiveReference
+from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
+from ddpo_tpu.families.base import StepScore
 
-__all__ = ["GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "ratio_norm_loss", "TrainPlan",
+__all__ = ["GRPO", "PLAN_STREAM", "GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "ratio_norm_loss", "TrainPlan",
            "zero_advantage_plan", "zero_std_ratio"]
 
 GROUP_STD_EPS = 1e-4  # flow_grpo's PerPromptStatTracker: std + 1e-4
@@ -174,22 +177,6 @@ def ratio_norm_loss(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_me
     return loss, {"approx_kl": approx_kl, "clipfrac": clipfrac}
 
 
-@dataclass
-class TrainPlan:
-    """Which samples an epoch trains, in which order, with which loss weight (static shapes: every sample runs)."""
-
-    orders: np.ndarray     # (inner epochs, N) int64: the sample at each train position of each inner epoch
-    weights: np.ndarray    # (N,) float32 per sample: N / kept for a kept sample, 0 for a dropped one
-    kept: int              # samples trained (after the re-inclusion), the reference's mask.sum()
-    num_batches: int       # the reference's rebatching: kept / num_batches samples in each of its batches
-
-    @property
-    def metrics(self) -> dict[str, float | int]:
-        n = self.weights.shape[0]
-        # flow_grpo logs actual_batch_size = mask.sum() // num_batches_per_epoch (a per-process figure there)
-        return {"kept_fraction": self.kept / n if n else 0.0, "actual_batch_size": self.kept // self.num_batches}
-
-
 def zero_advantage_plan(advantages: np.ndarray, num_batches: int, updates: int, inner_epochs: int, rng) -> TrainPlan:
     """flow_grpo's zero-advantage filter and rebatching as an order and weights over all N samples.
 
@@ -245,3 +232,100 @@ def zero_std_ratio(rewards: np.ndarray, group_ids: Sequence) -> float:
         return 0.0
     stds = np.array([np.std(r[inverse == g]) for g in range(int(inverse.max()) + 1)])
     return float(np.count_nonzero(stds == 0) / len(stds))
+
+
+PLAN_STREAM = 3  # the host generator of GRPO's zero-advantage plan: (seed, epoch, 3), apart from the loop's 0-2
+
+
+class GRPO:
+    ode_sampling = False            # the SDE samples: its steps are the policy's actions
+    name = "grpo"
+    stat_names = ("loss", "approx_kl", "clipfrac", "kl")
+
+    # flow_grpo keys groups by tokenizers[0]'s decoding of the prompt ids padded/truncated to 256 tokens
+    key_tokens = 256
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.epoch_metrics: dict[str, float | int] = {}
+        self.needs_reference = cfg.algorithm.kl_beta > 0
+        # GRPO-Guard's RatioNorm compares with the sampling policy's step means (the loop keeps its weights)
+        self.needs_old_mean = bool(getattr(cfg.algorithm, "ratio_norm", False))
+        # flow_grpo trains the first int(T x timestep_fraction) steps in order (the last, least noisy, are left out)
+        self.shuffle_timesteps = False
+        a = cfg.algorithm
+        self.adaptive = (AdaptiveReference(a.reference_reset_kl, a.reference_reset_every)
+                         if getattr(a, "reference_reset_kl", None) is not None else None)
+
+    def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
+        """flow_grpo's DistributedKRepeatSampler, batch by batch: batch_size / group_size distinct prompts, each
+        repeated group_size times, shuffled over the batch (and so over the replicas, which take contiguous slices
+        of it). Every group lies inside one sampling batch; batches draw independently (a prompt drawn again in
+        another batch joins its group, as the reference's per-epoch stat tracker merges it)."""
+        g = self.cfg.algorithm.group_size
+        if batch_size % g:
+            raise ValueError(f"algorithm.group_size={g} does not divide the sampling batch of {batch_size}")
+        out = []
+        for _ in range(batches):
+            distinct = source.sample_distinct(batch_size // g, rng)
+            order = rng.permutation(batch_size)
+            out.append([distinct[i // g] for i in order])
+        return out
+
+    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
+        return group_advantages(rewards, keys, global_std=self.cfg.algorithm.global_std)
+
+    def rekey(self, key_of) -> None:
+        pass  # no state across epochs
+
+    def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> TrainPlan | None:
+        """flow_grpo's zero-advantage filter as an order and loss weights (algorithm.drop_zero_advantage), from a
+        host generator of (seed, epoch); the epoch's kept fraction and share of zero-std groups for its metrics."""
+        cfg = self.cfg
+        finite = np.isfinite(rewards)
+        self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
+        if self.adaptive is not None and self.adaptive.due(epoch):  # after sampling, as train_sd3_gardo.py resets
+            self.epoch_metrics["reference_reset"] = 1
+        if not cfg.algorithm.drop_zero_advantage:
+            return None
+        s, t = cfg.sample, cfg.train
+        # optimizer steps per inner epoch: (batch x batches) / (train batch x accumulation); the replicas cancel
+        updates = (s.batch_size * s.num_batches_per_epoch) // (t.batch_size * t.gradient_accumulation_steps)
+        rng = np.random.default_rng([cfg.seed, epoch, PLAN_STREAM])
+        plan = zero_advantage_plan(advantages, s.num_batches_per_epoch, updates, t.num_inner_epochs, rng)
+        self.epoch_metrics.update(plan.metrics)
+        return plan
+
+    def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,
+             reference_mean: Tensor | None = None, weights: Tensor | None = None, old_mean: Tensor | None = None,
+             sqrt_dt: Tensor | None = None, steps: Tensor | None = None) -> tuple[Tensor, ...]:
+        """old_mean, sqrt_dt, steps (GRPO-Guard's ratio_norm): the sampling policy's step means, each row's sqrt(-dt)
+        and schedule step."""
+        t = self.cfg.train
+        kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
+        guard = None
+        if old_mean is not None:
+            guard = lambda w: ratio_norm_loss(score.log_prob, old_log_prob, score.mean, old_mean, score.std, sqrt_dt,
+                                              steps, advantages, t.clip_range, t.adv_clip_max, w)
+        loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,
+                               self.cfg.algorithm.kl_beta, weights, guard)
+        return loss, info["approx_kl"], info["clipfrac"], info["kl"]
+
+    def make_epoch_trainer(self, trainer) -> None:
+        return None
+
+    def reference_policy(self, trainer):
+        """The KL's reference context: GARDO's reset copy of the policy, or None (the family's adapter-off model)."""
+        return self.adaptive.attach(trainer) if self.adaptive is not None else None
+
+    def after_training(self, epoch: int, steps: list[dict]) -> None:
+        if self.adaptive is not None:
+            self.adaptive.observe(steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        # no history: each epoch's groups stand alone; GARDO's reset schedule (its copy is TrainState.copies')
+        return self.adaptive.state_dict() if self.adaptive is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.adaptive is not None and state:
+            self.adaptive.load_state_dict(state)

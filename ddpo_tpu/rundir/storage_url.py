@@ -1,6 +1,6 @@
 """gs:// URLs and where a bucket run dir is staged on this machine: pure code (no gcsfs, no torch), so config rules,
 the front end and ddpo-status read URLs without importing the bucket client. The bucket itself is
-ddpo_tpu/storage.py."""
+ddpo_tpu/rundir/storage.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ offline, disabled), TensorBoard event files, or both trackers at once (`logger=w
 
 The run id is the trainer's (kept in checkpoints), so a resumed run continues the same wandb run. TensorBoard's
 files go to run_dir/tensorboard/: for an output_root=gs://... run they reach the bucket with the rest of the run dir
-(ddpo_tpu/storage.py's mirror), where `tensorboard --logdir gs://BUCKET/PREFIX` reads them.
+(ddpo_tpu/rundir/storage.py's mirror), where `tensorboard --logdir gs://BUCKET/PREFIX` reads them.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class RewardCurve(Tracker):
                 self._waiting = self._pool.submit(self._draw)
 
     def _draw(self) -> None:
-        from ddpo_tpu.plot import write_run_curve
+        from ddpo_tpu.display.plot import write_run_curve
 
         try:
             write_run_curve(self.run_dir)

@@ -1,1 +1,0 @@
-"""DDPO algorithm pieces (advantages / per-prompt stat tracking, ...)."""
