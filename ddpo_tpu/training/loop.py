@@ -56,6 +56,7 @@ class SampledEpoch:
     prompts: list[str]
     pending_rewards: list        # per batch: a Future or an array
     first_images: np.ndarray     # the first batch's uint8 images (for the grid)
+    scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class EpochSamples:
     advantages: torch.Tensor    # (N,)
     weights: torch.Tensor       # (N,) loss weight of each sample (GRPO's zero-advantage filter; else 1)
     orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
+    kl_gate: torch.Tensor | None = None  # (N,) 1 where a sample carries the KL (GARDO's gate), None: every sample
 
 
 class NonFinite(RuntimeError):
@@ -88,11 +90,14 @@ def make_micro_step_loss(score_step, loss, sqrt_dt=None):
     one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
     terms. A plain function of tensors: the runtime compiles it once."""
 
-    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None, old_mean=None):
+    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None, old_mean=None,
+                        kl_gate=None):
         x, i, x_prev, c, flat = _flat_step_inputs(cur, nxt, idx, cond, cols)
         K = cols.shape[0]
         # old_mean: the sampling policy's step means (GRPO-Guard), with each row's sqrt(-dt) from the flow tables
         guard = {} if old_mean is None else {"old_mean": old_mean, "sqrt_dt": sqrt_dt(i), "steps": i}
+        if kl_gate is not None:  # (B,) GARDO: the samples that carry the KL
+            guard["kl_gate"] = kl_gate.repeat_interleave(K)
         # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
         return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
                     w.repeat_interleave(K) if w is not None else None, **guard)
@@ -139,6 +144,9 @@ class Trainer:
                                                                  device=rt.device,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
+        # what the algorithm scores per image besides the reward (GARDO's auxiliary rewards and features), or None
+        own_scores = getattr(self.algorithm, "image_scores", None)
+        self.image_scores = own_scores(self) if own_scores is not None else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
         self.train_batch = cfg.train.batch_size * rt.replicas
         self.train_timesteps = num_train_timesteps(cfg)
@@ -246,10 +254,11 @@ class Trainer:
         self.checkpoints.stop_if_requested(epoch, stopping)
 
     # --- sampling and rewards ---------------------------------------------------------------------------------
-    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray:
-        if self.pool is None:
-            return self.reward(images, prompts)
-        return self.pool.submit(self.reward, images, prompts)
+    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray | tuple:
+        fn = self.reward
+        if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
+            fn = lambda i, p: (self.reward(i, p), self.image_scores(i, p))
+        return fn(images, prompts) if self.pool is None else self.pool.submit(fn, images, prompts)
 
     def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False,
                       sde_window: tuple[int, int] | None = None
@@ -299,8 +308,12 @@ class Trainer:
             self.rt.sync()
         try:
             # per batch, every process's rows in order (distributed: gathered from the ranks)
-            rewards = np.concatenate([self.rt.gather_rows(np.asarray(f.result() if isinstance(f, Future) else f))
-                                      for f in sampled.pending_rewards])
+            done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
+            if self.image_scores is not None:
+                sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
+                                  for k in done[0][1]}
+                done = [d[0] for d in done]
+            rewards = np.concatenate([self.rt.gather_rows(np.asarray(d)) for d in done])
         except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
             self.checkpoints.stop_if_requested(epoch - 1)
             raise
@@ -321,14 +334,17 @@ class Trainer:
         keys = key_of(sampled.prompts)
         keep = np.isfinite(rewards)
         adv = np.zeros_like(rewards, dtype=np.float32)
+        scores = sampled.scores
+        kept = lambda m: {"scores": {k: v[m] for k, v in scores.items()}} if scores is not None else {}
         if keep.all():
-            adv = self.algorithm.advantages(keys, rewards)
+            adv = self.algorithm.advantages(keys, rewards, **kept(keep))
         else:
-            adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep])
+            adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep], **kept(keep))
         if not np.isfinite(adv).all():
             raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self.checkpoints.saved_state()}")
         plan = self.algorithm.train_plan(epoch, adv, keys, rewards)
         weights = plan.weights if plan is not None else np.ones(len(adv), dtype=np.float32)
+        gate = self.algorithm.kl_gate(rewards, scores) if scores is not None else None
         # the whole epoch on every process (distributed ranks sampled a slice of each batch; SPMD holds it already)
         rt, trajs = self.rt, sampled.trajectories
         whole = lambda parts: torch.cat([rt.gather_batch(x) for x in parts])
@@ -340,6 +356,7 @@ class Trainer:
             advantages=rt.epoch_layout(torch.as_tensor(adv, dtype=torch.float32).to(rt.device)),
             weights=rt.epoch_layout(torch.as_tensor(weights, dtype=torch.float32).to(rt.device)),
             orders=tuple(torch.as_tensor(o).to(rt.device) for o in plan.orders) if plan is not None else None,
+            kl_gate=rt.epoch_layout(torch.as_tensor(gate).to(rt.device)) if gate is not None else None,
         )
 
     def evaluate(self, epoch: int) -> dict:
@@ -396,6 +413,7 @@ class Trainer:
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             adv = s.advantages.index_select(0, perm)
             w = s.weights.index_select(0, perm)
+            gate = s.kl_gate.index_select(0, perm) if s.kl_gate is not None else None
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
@@ -405,7 +423,7 @@ class Trainer:
                 sel = sel.to(dev)
                 pick = lambda x: x.index_select(0, sel)
                 batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
-                wb = pick(w)
+                wb, gb = pick(w), (pick(gate) if gate is not None else None)
                 for j in range(0, self.train_timesteps, K):
                     # this micro-step's K timesteps, uploaded as data: one graph for every j
                     cols = torch.arange(j, j + K).to(dev)
@@ -419,7 +437,7 @@ class Trainer:
                             old = self.old_mean(*batch, cols, uncond)
                     last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
                     with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
-                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb, old)
+                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb, old, gb)
                         # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum,
                         # each timestep weighs what it weighs unfused (1 / trained timesteps per update)
                         (loss / (self.window // K)).backward()
