@@ -249,3 +249,37 @@ def test_grpo_loss_with_the_gate_through_the_algorithm():
     loss, _, _, kl = GRPO(cfg).loss(score, b["old_lp"], b["adv"], b["ref"], None, kl_gate=g)
     want, want_kl = reference_loss(b["lp"], b["old_lp"], b["adv"], b["mean"], b["ref"], b["std"], g)
     assert loss.item() == pytest.approx(want.item(), rel=1e-12) and kl.item() == pytest.approx(want_kl.item())
+
+
+def _grpo(gate: bool, diversity: bool):
+    from ddpo_tpu.algorithms.grpo import GRPO
+
+    a = SimpleNamespace(kl_beta=BETA, reference_reset_kl=None, ratio_norm=False, group_size=4, global_std=True,
+                        kl_gate_rewards=[{"name": "aesthetic"}] if gate else [], kl_gate_share=0.1,
+                        diversity_features={"name": "clip_features"} if diversity else None)
+    return GRPO(SimpleNamespace(algorithm=a, train=SimpleNamespace(clip_range=CLIP, adv_clip_max=ADV_MAX)))
+
+
+def test_each_option_changes_only_its_part_of_grpo():
+    from ddpo_tpu.algorithms.grpo import group_advantages
+
+    rng = np.random.default_rng(4)
+    keys, rewards = [f"p{i % 2}" for i in range(8)], rng.normal(size=8)
+    scores = {"features": rng.normal(size=(8, 5)), "kl_gate_rewards": rng.normal(size=(8, 2))}
+    plain, gated, diverse = _grpo(False, False), _grpo(True, False), _grpo(False, True)
+    # advantages: GRPO's unless diversity_features; the gate leaves them alone
+    want_plain = group_advantages(rewards, keys, global_std=True)
+    assert np.array_equal(plain.advantages(keys, rewards), want_plain)
+    assert np.array_equal(gated.advantages(keys, rewards, scores), want_plain)
+    want = reference_gardo_advantages(keys, rewards[:, None], scores["features"])[:, 0]
+    assert np.allclose(diverse.advantages(keys, rewards, scores), want, rtol=1e-6)
+    # the gate: None (every sample) unless kl_gate_rewards; a non-finite reward is neither ranked nor gated
+    assert plain.kl_gate(rewards, scores) is None and diverse.kl_gate(rewards, scores) is None
+    bad = rewards.copy()
+    bad[5] = np.nan
+    got = gated.kl_gate(bad, scores)
+    ok = np.isfinite(bad)
+    u = reference_uncertainty(bad[ok], *scores["kl_gate_rewards"][ok].T)
+    assert got[5] == 0 and np.array_equal(got[ok] > 0, reference_gate(u, ReferenceCompensator()))
+    assert gated.epoch_metrics["kl_gate_share"] == 0.1
+    assert set(gated.state_dict()) == {"gardo_gate_share", "gardo_gate_window"} and plain.state_dict() == {}
