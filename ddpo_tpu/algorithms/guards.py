@@ -54,7 +54,8 @@ class AdaptiveReference:
         self.flagged, self.last = bool(state["gardo_flagged"]), int(state["gardo_last_reset"])
 
 
-__all__ = ["AdaptiveReference"]
+__all__ = ["AdaptiveReference", "ImageScores", "UncertaintyGate", "diversity_advantages", "gated_mean",
+           "rank_uncertainty"]
 
 
 # --- GARDO's uncertainty-gated KL and diversity-aware advantages -------------------------------------------------------
@@ -115,7 +116,7 @@ def diversity_advantages(rewards: np.ndarray, keys, features: np.ndarray) -> np.
     is 0 (identical images) the reference divides 0 by 0; the scale is 1 here. float64 maths, float32 out."""
     r = np.asarray(rewards, dtype=np.float64)
     f = np.nan_to_num(np.asarray(features, dtype=np.float64))  # the reference's np.nan_to_num of its features
-    f = f / np.linalg.norm(f, axis=1, keepdims=True)
+    f = f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-12)  # an all-zero row: 0, not 0 / 0
     keys = np.asarray(keys, dtype=object)
     adv = np.zeros_like(r)
     for key in set(keys.tolist()):
