@@ -278,7 +278,7 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
     """The Trainer's life, with every expected way it ends as one event line and an exit code."""
     from ddpo_tpu.rundir import events as ev
     from ddpo_tpu.rundir import storage
-    from ddpo_tpu.rundir.checkpoint import ResumeRefused
+    from ddpo_tpu.training.checkpoint_files import ResumeRefused
     from ddpo_tpu.training.checkpointing import CannotStart, Preempted
     from ddpo_tpu.training.loop import NonFinite, Trainer
     from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED

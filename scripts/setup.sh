@@ -25,6 +25,8 @@ fi
 [[ -x $venv/bin/python ]] || "$PY" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
 "$venv/bin/python" -m pip install -q -r "$lock"
-"$venv/bin/python" -m pip install -q --no-deps -e .
+# setuptools boxes a warning about editable installs (a folder named like the package in the working directory may
+# shadow it: here it is the package itself); the message filter reaches pip's isolated build through the environment
+PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q --no-deps -e .
 echo "$want" > "$stamp"
 echo "setup: $venv ready"

@@ -68,7 +68,7 @@ CASES = [
     ("weighted_inf_weight", ["reward=weighted", "reward.components=[{name:jpeg_compressibility,weight:inf}]"],
      "reward.components.0.weight", "finite"),
     ("weighted_unknown_key", ["reward=weighted", "reward.components=[{name:jpeg_compressibility,bogus:5}]"],
-     "reward.components.0.bogus", "unknown key (remove it; valid keys here: name, quality, weight)"),
+     "reward.components.0.bogus", "unknown key (remove it; valid keys here: frame_reduction, name, quality, weight)"),
     ("weighted_remote_url", ["reward=weighted", "reward.components=[{name:remote,weight:1,url:'localhost:8765'}]"],
      "reward.components.0.url", "http://"),
     ("weighted_remote_no_url", ["reward=weighted", "reward.components=[{name:jpeg_compressibility},{name:remote}]"],
@@ -77,7 +77,7 @@ CASES = [
      "reward.components.0.name", "no reward of this name goes here"),
     ("weighted_empty", ["reward=weighted", "reward.components=[]"], "reward.components", "at least 1 item"),
     ("reward_key_of_another_reward", ["+reward.url=http://127.0.0.1:8765/score"], "reward.url",
-     "unknown key (remove it; valid keys here: host_workers, name, quality)"),
+     "unknown key (remove it; valid keys here: frame_reduction, host_workers, name, quality)"),
     ("reward_unknown_name", ["reward.name=jpeg"], "reward.name", "choose one of: jpeg_compressibility"),
     ("resume_not_checkpoint", ["resume={tmp}/not_ckpt"], "resume", "not a checkpoint"),
     ("interpolation_env", ["seed=${oc.env:DDPO_TPU_TEST_UNSET_VARIABLE}"], "seed", "DDPO_TPU_TEST_UNSET_VARIABLE"),
@@ -288,10 +288,10 @@ def test_the_torch_modules_read_the_catalog_instead_of_copies():
     # read from the source: importing models/loading.py would import torch. No literal copy of a family's folders:
     assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "models" / "loading.py", "SUBFOLDERS") is None
     assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "models" / "sd3.py", "SD3_SUBFOLDERS") is None
-    # rundir/checkpoint.py compares configs with the front end's own rules (one copy)
-    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "rundir" / "checkpoint.py", "RUN_CONTROL_KEYS") is None
+    # training/checkpoint_files.py compares configs with the front end's own rules (one copy)
+    assert _assigned_tuple_literal(REPO / "ddpo_tpu" / "training" / "checkpoint_files.py", "RUN_CONTROL_KEYS") is None
     assert "from ddpo_tpu.config.resume import changed_keys, resume_relevant" in (
-        REPO / "ddpo_tpu" / "rundir" / "checkpoint.py").read_text()
+        REPO / "ddpo_tpu" / "training" / "checkpoint_files.py").read_text()
 
 
 def test_profile_steps_at_the_last_step_are_accepted():

@@ -95,6 +95,48 @@ def test_third_party_noise_is_dropped_at_its_logger_only():
                     "transformers.modeling_utils: requires torchvision (not installed); falling back to"]
 
 
+def test_torch_compile_notes_on_the_distributed_execution_are_dropped_at_their_loggers():
+    import logging
+
+    quiet_third_party()
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    # the loggers and texts as torch 2.9 emits them (torch/_dynamo/variables/torch.py: warning_once(log, "Profiler
+    # function %s will be ignored", ...); torch/utils/cpp_extension.py: "No CUDA runtime is found, using CUDA_HOME=")
+    dynamo, cpp = logging.getLogger("torch._dynamo.variables.torch"), logging.getLogger("torch.utils.cpp_extension")
+    for logger in (dynamo, cpp):
+        logger.addHandler(Keep())
+    try:
+        dynamo.warning("Profiler function %s will be ignored", "<class 'torch.autograd.profiler.record_function'>")
+        cpp.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+        dynamo.warning("Graph break from `Tensor.item()`")
+    finally:
+        for logger in (dynamo, cpp):
+            logger.handlers = [h for h in logger.handlers if not isinstance(h, Keep)]
+    assert seen == ["Graph break from `Tensor.item()`"]
+
+
+def test_gloo_prints_reach_train_log_but_not_the_console(tmp_path, capfd):
+    """gloo prints its connection count with std::cout (no logger): the front end keeps it in train.log only."""
+    import sys
+
+    from ddpo_tpu.display.console import third_party_line
+    from ddpo_tpu.launch.process import run_training
+
+    gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    assert third_party_line(gloo.encode() + b"\n") and not third_party_line(b"[epoch 0] sampling start\n")
+    script = f"print({gloo!r}); print('ddpo_tpu: ours'); print('[Gloo] Rank 1 is connected to 0 peer ranks.', flush=True)"
+    log = tmp_path / "train.log"
+    code = run_training(dict(__import__("os").environ), log, cmd=[sys.executable, "-c", script])
+    out = capfd.readouterr().out
+    assert code == 0 and "ddpo_tpu: ours" in out and "[Gloo]" not in out
+    assert log.read_text().count("[Gloo] ") == 2
+
+
 def test_the_start_is_a_few_lines_with_the_parity_verdict(tmp_path):
     from ddpo_tpu.config.compose import compose_and_validate
 

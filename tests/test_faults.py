@@ -32,7 +32,7 @@ def trainer(run_dir: Path, model_cache: Path, *extra: str):
 
 @pytest.mark.slow
 def test_a_kill_around_the_checkpoint_neither_loses_nor_duplicates_an_epoch(tmp_path, model_cache, monkeypatch):
-    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.training import checkpoint_files as ckpt
 
     trainer(tmp_path / "whole", model_cache).fit()
     want = (tmp_path / "whole" / "weights" / "final.safetensors").read_bytes()
@@ -61,7 +61,7 @@ def test_a_kill_around_the_checkpoint_neither_loses_nor_duplicates_an_epoch(tmp_
 def _two_checkpoints(root: Path) -> dict:
     import torch
 
-    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.training import checkpoint_files as ckpt
     from ddpo_tpu.config.compose import compose_and_validate
 
     tree = compose_and_validate(BASE).tree
@@ -92,7 +92,7 @@ def test_the_next_start_removes_what_killed_writes_left_and_nothing_else(tmp_pat
 
     import torch
 
-    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.training import checkpoint_files as ckpt
     from ddpo_tpu.rundir import events as ev
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.training.checkpointing import CheckpointManager
@@ -135,7 +135,7 @@ def test_the_next_start_removes_what_killed_writes_left_and_nothing_else(tmp_pat
 
 @pytest.mark.parametrize("name", ["trainable.safetensors", "optimizer.pt", "state.json"])
 def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, name):
-    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.training import checkpoint_files as ckpt
 
     tree = _two_checkpoints(tmp_path)
     bad = tmp_path / "checkpoints" / "epoch_0001"
@@ -157,7 +157,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
 def test_a_checkpoint_without_checksums_still_loads(tmp_path):
     import json
 
-    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.training import checkpoint_files as ckpt
 
     tree = _two_checkpoints(tmp_path)
     state_file = tmp_path / "checkpoints" / "epoch_0001" / "state.json"

@@ -451,7 +451,7 @@ def _epoch(prompts, rewards):
 @pytest.mark.parametrize("algorithm", ["ddpo", "grpo"])
 def test_per_prompt_statistics_are_keyed_by_the_tokenizers_decoding(clip_tokenizer, algorithm):
     from ddpo_tpu.training import loop
-    from ddpo_tpu.algorithms.base import make_algorithm
+    from ddpo_tpu.training.loop import make_algorithm
 
     overrides = (["+experiment=smoke", "stat_tracking.per_prompt=true", "stat_tracking.min_count=1"]
                  if algorithm == "ddpo" else
@@ -473,7 +473,7 @@ def test_per_prompt_statistics_are_keyed_by_the_tokenizers_decoding(clip_tokeniz
 
 def test_a_stat_tracker_saved_with_raw_text_keys_resumes_under_the_tokenizers_keys(clip_tokenizer):
     from ddpo_tpu.training import loop
-    from ddpo_tpu.algorithms.base import make_algorithm
+    from ddpo_tpu.training.loop import make_algorithm
 
     algo = make_algorithm(compose_and_validate(["+experiment=smoke", "stat_tracking.per_prompt=true",
                                                 "stat_tracking.min_count=3"]).cfg)

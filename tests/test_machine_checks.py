@@ -131,3 +131,20 @@ def test_the_machine_checks_import_no_torch(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_a_video_model_needs_pyav_for_its_mp4_samples(monkeypatch):
+    import importlib.util
+
+    wan = compose_and_validate(["+experiment=wan_grpo_smoke"]).cfg
+    image = compose_and_validate(["+experiment=smoke"]).cfg
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a))
+    (line,) = machine.video_problems(wan)
+    assert line.startswith("model.family=wan:") and "pip install av==" in line
+    assert machine.video_problems(image) == []  # an image model writes no video
+    pin = next(x for x in (Path(__file__).parents[1] / "requirements.txt").read_text().splitlines()
+               if x.startswith("av=="))
+    assert f"pip install {pin}," in line  # the fix installs the lockfile's pin
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert machine.video_problems(wan) == []  # av is installed (a pinned requirement)

@@ -119,7 +119,7 @@ def test_checkpoint_rotation_keeps_the_newest(tmp_path, model_cache):
 
 
 def test_nonfinite_reward_stops_with_the_last_checkpoint_intact(tmp_path, model_cache):
-    from ddpo_tpu.rundir import checkpoint as ckpt
+    from ddpo_tpu.training import checkpoint_files as ckpt
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.training import loop
     from ddpo_tpu.rundir.files import RunDir

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ddpo_tpu.config.compose import compose_and_validate, validate
 from ddpo_tpu.config.resume import changed_keys, resume_relevant
-from ddpo_tpu.catalog import REWARDS as CATALOG
+from ddpo_tpu.catalog import REWARDS as SPECS
 from ddpo_tpu.catalog import TINY
 from ddpo_tpu.config.schema import RewardComponent, RewardConfig, WeightedConfig
 from ddpo_tpu.rewards import REWARDS
@@ -25,7 +25,7 @@ from ddpo_tpu.rewards.from_config import reward_from_config, reward_kwargs
 REPO = Path(__file__).resolve().parents[1]
 REWARD_CONFIGS = {m.model_fields["name"].annotation.__args__[0]: m for m in get_args(get_args(RewardConfig)[0])}
 COMPONENTS = {m.model_fields["name"].annotation.__args__[0]: m for m in get_args(get_args(RewardComponent)[0])}
-NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight"}
+NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "frame_reduction"}  # frame_reduction: rewards/video.py
 
 # the reward group of configs saved before the typed union (the YAML of conf/reward/ then): no reward.quality,
 # reward.batch_size for aesthetic or reward.headers; a resume must accept them and see no change
@@ -43,7 +43,7 @@ OLD_REWARD_GROUPS = {
 
 def test_one_model_per_registered_reward_with_the_constructors_keys():
     # feature models (catalog entries with features=True) are registered beside the rewards but score nothing
-    features = {r.name for r in CATALOG if r.features}
+    features = {r.name for r in SPECS if r.features}
     builtin = {n for n in REWARDS if not n.startswith("_")} - features
     assert set(REWARD_CONFIGS) == builtin and "clip_features" in features
     assert set(COMPONENTS) == builtin - {"weighted"}  # a weighted sum of weighted sums is one weighted sum
@@ -53,7 +53,10 @@ def test_one_model_per_registered_reward_with_the_constructors_keys():
         assert keys <= set(params), (name, keys - set(params))
         assert "host_workers" in model.model_fields
         if name in COMPONENTS:
-            assert set(COMPONENTS[name].model_fields) == keys | {"name", "weight"}
+            # an image reward has frame_reduction (how a video model reduces its frames' scores), a video reward not
+            assert ("frame_reduction" in model.model_fields) == (SPECS.get(name).takes == "images")
+            assert set(COMPONENTS[name].model_fields) == keys | {"name", "weight"} | (
+                {"frame_reduction"} & set(model.model_fields))
             for key in keys:  # a component's defaults are the constructor's (its YAML file gives the run's)
                 default = params[key].default
                 if default is not inspect.Parameter.empty:
@@ -76,6 +79,9 @@ def test_strict_frozen_and_finite():
 @pytest.mark.parametrize("reward", sorted(p.stem for p in (REPO / "conf" / "reward").glob("*.yaml")))
 def test_each_reward_group_validates_to_its_model_and_dumps_back_the_same_tree(reward, tmp_path):
     overrides = ["+experiment=smoke", f"reward={reward}"]
+    if SPECS.get(reward).takes == "videos":  # a video model (the real one: reward_local has no tiny keys for it)
+        overrides = ["+experiment=wan_grpo_smoke", f"reward={reward}", "model=wan21_t2v_1_3b",
+                     "train.mixed_precision=bf16"]
     if reward == "aesthetic":  # the group's own keys, not reward_local's tiny stand-ins
         (tmp_path / "mlp.pth").write_bytes(b"")
         overrides += ["model=sd14_random", f"reward.mlp_path={tmp_path / 'mlp.pth'}"]

@@ -6,6 +6,7 @@ each video's frames side by side."""
 
 from __future__ import annotations
 
+import io
 import json
 from types import SimpleNamespace
 
@@ -108,7 +109,7 @@ def test_lora_layer_table_matches_the_tiny_and_the_real_transformers():
 
 def test_per_frame_reward_scores_every_frame_and_reduces():
     from ddpo_tpu.rewards.jpeg import JpegCompressibility
-    from ddpo_tpu.rewards.video import PerFrame, contact_strips
+    from ddpo_tpu.rewards.video import PerFrame
 
     rng = np.random.default_rng(0)
     videos = rng.integers(0, 255, (3, 4, 16, 16, 3), dtype=np.uint8)
@@ -124,8 +125,6 @@ def test_per_frame_reward_scores_every_frame_and_reduces():
         PerFrame(image)(videos[0], ["a"] * 4)
     with pytest.raises(ValueError, match="reduction"):
         PerFrame(image, "max")
-    strips = contact_strips(videos)
-    assert strips.shape == (3, 16, 64, 3) and np.array_equal(strips[2, :, 16:32], videos[2, 1])
 
 
 def test_the_family_and_its_sampler_compose(model_cache):
@@ -160,8 +159,11 @@ def test_a_directory_that_is_not_a_wan_checkpoint_is_named_with_the_fix(tmp_path
         load_wan(str(tmp_path))
 
 
-def test_one_epoch_scores_videos_per_frame_and_grids_their_frames(tmp_path, model_cache):
-    """One eager GRPO epoch with an SDE window: sampled, scored per frame, trained, its grid written."""
+def test_one_epoch_scores_videos_per_frame_and_writes_mp4s_and_a_contact_sheet(tmp_path, model_cache):
+    """One eager GRPO epoch with an SDE window: sampled, scored per frame with the reward's frame reduction,
+    trained; its samples in the run dir as mp4 files that decode back to the videos' frames and size, a contact sheet
+    PNG, and TensorBoard's animated GIF."""
+    import av
     from PIL import Image
 
     from ddpo_tpu.training import loop
@@ -172,13 +174,30 @@ def test_one_epoch_scores_videos_per_frame_and_grids_their_frames(tmp_path, mode
     v = compose_and_validate(["+experiment=wan_grpo_smoke", f"model.cache_dir={model_cache}", "num_epochs=1",
                               "sample.batch_size=4", "sample.num_batches_per_epoch=1", "sample.num_steps=3",
                               "algorithm.group_size=2", "train.batch_size=4", "train.gradient_accumulation_steps=1",
-                              "sample.sde_window.size=2"])  # the ODE's step outside the window, too
+                              "sample.sde_window.size=2",  # the ODE's step outside the window, too
+                              "reward.frame_reduction=min", "logger=tensorboard"])
     trainer = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree,
                            stop=SimpleNamespace(requested=False))
-    assert type(trainer.reward).__name__ == "PerFrame" and trainer.reward.reduction == "mean"
+    assert type(trainer.reward).__name__ == "PerFrame" and trainer.reward.reduction == "min"
     trainer.fit()
     (epoch,) = read_metrics(tmp_path, "epoch")
     assert np.isfinite(epoch["reward_mean"]) and epoch["reward_mean"] < 0  # minus kilobytes per frame
     assert len(read_metrics(tmp_path, "step")) == 1 and np.isfinite(read_metrics(tmp_path, "step")[0]["loss"])
-    grid = Image.open(tmp_path / "samples" / "epoch_0000.png")
-    assert grid.size == (4 * 5 * 32, 32)  # 4 videos in a row, each its 5 frames of 32 px side by side
+    sheet = Image.open(tmp_path / "samples" / "epoch_0000.png")
+    assert sheet.size == (5 * 32, 4 * 32)  # the contact sheet: a row per video, its 5 frames of 32 px side by side
+    mp4s = sorted((tmp_path / "samples").glob("epoch_0000_*.mp4"))
+    assert [p.name for p in mp4s] == [f"epoch_0000_{i:02d}.mp4" for i in range(4)]
+    for path in mp4s:
+        with av.open(str(path)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
+    # the sheet's last row is the last video's frames: its mp4's first frame decodes close to the row's first
+    assert np.abs(frames[0].astype(int) - np.asarray(sheet)[96:, :32].astype(int)).mean() < 12
+    captions = json.loads((tmp_path / "samples" / "epoch_0000.json").read_text())
+    assert [c["file"] for c in captions] == [p.name for p in mp4s]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    gif = Image.open(io.BytesIO(acc.Images("videos")[0].encoded_image_string))
+    assert (gif.format, gif.n_frames, gif.size) == ("GIF", 5, (4 * 32, 32))  # the 4 videos side by side

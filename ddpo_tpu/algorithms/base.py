@@ -1,7 +1,8 @@
 """What an RL algorithm adds to the loop, as the loop asks it: which prompts an epoch samples, advantages from
 rewards, which samples an epoch trains (TrainPlan) and the loss of a re-scored step. An algorithm owns its state and
 checkpoints it through state_dict/load_state_dict. Each algorithm is a module of this package (ddpo.py, grpo.py,
-nft.py, awm.py), registered in ddpo_tpu/catalog/algorithms.py; make_algorithm finds the run's through the catalog."""
+nft.py, awm.py), registered in ddpo_tpu/catalog/algorithms.py; the loop finds the run's through the catalog
+(training/loop.py, make_algorithm), so nothing below this package names one."""
 
 from __future__ import annotations
 
@@ -56,11 +57,4 @@ class Algorithm(Protocol):
     # kl_gate(rewards, scores) -> (N,) | None, the gate passed to loss(..., kl_gate=)
 
 
-def make_algorithm(cfg) -> Algorithm:
-    """The run's algorithm, found through its catalog spec (ddpo_tpu/catalog/algorithms.py)."""
-    from ddpo_tpu.catalog import ALGORITHMS, load_object
-
-    return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
-
-
-__all__ = ["Algorithm", "TrainPlan", "make_algorithm"]
+__all__ = ["Algorithm", "TrainPlan"]

@@ -288,7 +288,7 @@ class GRPO:
         """What GARDO scores per image besides the reward (its auxiliary rewards, its features), or None."""
         if self.gate is None and not self.diversity:
             return None
-        return ImageScores(self.cfg.algorithm, trainer.family, self.cfg.model.cache_dir, trainer.rt.device)
+        return ImageScores(self.cfg.algorithm, self.cfg.model.cache_dir, trainer.rt.device)
 
     def kl_gate(self, rewards: np.ndarray, scores: dict | None) -> np.ndarray | None:
         """(N,) 1 where a sample carries the KL (GARDO's gate over the epoch), None: every sample. Samples with a

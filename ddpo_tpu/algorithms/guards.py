@@ -133,24 +133,22 @@ def diversity_advantages(rewards: np.ndarray, keys, features: np.ndarray) -> np.
 class ImageScores:
     """What GARDO scores besides the trained reward, per image on the host: the auxiliary rewards (N, M) and the
     feature model's features (N, D), each a reward-registry entry built as a reward is (rewards/from_config.py:
-    `tiny` stand-ins, a CUDA device), the rewards wrapped as the family wraps the run's (a video family: per frame),
-    the features of the family's stills."""
+    `tiny` stand-ins, a CUDA device). Image families only (a video family is refused at compose time)."""
 
-    def __init__(self, algorithm_cfg, family, cache_dir: str, device):
+    def __init__(self, algorithm_cfg, cache_dir: str, device):
         from ddpo_tpu.rewards.from_config import reward_from_config
 
         build = lambda entry: reward_from_config(entry, model_cache_dir=cache_dir, device=device)
-        self.aux = [family.wrap_reward(build(e)) for e in algorithm_cfg.kl_gate_rewards]
+        self.aux = [build(e) for e in algorithm_cfg.kl_gate_rewards]
         f = algorithm_cfg.diversity_features
         self.features = build(f) if f is not None else None
-        self.stills = family.stills
 
     def __call__(self, images: np.ndarray, prompts: list[str]) -> dict[str, np.ndarray]:
         out = {}
         if self.aux:
             out["kl_gate_rewards"] = np.stack([np.asarray(r(images, prompts), dtype=np.float64) for r in self.aux], 1)
         if self.features is not None:
-            out["features"] = np.asarray(self.features(self.stills(images), prompts), dtype=np.float32)
+            out["features"] = np.asarray(self.features(images, prompts), dtype=np.float32)
         return out
 
 

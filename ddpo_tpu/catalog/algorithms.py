@@ -38,9 +38,9 @@ class DdpoKeys(Keys):
 
 
 def _entries(features: bool) -> Any:
-    """A reward-registry entry with its own keys, picked by `name`: the scores (features=False) or the feature models
-    (rewards/clip_features.py). Built from the registry, as the schema builds the `reward` group."""
-    models = tuple(r.keys for r in REWARDS if not r.composite and r.features == features)
+    """A reward-registry entry with its own keys, picked by `name`: the image scores (features=False) or the feature
+    models (rewards/clip_features.py). Built from the registry, as the schema builds the `reward` group."""
+    models = tuple(r.keys for r in REWARDS if not r.composite and r.features == features and r.takes == "images")
     return models[0] if len(models) == 1 else Annotated[Union[models], Field(discriminator="name")]  # noqa: UP007
 
 
@@ -175,12 +175,21 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
 def _gardo_problems(cfg: Any) -> list[Problem]:
     """GARDO's gate and feature model: a gate needs a KL term and rewards that can disagree with the trained one;
     each entry's own keys are checked as the run's reward's are."""
+    from ddpo_tpu.catalog.families import FAMILIES
+
     a, problems = cfg.algorithm, []
+    output = FAMILIES.get(cfg.model.family).output
+    for key, on, off in (("algorithm.kl_gate_rewards", bool(a.kl_gate_rewards), []),
+                         ("algorithm.diversity_features", a.diversity_features is not None, None)):
+        if on and output != "images":
+            problems.append(Problem(key, "set", f"GARDO's auxiliary rewards and feature model score images (its code "
+                                    f"trains SD 3 and FLUX); model.family={cfg.model.family} decodes {output}",
+                                    Fix.of({key: off})))
     if a.kl_gate_rewards and a.kl_beta == 0:
         problems.append(Problem("algorithm.kl_gate_rewards", [e.name for e in a.kl_gate_rewards], "GARDO's gate picks "
                                 "the samples that carry the KL; with algorithm.kl_beta=0 there is no KL term",
                                 Fix.of({"algorithm.kl_beta": 0.04}, {"algorithm.kl_gate_rewards": []})))
-    trained = cfg.reward.model_dump(exclude={"host_workers"})
+    trained = cfg.reward.model_dump(exclude={"host_workers", "frame_reduction"})  # the run's own keys
     for i, e in enumerate(a.kl_gate_rewards):
         key = f"algorithm.kl_gate_rewards.{i}"
         if e.model_dump() == trained:

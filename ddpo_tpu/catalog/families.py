@@ -52,6 +52,9 @@ class FamilySpec:
     # conditional one, train.cfg repeats it at train time); "embedded" = a guidance-distilled model reads the scale
     # as an input embedding (one pass, no unconditional prompt; train.cfg must be false)
     guidance: Literal["cfg", "embedded"] = "cfg"
+    # what decode makes: uint8 images (B, H, W, 3) or videos (B, F, H, W, 3). The rewards say what they take
+    # (catalog/rewards.py RewardSpec.takes): an image reward scores a video's frames, a video reward needs videos
+    output: Literal["images", "videos"] = "images"
 
 
 FAMILIES: Registry[FamilySpec] = Registry("model family")
@@ -67,6 +70,13 @@ def family_of_builder(builder: str) -> FamilySpec | None:
 
 def all_builders() -> tuple[str, ...]:
     return tuple(b for f in FAMILIES for b in f.builders)
+
+
+def models_making(output: str) -> str:
+    """The models of the families that decode `output` ("videos"), for a fix: their local builds, and the families."""
+    specs = [f for f in FAMILIES if f.output == output]
+    return ", ".join(f"model={b}" for f in specs for b in f.builders) + \
+        f" or another model of the {'/'.join(f.name for f in specs)} family"
 
 
 # --- SD 1.x ----------------------------------------------------------------------------------------------------------
@@ -269,4 +279,5 @@ WAN = FAMILIES.register(FamilySpec(
                  "ffn.net.2", "patch_embedding", "proj_out"),
     lora_example="attn1.to_q",
     resolution_multiple=16,  # WanPipeline.check_inputs: height and width divisible by 16 (VAE 8 x 2x2 patches)
+    output="videos",
 ))

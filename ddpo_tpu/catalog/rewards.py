@@ -38,12 +38,27 @@ class RewardSpec:
     composite: bool = False  # holds other rewards (weighted): not itself a component
     # a feature model (B, D), not a score: never a run's reward or a component; GRPO's diversity_features takes one
     features: bool = False
+    # what it scores: uint8 images (B, H, W, 3), or videos (B, F, H, W, 3) as a video family decodes them
+    # (FamilySpec.output). An image reward on a video family scores every frame and reduces the frames' scores by its
+    # `frame_reduction` key (rewards/video.py); a video reward on an image family is refused at compose time.
+    takes: Literal["images", "videos"] = "images"
     # what it needs of the prompts: (keys, dotted prefix, the prompt source's word lists (a prompt is one word of
     # each), the evaluation prompts) -> problems (config/inputs.py calls it for the run's reward and each component)
     prompt_problems: Callable[[Any, str, Any, list[str]], list[Problem]] = lambda keys, prefix, parts, evals: []
 
 
 REWARDS: Registry[RewardSpec] = Registry("reward")
+
+
+FRAME_REDUCTIONS = ("mean", "min")  # rewards/video.py PerFrame
+
+
+class FrameReductionKeys(Keys):
+    """The key every image reward gets from the schema (config/schema.py): how a video family turns its frames'
+    scores into the video's. mean: the plain video score (flow_grpo's Wan script scores whole videos); min: the worst
+    frame. Read only with a video family (config/enablement.py)."""
+
+    frame_reduction: Literal["mean", "min"] = "mean"
 
 
 class _JpegKeys(Keys):
@@ -68,6 +83,14 @@ class AestheticKeys(Keys):
 class ClipScoreKeys(Keys):
     name: Literal["clip_score"]
     clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
+
+
+class FrameConsistencyKeys(Keys):
+    name: Literal["frame_consistency"]
+    # VBench's background consistency model, CLIP ViT-B/32 (Vchitect/VBench@45e79ec vbench/utils.py:244-252): hub id,
+    # local dir or `tiny`
+    clip_model: str = Field(default="openai/clip-vit-base-patch32", min_length=1)
+    batch_size: int | None = Field(default=None, ge=1)  # frames per CLIP forward pass (null: all of a batch's)
 
 
 class PickScoreKeys(Keys):
@@ -152,6 +175,8 @@ REWARDS.register(RewardSpec("aesthetic", "LAION aesthetic predictor on CLIP ViT-
                             "ddpo_tpu.rewards.aesthetic", torch=True, problems=_aesthetic_problems))
 REWARDS.register(RewardSpec("clip_score", "CLIP image-text similarity", ClipScoreKeys, "ddpo_tpu.rewards.clip_score",
                             torch=True))
+REWARDS.register(RewardSpec("frame_consistency", "frame-to-frame consistency of CLIP image features (videos)",
+                            FrameConsistencyKeys, "ddpo_tpu.rewards.frame_consistency", torch=True, takes="videos"))
 REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScoreKeys, "ddpo_tpu.rewards.pickscore",
                             torch=True, problems=_tiny_pair("clip_model", "processor")))
 # GARDO's feature model (its code: DINOv3), for algorithm.diversity_features; CLIP's image embedding stands in

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, family
-from ddpo_tpu.catalog.families import family_of_builder
+from ddpo_tpu.catalog.families import family_of_builder, models_making
 from ddpo_tpu.catalog.samplers import sampler_keys
 from ddpo_tpu.config.batch import Totals
 from ddpo_tpu.config.schema import RunConfig
@@ -133,6 +133,31 @@ def reward_problems(r: Any, key: str = "reward") -> list[Problem]:
                                     f"give a component a weight, e.g. {key}.components.0.weight=1"))
         return problems
     return REWARDS.get(r.name).problems(r, key)
+
+
+def reward_input_problems(cfg: RunConfig) -> list[Problem]:
+    """What the model decodes against what each reward takes (catalog: FamilySpec.output, RewardSpec.takes): a video
+    reward cannot score images; an image reward scores a video's frames, reduced by its frame_reduction (the run's
+    reward's is judged by the enablement table when set on an image family; a component's here)."""
+    fam = family(cfg.model.family)
+    r = cfg.reward
+    leaves = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
+        else [("reward", r)]
+    problems: list[Problem] = []
+    for key, leaf in leaves:
+        takes = REWARDS.get(leaf.name).takes
+        if takes == "videos" and fam.output == "images":
+            image = next(x.name for x in REWARDS if x.takes == "images" and not x.composite)
+            videos = f"or use a video model ({models_making('videos')})"
+            fix = (Fix.of({"reward": image}, verb="use", note=f"(or another image reward), {videos}")
+                   if key == "reward" else f"set {key}.name to an image reward (e.g. {image}), {videos}")
+            problems.append(Problem(f"{key}.name", leaf.name, f"a video reward, and model.family={fam.name} makes "
+                                    "images", fix))
+        elif key != "reward" and fam.output == "images" and getattr(leaf, "frame_reduction", "mean") != "mean":
+            problems.append(Problem(f"{key}.frame_reduction", leaf.frame_reduction, f"not read: model.family="
+                                    f"{fam.name} makes images (it reduces a video's frames)",
+                                    Fix.of({f"{key}.frame_reduction": "mean"}, note="(the default), or remove it")))
+    return problems
 
 
 def guidance_problems(cfg: RunConfig) -> list[Problem]:

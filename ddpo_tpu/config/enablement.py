@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ddpo_tpu.catalog import ALGORITHMS
+from ddpo_tpu.catalog import ALGORITHMS, family
+from ddpo_tpu.catalog.families import models_making
 from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
 from ddpo_tpu.problems import Fix, Problem
 
@@ -62,6 +63,10 @@ DEPENDENTS: tuple[Dependent, ...] = (
                                                         {"sample.sde_window.placement": "sliding"})),
     Dependent(("train.timestep_fraction",), lambda c: c.sample.sde_window.size is None,
               "an SDE window trains its own steps (sample.sde_window.size)", Fix.of({"sample.sde_window.size": None})),
+    # an image reward's frame reduction is read by video families only (a component's: components.py)
+    Dependent(("reward.frame_reduction",), lambda c: family(c.model.family).output == "videos",
+              "the model makes images (it reduces a video's frames' scores)",
+              f"remove it, or use a video model ({models_making('videos')})"),
     Dependent(("storage_timeout_s",), lambda c: c.output_root.startswith("gs://"), "output_root is local",
               "use output_root=gs://BUCKET/PREFIX"),
     Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",

@@ -35,6 +35,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     problems += components.family_problems(cfg)
     problems += components.algorithm_problems(cfg, tot)
     problems += components.reward_problems(cfg.reward)
+    problems += components.reward_input_problems(cfg)
     problems += components.guidance_problems(cfg)
     problems += enablement.ignored_problems(cfg, tree, overridden)
     problems += inputs.input_problems(cfg, tot)

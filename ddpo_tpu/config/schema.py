@@ -11,8 +11,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
+from ddpo_tpu.rundir.storage_faults import DEFAULT_TIMEOUT_S
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, Registry
 from ddpo_tpu.catalog.families import all_builders
+from ddpo_tpu.catalog.rewards import FrameReductionKeys
 
 
 class _Strict(BaseModel):
@@ -82,9 +84,16 @@ def _tagged_union(models: list[type[BaseModel]]) -> Any:
 
 
 _LEAF_REWARDS = [r for r in REWARDS if not r.composite and not r.features]  # feature models score nothing
+
+
+def _frames(spec) -> tuple[type[BaseModel], ...]:
+    """An image reward's frame_reduction key (how a video family reduces its frames' scores); a video reward has none."""
+    return (FrameReductionKeys,) if spec.takes == "images" else ()
+
+
 # a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
 RewardComponent = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Component",
-                                              __base__=(_Component, r.keys)) for r in _LEAF_REWARDS])
+                                              __base__=(_Component, r.keys, *_frames(r))) for r in _LEAF_REWARDS])
 
 
 class WeightedConfig(_RunReward):
@@ -93,7 +102,7 @@ class WeightedConfig(_RunReward):
 
 
 RewardConfig = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Config",
-                                           __base__=(_RunReward, r.keys)) for r in _LEAF_REWARDS]
+                                           __base__=(_RunReward, r.keys, *_frames(r))) for r in _LEAF_REWARDS]
                              + [WeightedConfig])
 
 
@@ -278,7 +287,7 @@ class RunConfig(_Strict):
     run_name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     output_root: str
     # gs:// output roots: how long a request waits out an unreachable bucket before the run stops (ddpo_tpu/rundir/storage.py)
-    storage_timeout_s: float = Field(default=300.0, gt=0)
+    storage_timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     seed: int = Field(ge=0, lt=2**31)
     num_epochs: int = Field(ge=1)
     save_freq: int = Field(ge=1)

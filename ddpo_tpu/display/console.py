@@ -102,9 +102,24 @@ def print_start(validated: Validated, run_dir: Path) -> None:
 # `CLIPImageProcessor` or `SiglipImageProcessor` without torchvision, that it falls back to the PIL processor. The
 # JPEG rewards and the tiny builds use no image processor; the aesthetic reward imports the PIL one by name. Dropped
 # by this exact text on that one logger, so every other transformers warning still shows.
+# On the distributed execution (torch.compile in every rank): dynamo says once that it compiles around our
+# `record_function` phase labels, and inductor's C++ toolchain probe says a CPU machine has no CUDA runtime. Neither
+# concerns the run; torch's other warnings on these loggers still show.
 _NOT_OURS = {
     "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
+    "torch._dynamo.variables.torch": ("Profiler function ",),
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
 }
+
+# Lines a library prints straight to the training process's stdout (C++ std::cout, no logger to filter): gloo's
+# connection count, once per process group. train.log keeps them; the console does not show them.
+_NOT_OURS_LINES = (b"[Gloo] Rank ",)
+
+
+def third_party_line(raw: bytes) -> bool:
+    """A line of the training process's output that a library printed without a logger and that says nothing about
+    the run (dropped from the console by the front end, kept in train.log)."""
+    return raw.lstrip().startswith(_NOT_OURS_LINES)
 
 
 class _DropMessages(logging.Filter):

@@ -20,6 +20,7 @@ import numpy as np
 from ddpo_tpu.config.schema import LoggerConfig
 
 TENSORBOARD_DIR = "tensorboard"
+TB_VIDEOS = 4  # videos side by side in TensorBoard's animated GIF (a GIF holds every frame whole: keep it small)
 
 
 class Tracker:
@@ -28,6 +29,9 @@ class Tracker:
 
     def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> None:
         pass
+
+    def log_videos(self, step: int, videos: np.ndarray, files: list[Path], captions: list[str]) -> None:
+        """uint8 (N, F, H, W, 3) videos and the mp4 files the run dir holds of them (RunDir.save_videos)."""
 
     def finish(self) -> None:
         pass
@@ -47,6 +51,12 @@ class WandbTracker(Tracker):
 
     def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> None:
         self.run.log({"samples": [self._wandb.Image(img, caption=c) for img, c in zip(images, captions)]}, step=step)
+
+    def log_videos(self, step: int, videos: np.ndarray, files: list[Path], captions: list[str]) -> None:
+        # the run dir's mp4 files, as flow_grpo's Wan script logs its own (wandb.Video of a path; from an array wandb
+        # would encode them again, through moviepy)
+        self.run.log({"videos": [self._wandb.Video(str(f), caption=c, format="mp4") for f, c in zip(files, captions)]},
+                     step=step)
 
     def finish(self) -> None:
         self.run.finish()
@@ -77,6 +87,24 @@ class TensorBoardTracker(Tracker):
         if len(images):
             self.writer.add_images("samples", np.asarray(images), step, dataformats="NHWC")
             self.writer.add_text("samples/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+
+    def log_videos(self, step: int, videos: np.ndarray, files: list[Path], captions: list[str]) -> None:
+        """The first TB_VIDEOS videos side by side as one animated GIF in an image summary: what
+        SummaryWriter.add_video writes, without its moviepy (torch 2.9's make_video imports moviepy.editor, which
+        moviepy 2 removed); TensorBoard's image dashboard plays it. The still contact sheet beside it."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        from ddpo_tpu.display.video import contact_sheet, encode_gif, tiled
+
+        if not len(videos):
+            return
+        clip = tiled(videos[:TB_VIDEOS])
+        gif = Summary.Image(height=clip.shape[1], width=clip.shape[2], colorspace=3,
+                            encoded_image_string=encode_gif(clip))
+        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag="videos", image=gif)]), step)
+        sheet = contact_sheet(videos)
+        self.writer.add_image("samples", sheet.reshape(-1, *sheet.shape[2:]), step, dataformats="HWC")
+        self.writer.add_text("samples/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
 
     def finish(self) -> None:
         self.writer.close()
@@ -132,6 +160,10 @@ class Trackers(Tracker):
     def log_images(self, step: int, images: np.ndarray, captions: list[str]) -> None:
         for t in self.trackers:
             t.log_images(step, images, captions)
+
+    def log_videos(self, step: int, videos: np.ndarray, files: list[Path], captions: list[str]) -> None:
+        for t in self.trackers:
+            t.log_videos(step, videos, files, captions)
 
     def finish(self) -> None:
         for t in self.trackers:

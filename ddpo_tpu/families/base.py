@@ -81,10 +81,6 @@ class ModelFamily(abc.ABC):
         wraps it to score every frame and reduce (rewards/video.py)."""
         return reward
 
-    def stills(self, images):
-        """decode's output on the host (numpy) as (B, H, W, 3) stills for sample grids: images as they are."""
-        return images
-
     def trainable_state(self) -> dict[str, Tensor]:
         """The trained weights (LoRA adapter or the full denoiser), on the device."""
         from ddpo_tpu.models.lora import trainable_state_dict

@@ -4,9 +4,9 @@ UniPC scheduler's flow sigmas, as yifan123/flow_grpo's ``scripts/train_wan2_1.py
 
 Everything downstream of the family is the image loop's: trajectories are (B, T + 1, C, f, h, w), the step's
 log-prob is a mean over all latent elements (frames included), GRPO's KL compares the step means. What differs:
-``decode`` returns uint8 videos (B, F, H, W, 3); ``wrap_reward`` makes the run's image reward score every frame and
-take the mean over frames (``rewards/video.py``, the declared reduction); ``stills`` lays each video's frames side by
-side for the sample grid.
+``decode`` returns uint8 videos (B, F, H, W, 3); ``wrap_reward`` makes an image reward score every frame and reduce
+over frames by its ``frame_reduction`` key, and passes a video reward the videos (``rewards/video.py``); the run's
+samples are written as mp4 files with a contact sheet (``RunDir.save_videos``).
 
 Guidance is classifier-free with two transformer passes (conditional, then unconditional), as flow_grpo's Wan
 pipeline and compute_log_prob do; the unconditional prompt is "" encoded like any prompt.
@@ -24,9 +24,6 @@ from ddpo_tpu.diffusion.wan_sde import wan_sde_step
 from ddpo_tpu.families.base import Cond, StepScore, checkpoint_source
 from ddpo_tpu.families.sd1 import decoded_prompts
 from ddpo_tpu.families.sd3 import SD3Family
-
-FRAME_REDUCTION = "mean"  # how an image reward's per-frame scores become a video's (rewards/video.py)
-
 
 def video_size(model, builder_video, default_video) -> tuple[int, int, int]:
     """(frames, height, width) a model config samples: its build's video or flow_grpo's, model.resolution (a square)
@@ -125,11 +122,6 @@ class WanFamily(SD3Family):
         return (video * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2)
 
     def wrap_reward(self, reward):
-        from ddpo_tpu.rewards.video import PerFrame
+        from ddpo_tpu.rewards.video import for_videos
 
-        return PerFrame(reward, FRAME_REDUCTION)
-
-    def stills(self, images):
-        from ddpo_tpu.rewards.video import contact_strips
-
-        return contact_strips(images)
+        return for_videos(reward, self.cfg.reward)

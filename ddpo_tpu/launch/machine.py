@@ -55,7 +55,18 @@ def problems(cfg, overrides: list[str] = ()) -> list[str]:
     """Everything this machine lacks for the run, one line each ([] when it has all). `overrides` are the command
     line's, to say where a key the user did not type came from."""
     return (device_problems(cfg) + rendezvous_problems(cfg) + hub_cache_problems(cfg, overrides) + reward_model_problems(cfg, overrides)
-            + tracker_problems(cfg, overrides))
+            + tracker_problems(cfg, overrides) + video_problems(cfg))
+
+
+def video_problems(cfg) -> list[str]:
+    """A video model's samples are written as mp4 through PyAV (display/video.py): its package, with FFmpeg's
+    libraries in its wheel, must be here, else the run would stop at its first epoch's outputs."""
+    from ddpo_tpu.catalog import family
+
+    if family(cfg.model.family).output != "videos" or importlib.util.find_spec("av") is not None:
+        return []
+    return [f"model.family={cfg.model.family}: its sample videos are written as mp4 with PyAV, which is not installed "
+            f"here (pip install av==18.1.0, the pin of requirements.txt)"]
 
 
 def device_problems(cfg) -> list[str]:

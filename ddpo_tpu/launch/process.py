@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ddpo_tpu.display.console import third_party_line
 from ddpo_tpu.rundir.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
 
 WORKER_MODULE = "ddpo_tpu.worker"
@@ -100,7 +101,8 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
                     if proc.poll() is None:  # it checkpoints at its next safe point, if its disk lets it
                         proc.send_signal(signal.SIGTERM)
                 said_why = said_why or line.startswith(b"error: ")
-                live.show(line)
+                if not third_party_line(line):
+                    live.show(line)
             returncode = proc.wait()
             if disk_failed and not said_why:  # one line per failure: the training process's own, else ours
                 live.show(log.failure_line())

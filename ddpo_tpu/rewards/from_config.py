@@ -10,7 +10,8 @@ from typing import Any, Callable
 from ddpo_tpu.catalog import REWARDS, TINY, RewardSpec
 from ddpo_tpu.rewards.base import REWARDS as IMPLEMENTATIONS
 from ddpo_tpu.rewards.base import Reward, make_reward
-_NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "components"}
+# frame_reduction: how a video family reduces an image reward's frames (rewards/video.py), not the reward's own
+_NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "components", "frame_reduction"}
 
 
 def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callable[[], bool] | None = None
@@ -60,7 +61,7 @@ def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
 
         processor, model = ensure_tiny_pickscore(cache_dir)
         paths = {"clip_model": model, "processor": processor}
-    else:  # aesthetic, clip_score: the tiny CLIP (+ the LAION-shaped MLP on its embeddings)
+    else:  # aesthetic, clip_score, frame_consistency: the tiny CLIP (+ the LAION-shaped MLP on its embeddings)
         from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
 
         clip, mlp = ensure_tiny_aesthetic(cache_dir)

@@ -1,20 +1,26 @@
-"""Image rewards on videos: every frame scored by the image reward, the frames' scores reduced to one per video.
+"""Rewards on videos. A video family (model.family=wan) decodes uint8 videos (B, F, H, W, 3); what each reward takes
+is declared in its catalog entry (catalog/rewards.py RewardSpec.takes, checked against FamilySpec.output at compose
+time):
 
-A video family (model.family=wan) decodes to uint8 videos (B, F, H, W, 3). The run's reward stays an image reward
-(every reward in the catalog takes (B, H, W, 3)); the family wraps it (``ModelFamily.wrap_reward``) in
-:class:`PerFrame`, which scores the B x F frames in one call (each frame with its video's prompt) and reduces over
-frames. The reduction is declared here, not guessed: ``mean`` (flow_grpo's Wan script scores its video rewards per
-video; for an image reward the mean over frames is the plain video score) or ``min`` (the worst frame). A reward
-that reads a whole video (temporal consistency) is issue 33's part 2, not this module.
+* an image reward scores every frame: :class:`PerFrame` scores the B x F frames in one call (each frame with its
+  video's prompt) and reduces over frames by the reward's `frame_reduction` key: ``mean`` (flow_grpo's Wan script
+  scores whole videos; for an image reward the mean over frames is the plain video score) or ``min`` (the worst
+  frame);
+* a video reward (frame_consistency) takes the videos as they are.
+
+``for_videos`` applies this to a run's reward, and to each component of reward=weighted (so a weighted sum may mix
+per-frame image rewards with video rewards, and its per-component values stay one per video).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from ddpo_tpu.catalog.rewards import FRAME_REDUCTIONS as REDUCTIONS
+from ddpo_tpu.catalog.rewards import REWARDS
 from ddpo_tpu.rewards.base import Reward
-
-REDUCTIONS = ("mean", "min")
 
 
 class PerFrame(Reward):
@@ -48,7 +54,14 @@ class PerFrame(Reward):
         return f"PerFrame({self.reward!r}, reduction={self.reduction!r})"
 
 
-def contact_strips(videos: np.ndarray) -> np.ndarray:
-    """(B, F, H, W, 3) -> (B, H, F * W, 3): each video's frames side by side, a still for the sample grid."""
-    b, f, h, w, c = videos.shape
-    return np.ascontiguousarray(videos.transpose(0, 2, 1, 3, 4).reshape(b, h, f * w, c))
+def for_videos(reward: Reward, cfg: Any) -> Reward:
+    """The run's reward (built from the reward config `cfg`) as it scores a video family's videos."""
+    if cfg.name == "weighted":
+        reward.components = tuple(_for_videos(r, c) for r, c in zip(reward.components, cfg.components))
+        return reward
+    return _for_videos(reward, cfg)
+
+
+def _for_videos(reward: Reward, cfg: Any) -> Reward:
+    return reward if REWARDS.get(cfg.name).takes == "videos" else PerFrame(reward, cfg.frame_reduction)
+

@@ -1,1 +1,1 @@
-"""The run dir and what it holds: its files (files.py), events (events.py), checkpoints (checkpoint.py, checkpoint_layout.py) and buckets (storage*.py). Torch-free except checkpoint.py."""
+"""The run dir and what it holds, torch-free (ddpo-status and the front end read it): its files (files.py), events (events.py), what a checkpoint dir is (checkpoint_layout.py) and buckets (storage*.py)."""

@@ -49,6 +49,9 @@ def interrupted_writes(directory: Path) -> list[Path]:
     return sorted(Path(directory).glob(".*.*.tmp"))
 
 
+VIDEO_SAMPLES = 8  # videos of an epoch written as mp4 and shown on its contact sheet (the image grid's 16 would
+                  # make a sheet 16 videos tall)
+
 HEARTBEAT_FILE = "heartbeat.json"
 HEARTBEAT_INTERVAL_S = 10.0
 # run dir -> the write its heartbeat thread was last refused (cleared by a beat that lands); a thread cannot end the
@@ -140,13 +143,14 @@ class RunDir:
         atomic_write_bytes(self.metrics_path, ("\n".join(keep) + "\n" if keep else "").encode())
 
     def save_image_grid(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
-                        name: str = "epoch") -> Path:
-        """A grid of an epoch's first images (uint8, B x H x W x 3) with a caption file of prompts and rewards."""
+                        name: str = "epoch", cols: int = 4, files: list[str] | None = None) -> Path:
+        """A grid of an epoch's first images (uint8, B x H x W x 3), `cols` a row, with a caption file of prompts and
+        rewards (and `files`: the file each image stands for)."""
         import numpy as np  # here, not at the top: ddpo-status imports HEARTBEAT_FILE without numpy
         from PIL import Image
 
         n = min(len(images), 16)
-        cols = min(n, 4)
+        cols = min(n, cols)
         rows = math.ceil(n / cols)
         h, w = images.shape[1:3]
         grid = np.zeros((rows * h, cols * w, 3), dtype=np.uint8)
@@ -159,9 +163,25 @@ class RunDir:
         buf = io.BytesIO()
         Image.fromarray(grid).save(buf, format="PNG")
         atomic_write_bytes(out, buf.getvalue())
-        captions = [{"prompt": p, "reward": float(r)} for p, r in zip(prompts[:n], rewards[:n])]
+        captions = [{"prompt": p, "reward": float(r), **({"file": files[i]} if files else {})}
+                    for i, (p, r) in enumerate(zip(prompts[:n], rewards[:n]))]
         atomic_write_bytes(out.with_suffix(".json"), (json.dumps(captions, indent=1) + "\n").encode())
         return out
+
+    def save_videos(self, epoch: int, videos: np.ndarray, prompts: list[str], rewards: np.ndarray,
+                    name: str = "epoch") -> list[Path]:
+        """An epoch's first VIDEO_SAMPLES videos (uint8, B x F x H x W x 3) as mp4 files samples/NAME_EPOCH_I.mp4,
+        and their contact sheet as the grid samples/NAME_EPOCH.png: a row per video, up to 8 of its frames from the
+        first to the last (display/video.py), with the caption file naming each row's mp4. Returns the mp4 paths."""
+        from ddpo_tpu.display.video import contact_sheet, encode_mp4
+
+        n = min(len(videos), VIDEO_SAMPLES)
+        paths = [self.path / "samples" / f"{name}_{epoch:04d}_{i:02d}.mp4" for i in range(n)]
+        for video, path in zip(videos, paths):
+            atomic_write_bytes(path, encode_mp4(video))
+        self.save_image_grid(epoch, contact_sheet(videos[:n]), prompts, rewards, name=name, cols=1,
+                             files=[p.name for p in paths])
+        return paths
 
     def save_weights(self, name: str, state: dict, metadata: dict[str, str] | None = None) -> Path:
         from safetensors.torch import save

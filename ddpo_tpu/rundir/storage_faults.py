@@ -13,10 +13,11 @@ DENIED_FIX = ("grant this machine's account roles/storage.objectAdmin on the buc
               "application-default login` / set GOOGLE_APPLICATION_CREDENTIALS")
 
 
-def default_timeout_s() -> float:
-    from ddpo_tpu.config.schema import RunConfig
+DEFAULT_TIMEOUT_S = 300.0  # storage_timeout_s's default (config/schema.py reads it here: one copy)
 
-    return float(RunConfig.model_fields["storage_timeout_s"].default)
+
+def default_timeout_s() -> float:
+    return DEFAULT_TIMEOUT_S
 
 
 def gcsfs_missing() -> bool:

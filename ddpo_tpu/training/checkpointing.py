@@ -6,7 +6,7 @@ An epoch ends as: checkpoint written under a temporary name (`save`), the epoch'
 weights), then the rename that marks the epoch done (`commit`): a kill before the commit redoes the epoch, a kill after
 it finds every output of the epoch. A stop request (SIGTERM) is honoured at safe points: the state as of the end of
 the last finished epoch is saved (unless it is already) and `Preempted` ends the run. The file format is
-ddpo_tpu/rundir/checkpoint.py's; what a checkpoint directory is, ddpo_tpu/rundir/checkpoint_layout.py's.
+ddpo_tpu/training/checkpoint_files.py's; what a checkpoint directory is, ddpo_tpu/rundir/checkpoint_layout.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ddpo_tpu.rundir import checkpoint as ckpt
+from ddpo_tpu.training import checkpoint_files as ckpt
 from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.rundir.checkpoint_layout import CHECKPOINTS
 from ddpo_tpu.config.schema import RunConfig

@@ -28,7 +28,6 @@ from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.algorithms.base import make_algorithm
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
 from ddpo_tpu.training.state import EMA, TrainState
@@ -55,7 +54,7 @@ class SampledEpoch:
     conds: list[Cond]
     prompts: list[str]
     pending_rewards: list        # per batch: a Future or an array
-    first_images: np.ndarray     # the first batch's uint8 images (for the grid)
+    first_images: np.ndarray     # the first batch's uint8 images, or a video family's videos (the samples' files)
     scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
 
 
@@ -71,6 +70,14 @@ class EpochSamples:
     weights: torch.Tensor       # (N,) loss weight of each sample (GRPO's zero-advantage filter; else 1)
     orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
     kl_gate: torch.Tensor | None = None  # (N,) 1 where a sample carries the KL (GARDO's gate), None: every sample
+
+
+def make_algorithm(cfg):
+    """The run's algorithm (the `Algorithm` protocol of algorithms/base.py), found through its catalog spec: the loop
+    names no algorithm, as it names no family."""
+    from ddpo_tpu.catalog import ALGORITHMS, load_object
+
+    return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
 
 
 class NonFinite(RuntimeError):
@@ -294,7 +301,7 @@ class Trainer:
             out.conds.append(cond)
             out.prompts.extend(prompts)
             if out.first_images is None:
-                out.first_images = self.family.stills(images)  # a video family: its frames side by side
+                out.first_images = images
             if (b + 1) % cfg.xla.sync_every_n_sampling_batches == 0:
                 rt.sync()
             self.events.emit(ev.SamplingBatch(epoch, b + 1, n))
@@ -374,7 +381,7 @@ class Trainer:
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt,
                **({"before_training": True} if epoch == ev.BEFORE_TRAINING else {})}
-        self.report.evaluation(rec, self.family.stills(images), prompts, rewards)
+        self.report.evaluation(rec, images, prompts, rewards)
         return rec
 
     # --- training -----------------------------------------------------------------------------------------------

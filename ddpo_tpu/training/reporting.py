@@ -90,8 +90,7 @@ class Reporter:
         if self.rt.is_main:
             self.out.log(rec)
             before = rec["epoch"] < 0  # samples/eval_before_0000.png: the frozen policy, before epoch 0 trains
-            self.out.save_image_grid(max(rec["epoch"], 0), images, prompts, rewards,
-                                     name="eval_before" if before else "eval")
+            self._save(max(rec["epoch"], 0), images, prompts, rewards, name="eval_before" if before else "eval")
             self.tracker.log({"eval/reward_mean": rec["reward_mean"]}, step=rec["global_step"])
         self.events.emit(ev.Evaluated(rec["epoch"], rec["reward_mean"], rec["reward_std"]))
 
@@ -103,10 +102,13 @@ class Reporter:
         self._ran.append((epoch, reward_mean))
         if not rt.is_main:
             return
-        self.out.save_image_grid(epoch, images, prompts, rewards)
-        shown = min(len(images), 16)  # the images this process holds may be fewer than the epoch's prompts
-        self.tracker.log_images(global_step, images[:shown],
-                                [f"{p} | {r:.4f}" for p, r in zip(prompts[:shown], rewards[:shown])])
+        videos = self._save(epoch, images, prompts, rewards)
+        shown = min(len(images), 16 if videos is None else len(videos))  # this process may hold fewer than the epoch
+        captions = [f"{p} | {r:.4f}" for p, r in zip(prompts[:shown], rewards[:shown])]
+        if videos is None:
+            self.tracker.log_images(global_step, images[:shown], captions)
+        else:
+            self.tracker.log_videos(global_step, images[:shown], videos, captions)
         self.out.log({"kind": "epoch", "epoch": epoch, "global_step": global_step, "reward_mean": reward_mean,
                       "reward_std": reward_std, "reward_min": float(np.nanmin(rewards)),
                       "reward_max": float(np.nanmax(rewards)), "num_samples": int(rewards.size),
@@ -120,6 +122,14 @@ class Reporter:
                       "phases": clock.phases})
         self.tracker.log({"epoch": epoch, "reward_mean": reward_mean, "reward_std": reward_std,
                           "phases": clock.phases}, step=global_step)
+
+    def _save(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray, name: str = "epoch"):
+        """The samples' files: an image grid, or (videos (B, F, H, W, 3) of a video family) mp4 files and their contact
+        sheet; returns the mp4 paths, or None for images."""
+        if images.ndim == 5:
+            return self.out.save_videos(epoch, images, prompts, rewards, name=name)
+        self.out.save_image_grid(epoch, images, prompts, rewards, name=name)
+        return None
 
     def epoch_done(self, epoch: int, rewards: np.ndarray, steps: list[dict], clock: PhaseClock) -> None:
         """The event that ends an epoch (after its commit)."""

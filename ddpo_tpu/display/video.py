@@ -1,0 +1,63 @@
+"""Sample videos as people look at them: an mp4 file's bytes (H.264 through PyAV, whose wheel carries FFmpeg's
+libraries), an animated GIF (what TensorBoard's image dashboard plays: torch's SummaryWriter.add_video writes the same
+GIF but through moviepy, which the project does not install), and a still contact sheet of several videos. numpy and
+PIL here; PyAV is imported where an mp4 is encoded."""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+
+import numpy as np
+
+# frames a second of the sample videos: flow_grpo's Wan script writes its samples at 8 (zhtmike/flow_grpo@9745241
+# scripts/train_wan2_1.py:768, imageio with libx264)
+FPS = 8
+SHEET_FRAMES = 8  # frames of each video a contact sheet shows (evenly spaced, first and last included)
+
+
+def encode_mp4(video: np.ndarray, fps: int = FPS) -> bytes:
+    """uint8 (F, H, W, 3) -> the bytes of an H.264 mp4 in yuv420p (what browsers, wandb and players decode). 4:2:0
+    chroma needs an even size: an odd height or width gets its last row or column repeated."""
+    import av
+
+    f, h, w, _ = video.shape
+    video = np.pad(video, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps))
+        stream.height, stream.width = video.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in video:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())  # flush the frames the encoder still holds
+    return buf.getvalue()
+
+
+def encode_gif(video: np.ndarray, fps: int = FPS) -> bytes:
+    """uint8 (F, H, W, 3) -> the bytes of a looping animated GIF."""
+    from PIL import Image
+
+    frames = [Image.fromarray(np.ascontiguousarray(f)) for f in video]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    return buf.getvalue()
+
+
+def sheet_frames(num_frames: int, most: int = SHEET_FRAMES) -> np.ndarray:
+    """The frame indices a contact sheet shows: all of them, or `most` evenly spaced from the first to the last."""
+    return np.unique(np.linspace(0, num_frames - 1, min(num_frames, most)).round().astype(int))
+
+
+def contact_sheet(videos: np.ndarray, most: int = SHEET_FRAMES) -> np.ndarray:
+    """uint8 (B, F, H, W, 3) -> (B, H, F' * W, 3): each video's frames (F' of them, sheet_frames) side by side, one
+    strip per video; a grid of one column of strips is the contact sheet (a row per video)."""
+    picked = videos[:, sheet_frames(videos.shape[1], most)]
+    b, f, h, w, c = picked.shape
+    return np.ascontiguousarray(picked.transpose(0, 2, 1, 3, 4).reshape(b, h, f * w, c))
+
+
+def tiled(videos: np.ndarray) -> np.ndarray:
+    """uint8 (B, F, H, W, 3) -> one video (F, H, B * W, 3), the videos side by side (TensorBoard's one video a tag)."""
+    b, f, h, w, c = videos.shape
+    return np.ascontiguousarray(videos.transpose(1, 2, 0, 3, 4).reshape(f, h, b * w, c))
