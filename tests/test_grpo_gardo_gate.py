@@ -12,8 +12,8 @@
   mean (:28), each sample's cosine distance to its nearest other sample of the group (:32-39), above-or-at-mean
   samples scaled by that distance over the group's mean distance, below-mean ones by 1 (:42), no std (:50).
 
-The reference functions below are transcriptions of those lines; ours are ddpo_tpu/algorithms/guards.py and the
-gated KL of ddpo_tpu/algorithms/grpo.py. The stand-ins for the reference's models (aesthetic, ImageReward, DINOv3) are
+The reference functions below are transcriptions of those lines; ours are ddpo_tpu/algorithms/guards.py, the
+gated KL of ddpo_tpu/algorithms/grpo.py and its row weights (training/loop.py's batch_mean_weights). The stand-ins for the reference's models (aesthetic, ImageReward, DINOv3) are
 the project's tiny CLIP-based entries (tiny aesthetic, tiny clip_score, tiny clip_features): see
 tests/test_grpo_gardo_run.py."""
 
@@ -27,6 +27,7 @@ import torch
 
 from ddpo_tpu.algorithms.guards import UncertaintyGate, diversity_advantages, rank_uncertainty
 from ddpo_tpu.algorithms.grpo import grpo_loss, kl_to_reference
+from ddpo_tpu.training.loop import batch_mean_weights
 
 CLIP, ADV_MAX, BETA = 0.2, 5.0, 0.04
 
@@ -190,8 +191,11 @@ def _batch(B, seed):
 
 
 def _ours(b, mean, gate, weights=None, beta=BETA):
+    """The loop's KL row weights (gate x loss weight, averaging 1 over the train batch, here the whole batch)."""
     kl = kl_to_reference(mean, b["ref"], b["std"])
-    return grpo_loss(b["lp"], b["old_lp"], b["adv"], CLIP, ADV_MAX, kl, beta, weights, kl_gate=gate)
+    w = torch.ones_like(b["lp"]) if weights is None else weights
+    kl_w = batch_mean_weights(gate * w, len(w)) if gate is not None else None
+    return grpo_loss(b["lp"], b["old_lp"], b["adv"], CLIP, ADV_MAX, kl, beta, weights, kl_gate=kl_w)
 
 
 @pytest.mark.parametrize("gate", [[1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
@@ -246,7 +250,7 @@ def test_grpo_loss_with_the_gate_through_the_algorithm():
                           train=SimpleNamespace(clip_range=CLIP, adv_clip_max=ADV_MAX))
     b, g = _batch(4, 3), torch.tensor([0, 1, 0, 0], dtype=torch.float64)
     score = SimpleNamespace(log_prob=b["lp"], mean=b["mean"], std=b["std"])
-    loss, _, _, kl = GRPO(cfg).loss(score, b["old_lp"], b["adv"], b["ref"], None, kl_gate=g)
+    loss, _, _, kl = GRPO(cfg).loss(score, b["old_lp"], b["adv"], b["ref"], None, kl_gate=batch_mean_weights(g, 4))
     want, want_kl = reference_loss(b["lp"], b["old_lp"], b["adv"], b["mean"], b["ref"], b["std"], g)
     assert loss.item() == pytest.approx(want.item(), rel=1e-12) and kl.item() == pytest.approx(want_kl.item())
 
@@ -283,3 +287,16 @@ def test_each_option_changes_only_its_part_of_grpo():
     assert got[5] == 0 and np.array_equal(got[ok] > 0, reference_gate(u, ReferenceCompensator()))
     assert gated.epoch_metrics["kl_gate_share"] == 0.1
     assert set(gated.state_dict()) == {"gardo_gate_share", "gardo_gate_window"} and plain.state_dict() == {}
+
+
+def test_the_gated_mean_is_the_same_however_a_train_batch_splits_over_processes():
+    # the reference takes the mean per GPU; here the KL's row weights make it one mean over the whole train batch,
+    # which two processes' halves (each a plain mean, then averaged as DDP averages) reproduce
+    b, g = _batch(8, 5), torch.tensor([1, 0, 0, 1, 1, 0, 0, 0], dtype=torch.float64)
+    kl = kl_to_reference(b["mean"], b["ref"], b["std"])
+    w = batch_mean_weights(g, 8)
+    halves = [kl[i:i + 4] @ w[i:i + 4] / 4 for i in (0, 4)]
+    assert (sum(halves) / 2).item() == pytest.approx(kl[g > 0].mean().item(), rel=1e-12)
+    # two train batches of 4: each its own mean; a batch with none gated gets no KL
+    w2 = batch_mean_weights(torch.tensor([1, 0, 1, 0, 0, 0, 0, 0], dtype=torch.float64), 4)
+    assert w2[:4].tolist() == [2, 0, 2, 0] and not w2[4:].any()

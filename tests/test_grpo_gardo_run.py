@@ -91,3 +91,9 @@ def test_nonsense_combinations_are_refused_in_one_line(overrides, key):
     with pytest.raises(ConfigError) as e:
         compose_and_validate([*SMALL, *overrides])
     assert any(p.key.startswith(key) for p in e.value.problems), [str(p) for p in e.value.problems]
+
+
+def test_a_video_family_is_refused():
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=wan_grpo_smoke", f"algorithm.diversity_features={FEATURES}"])
+    assert any(p.key == "algorithm.diversity_features" and "videos" in p.reason for p in e.value.problems)

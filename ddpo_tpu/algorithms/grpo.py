@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ddpo_tpu.algorithms.base import TrainPlan
 from ddpo_tpu.algorithms.guards import (AdaptiveReference, ImageScores, UncertaintyGate, diversity_advantages,
-                                       gated_mean, rank_uncertainty)
+                                       rank_uncertainty)
 from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
 from ddpo_tpu.families.base import StepScore
 
@@ -129,7 +129,9 @@ def grpo_loss(
     """``ppo_loss(...) + beta * mean(kl)`` (``guard``: weights -> (policy loss, info) in place of ppo_loss, GRPO-Guard's
     ``ratio_norm_loss``) (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
     With ``weights`` (B,) every mean is ``mean(w * .)``: the zero-advantage filter (``zero_advantage_plan``).
-    With ``kl_gate`` (B,) the KL's mean is over the gated rows only, 0 when none is (GARDO: guards.gated_mean).
+    With ``kl_gate`` (B,) the KL's mean takes these row weights in place of ``weights`` (GARDO's gate: 0 on the rows
+    that do not carry the KL, the others scaled so the mean is over them, all 0 when none does; training/loop.py's
+    ``batch_mean_weights``).
 
     Returns ``(loss, info)``; info holds ``approx_kl`` and ``clipfrac`` (as ppo_loss), ``policy_loss`` and ``kl``
     (``mean(kl)``, logged even when beta is 0; zero when kl is None), all detached, on the device.
@@ -141,7 +143,7 @@ def grpo_loss(
     policy_loss, info = (guard(weights) if guard is not None else
                          ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, weights))
     if kl is not None:
-        kl_mean = weighted_mean(kl, weights) if kl_gate is None else gated_mean(kl, kl_gate, weights)
+        kl_mean = weighted_mean(kl, weights if kl_gate is None else kl_gate)
         loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
         info["kl"] = kl_mean.detach()
     else:
@@ -330,7 +332,7 @@ class GRPO:
              sqrt_dt: Tensor | None = None, steps: Tensor | None = None, kl_gate: Tensor | None = None
              ) -> tuple[Tensor, ...]:
         """old_mean, sqrt_dt, steps (GRPO-Guard's ratio_norm): the sampling policy's step means, each row's sqrt(-dt)
-        and schedule step; kl_gate (GARDO): 1 on the rows that carry the KL."""
+        and schedule step; kl_gate (GARDO): the KL's row weights, 0 on the rows that do not carry it."""
         t = self.cfg.train
         kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
         guard = None

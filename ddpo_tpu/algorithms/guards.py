@@ -54,8 +54,7 @@ class AdaptiveReference:
         self.flagged, self.last = bool(state["gardo_flagged"]), int(state["gardo_last_reset"])
 
 
-__all__ = ["AdaptiveReference", "ImageScores", "UncertaintyGate", "diversity_advantages", "gated_mean",
-           "rank_uncertainty"]
+__all__ = ["AdaptiveReference", "ImageScores", "UncertaintyGate", "diversity_advantages", "rank_uncertainty"]
 
 
 # --- GARDO's uncertainty-gated KL and diversity-aware advantages -------------------------------------------------------
@@ -150,13 +149,3 @@ class ImageScores:
         if self.features is not None:
             out["features"] = np.asarray(self.features(images, prompts), dtype=np.float32)
         return out
-
-
-def gated_mean(kl, gate, weights=None):
-    """The KL's mean over the gated rows (gardo:982-990: `torch.mean(... [idx])` with idx = the gate, the KL term
-    dropped when no row is gated): sum(w g kl) / sum(w g), 0 when the sum is 0; `weights` the zero-advantage
-    filter's (its dropped rows are not in the reference's batch). Fixed shapes, no branch on the data."""
-    import torch
-
-    gw = gate.to(kl.dtype) if weights is None else gate.to(kl.dtype) * weights.to(kl.dtype)
-    return (gw * kl).sum() / gw.sum().clamp_min(torch.finfo(kl.dtype).tiny)

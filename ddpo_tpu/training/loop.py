@@ -92,6 +92,14 @@ def _flat_step_inputs(cur, nxt, idx, cond, cols):
     return flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond), flat
 
 
+def batch_mean_weights(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Row weights `x` (N,) of an epoch in its train order, rescaled in each train batch of `batch` rows to average 1
+    (a batch of zeros stays 0): a batch's plain mean of these x a term is then the x-weighted mean of the term over the
+    batch, the same however the batch splits over processes or devices. GARDO's gated KL: x = gate x loss weight."""
+    xb = x.reshape(-1, batch)
+    return (xb * batch / xb.sum(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)).reshape(-1)
+
+
 def make_micro_step_loss(score_step, loss, sqrt_dt=None):
     """The clipped-objective loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into
     one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
@@ -103,7 +111,7 @@ def make_micro_step_loss(score_step, loss, sqrt_dt=None):
         K = cols.shape[0]
         # old_mean: the sampling policy's step means (GRPO-Guard), with each row's sqrt(-dt) from the flow tables
         guard = {} if old_mean is None else {"old_mean": old_mean, "sqrt_dt": sqrt_dt(i), "steps": i}
-        if kl_gate is not None:  # (B,) GARDO: the samples that carry the KL
+        if kl_gate is not None:  # (B,) GARDO: the KL's row weights (0 on the samples that do not carry it)
             guard["kl_gate"] = kl_gate.repeat_interleave(K)
         # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
         return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
@@ -420,7 +428,9 @@ class Trainer:
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             adv = s.advantages.index_select(0, perm)
             w = s.weights.index_select(0, perm)
-            gate = s.kl_gate.index_select(0, perm) if s.kl_gate is not None else None
+            # GARDO: the KL's mean over each train batch's gated (kept) samples, as a plain weighted mean
+            gate = (batch_mean_weights(s.kl_gate.index_select(0, perm) * w, self.train_batch)
+                    if s.kl_gate is not None else None)
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
