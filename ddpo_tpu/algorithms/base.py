@@ -54,7 +54,7 @@ class Algorithm(Protocol):
     def make_epoch_trainer(self, trainer) -> Any: ...  # its own training of an epoch; None = the loop's PPO steps
     # optional (GRPO's GARDO options; docs/architecture.md): reference_policy(trainer), after_training(epoch, steps),
     # image_scores(trainer) -> (images, prompts) -> {name: rows} | None; with it, advantages(..., scores=) and
-    # kl_gate(rewards, scores) -> (N,) | None, the gate passed to loss(..., kl_gate=)
+    # kl_gate(rewards, scores) -> (N,) | None, the gate reaching loss(..., kl_gate=) as the KL's row weights
 
 
 __all__ = ["Algorithm", "TrainPlan"]
