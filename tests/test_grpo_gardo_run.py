@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from tests.test_grpo_gardo_gate import ReferenceCompensator, reference_gardo_advantages, reference_gate
+from tests.test_grpo_gardo_gate import (ReferenceCompensator, reference_gardo_advantages, reference_gate,
+                                        reference_uncertainty)
 
 AUX = "[{name:aesthetic,clip_model:tiny,mlp_path:tiny},{name:clip_score,clip_model:tiny}]"
 FEATURES = "{name:clip_features,clip_model:tiny}"
@@ -54,8 +55,6 @@ def test_an_epoch_gates_the_kl_and_scales_advantages_as_the_reference(tmp_path, 
     want_adv = reference_gardo_advantages(keys, rewards[:, None], feats)[:, 0]
     assert np.allclose(s.advantages.cpu().numpy(), want_adv, rtol=1e-5, atol=1e-6)
     # the reference's main reward ranked against its aesthetic and ImageReward: here the tiny stand-ins
-    from tests.test_grpo_gardo_gate import reference_uncertainty
-
     u = reference_uncertainty(rewards, aux[:, 0], aux[:, 1])
     want_gate = reference_gate(u, ReferenceCompensator())
     assert np.array_equal(s.kl_gate.cpu().numpy() > 0, want_gate) and want_gate.any()
@@ -65,9 +64,13 @@ def test_an_epoch_gates_the_kl_and_scales_advantages_as_the_reference(tmp_path, 
 
 
 def test_off_by_default_nothing_extra_is_scored():
+    from ddpo_tpu.algorithms.grpo import GRPO
+
     v = compose_and_validate(SMALL)
     a = v.cfg.algorithm
     assert a.kl_gate_rewards == [] and a.diversity_features is None
+    grpo = GRPO(v.cfg)  # the loop then scores the reward alone and trains today's GRPO
+    assert grpo.image_scores(None) is None and grpo.kl_gate(np.zeros(8), None) is None
 
 
 @pytest.mark.parametrize("overrides, key", [
