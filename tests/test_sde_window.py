@@ -75,13 +75,15 @@ def test_a_window_trains_its_steps():
 
 # --- sampling and training through the Trainer ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def trainer(tmp_path_factory, model_cache):
-    from ddpo_tpu.training import loop
+# GRPO with windows on an image family and on video (Wan: 5-D latents, its own SDE step, the Euler ODE outside)
+@pytest.fixture(scope="module", params=[FLOW, ["+experiment=wan_grpo_smoke"]], ids=["sd3", "wan"])
+def trainer(tmp_path_factory, model_cache, request):
     from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.training import loop
     from ddpo_tpu.runtime import make_runtime
 
-    v = compose_and_validate([*FLOW, f"model.cache_dir={model_cache}", "reward.host_workers=0", "num_epochs=1",
+    v = compose_and_validate([*request.param, f"model.cache_dir={model_cache}", "reward.host_workers=0",
+                              "num_epochs=1", "sample.num_steps=6", "algorithm.group_size=2",
                               "sample.batch_size=4", "sample.num_batches_per_epoch=2", "train.batch_size=4",
                               "train.gradient_accumulation_steps=1", "sample.sde_window.size=2",
                               "sample.sde_window.placement=fixed", "sample.sde_window.start=2"])

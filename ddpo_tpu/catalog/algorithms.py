@@ -236,10 +236,12 @@ def _last_step_window_problem(cfg: Any) -> Problem:
 def _nft_problems(cfg: Any, tot: Any) -> list[Problem]:
     from ddpo_tpu.catalog.families import FAMILIES
 
+    from ddpo_tpu.catalog.samplers import SAMPLERS
+
     problems = _group_problems(cfg, tot)
     fam = FAMILIES.get(cfg.model.family)
-    if fam.sampler != "flow_sde":
-        flows = ", ".join(f.name for f in FAMILIES if f.sampler == "flow_sde")
+    if not SAMPLERS.get(fam.sampler).flow:
+        flows = ", ".join(f.name for f in FAMILIES if SAMPLERS.get(f.sampler).flow)
         problems.append(Problem("algorithm.name", "nft", f"DiffusionNFT trains on the flow-matching forward process; "
                                 f"model.family={fam.name} is not a flow family ({fam.sampler} sampler)",
                                 Fix.of({"algorithm": "ddpo"}, note=f"or a flow family's model ({flows})")))

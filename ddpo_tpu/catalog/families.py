@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
+from ddpo_tpu.catalog import wan_memory
 from ddpo_tpu.catalog.registry import Registry
 
 GIB = 2 ** 30
@@ -47,7 +48,11 @@ class FamilySpec:
     own_keys: Mapping[str, Any] = field(default_factory=dict)
     # model.resolution: None = the family does not read it; else the multiple of pixels a size must be
     resolution_multiple: int | None = None
-    memory: FamilyMemory | None = None       # None: no HBM estimate for this family
+    # video families: the VAE's temporal compression; model.num_frames must then be 1 + a multiple of it (None: images)
+    frame_step: int | None = None
+    # None: no HBM estimate for this family; a function of the model config where the figures follow it (a video's
+    # tokens: frames x patches), giving that model's figures (its per-evaluation tables at its own size, not 512 px)
+    memory: FamilyMemory | Callable[[Any], FamilyMemory] | None = None
     # how sample.guidance_scale is applied: "cfg" = classifier-free guidance (an unconditional pass beside the
     # conditional one, train.cfg repeats it at train time); "embedded" = a guidance-distilled model reads the scale
     # as an input embedding (one pass, no unconditional prompt; train.cfg must be false)
@@ -62,6 +67,11 @@ FAMILIES: Registry[FamilySpec] = Registry("model family")
 
 def family(name: str) -> FamilySpec:
     return FAMILIES.get(name)
+
+
+def memory_of(spec: FamilySpec, model) -> FamilyMemory | None:
+    """The family's memory figures for this model config (None: not estimated)."""
+    return spec.memory(model) if callable(spec.memory) else spec.memory
 
 
 def family_of_builder(builder: str) -> FamilySpec | None:
@@ -263,8 +273,8 @@ FLUX = FAMILIES.register(FamilySpec(
 # --- Wan 2.1 text-to-video -------------------------------------------------------------------------------------------
 # Video latents (16 channels x (F - 1) / 4 + 1 frames x H / 8 x W / 8), flow_grpo's Wan SDE (sampler wan_sde). The
 # LoRA layers: WanTransformer3DModel's module paths (Wan 2.1 T2V 1.3B's and 14B's configs and the tiny build, on the
-# meta device: tests/test_wan_model.py). No memory figures yet (None: the HBM rule skips this family): the tiny
-# build's activation probe and the full-size parameter counts are issue 33's part 5.
+# meta device: tests/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
+# (model.num_frames x the frame's patches), catalog/wan_memory.py says how each figure was measured or derived.
 WAN = FAMILIES.register(FamilySpec(
     name="wan", title="Wan 2.1 text-to-video (WanTransformer3DModel, flow matching)",
     module="ddpo_tpu.families.wan:WanFamily",
@@ -278,6 +288,12 @@ WAN = FAMILIES.register(FamilySpec(
                  "condition_embedder.time_embedder.linear_2", "condition_embedder.time_proj", "ffn.net.0.proj",
                  "ffn.net.2", "patch_embedding", "proj_out"),
     lora_example="attn1.to_q",
+    own_keys={"num_frames": None},
     resolution_multiple=16,  # WanPipeline.check_inputs: height and width divisible by 16 (VAE 8 x 2x2 patches)
     output="videos",
+    # AutoencoderKLWan's 4x temporal compression keeps the first frame apart: F = 4k + 1 frames, (F - 1) / 4 + 1
+    # latent frames (diffusers 0.42.1 pipelines/wan/pipeline_wan.py:494-498: WanPipeline.__call__ warns on any other
+    # count and samples F // 4 * 4 + 1 instead; :341 the latent frames)
+    frame_step=4,
+    memory=wan_memory.figures,
 ))

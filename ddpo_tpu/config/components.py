@@ -61,10 +61,28 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
             near = max(r, round(m.resolution / r) * r)
             problems.append(Problem("model.resolution", m.resolution, f"the {m.family} family's image sizes are "
                                     f"multiples of {r} pixels", Fix.of({"model.resolution": near}, verb="try")))
+    problems.extend(frame_problems(m, spec))
     if m.dtype == "bfloat16" and cfg.train.mixed_precision != "bf16":
         problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
                                 Fix.of({"train.mixed_precision": "bf16"}, {"model.dtype": "float32"})))
     return problems
+
+
+def frame_problems(m, spec) -> list[Problem]:
+    """A video family's model.num_frames: set, and 1 + a multiple of its VAE's temporal compression (image families
+    refuse the key through own_keys)."""
+    n, step = m.num_frames, spec.frame_step
+    if step is None:
+        return []
+    if n is None:
+        return [Problem("model.num_frames", None, f"the {m.family} family samples videos and needs their length",
+                        Fix.of({"model.num_frames": 8 * step + 1}, verb="try"))]
+    if (n - 1) % step:
+        lower = (n - 1) // step * step + 1
+        return [Problem("model.num_frames", n, f"the {m.family} VAE compresses each {step} frames after the first "
+                        f"into one latent frame: a video has {step}k + 1 frames",
+                        Fix.of({"model.num_frames": lower}, {"model.num_frames": lower + step}, verb="try"))]
+    return []
 
 
 def window_problems(cfg: RunConfig) -> list[Problem]:

@@ -6,6 +6,7 @@ benchmark that measured it); on TPU topologies and the distributed execution's G
 from __future__ import annotations
 
 from ddpo_tpu.catalog import family
+from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config.batch import Totals, num_train_timesteps, product_fix, totals
 from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
 from ddpo_tpu.problems import Fix, Problem
@@ -24,6 +25,11 @@ def estimates_memory(topo) -> bool:
     return bool(topo.hbm_gib_per_chip) and (topo.accelerator.startswith("tpu") or topo.execution == "distributed")
 
 
+def _memory(cfg: RunConfig):
+    """The model family's memory figures for this model config (catalog FamilyMemory; None: not estimated)."""
+    return memory_of(family(cfg.model.family), cfg.model)
+
+
 def _fsdp(cfg: RunConfig) -> int:
     topo = cfg.tpu_topology
     return topo.mesh.fsdp if topo.execution in MULTI_DEVICE else 1
@@ -32,7 +38,7 @@ def _fsdp(cfg: RunConfig) -> int:
 def resident_gib(cfg: RunConfig, fsdp: int | None = None, dtype: str | None = None) -> float:
     """GiB of a chip held through training besides the micro-step's activations: frozen models, trained state,
     sampling buffers. `fsdp` and `dtype` ask "what if" (default: the config's). 0 for a family without figures."""
-    mem = family(cfg.model.family).memory
+    mem = _memory(cfg)
     if mem is None:
         return 0.0
     return mem.resident_gib(cfg.model, fsdp or _fsdp(cfg), dtype or cfg.model.dtype)
@@ -42,7 +48,7 @@ def training_activation_gib(cfg: RunConfig, k: int, batch: int | None = None, pr
                             checkpointed: bool | None = None) -> float:
     """Estimated activations of one fused training micro-step: k timesteps x train batch (x2 with CFG) evaluations.
     `batch`, `precision` and `checkpointed` ask "what if" (default: the config's)."""
-    mem = family(cfg.model.family).memory
+    mem = _memory(cfg)
     if mem is None:
         return 0.0
     evals = k * (batch or cfg.train.batch_size) * (2 if cfg.train.cfg else 1)
@@ -57,7 +63,7 @@ def activation_budget(cfg: RunConfig, resident: float | None = None) -> float | 
     estimated (small local builds, families without figures). Negative when the models alone do not fit."""
     spec = family(cfg.model.family)
     small = cfg.model.builder is not None and cfg.model.builder not in spec.full_size_builders
-    if not estimates_memory(cfg.tpu_topology) or spec.memory is None or small:
+    if not estimates_memory(cfg.tpu_topology) or _memory(cfg) is None or small:
         return None
     return cfg.tpu_topology.hbm_gib_per_chip - (resident_gib(cfg) if resident is None else resident)
 
@@ -135,8 +141,8 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
                                 f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "
                                 f"about {resident_gib(cfg):.1f} GiB hold the models", fix))
     spec = family(cfg.model.family)
-    if not cfg.model.lora.enabled and estimates_memory(topo) and spec.memory is not None:
-        need = spec.memory.full_finetune_gib
+    if not cfg.model.lora.enabled and estimates_memory(topo) and _memory(cfg) is not None:
+        need = _memory(cfg).full_finetune_gib
         fsdp = _fsdp(cfg)
         if topo.hbm_gib_per_chip < need(fsdp):
             fits = [k for k in range(2, topo.chips_per_host + 1) if topo.chips % k == 0
@@ -169,8 +175,7 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
                        f"{B} samples{cfg_x} in one forward/backward need about {B * per:.1f} GiB of activations per "
                        f"chip (estimate), {what}: {most} sample{'s fit' if most > 1 else ' fits'}", fix)
     options: list[dict] = []
-    spec = family(cfg.model.family)
-    if topo.execution in MULTI_DEVICE and spec.memory.fsdp_splits_frozen_weights:
+    if topo.execution in MULTI_DEVICE and _memory(cfg).fsdp_splits_frozen_weights:
         for k in range(topo.mesh.fsdp + 1, topo.chips_per_host + 1):
             if topo.chips % k == 0 and topo.chips_per_host % k == 0 and per <= hbm - resident_gib(cfg, fsdp=k):
                 # splits the frozen weights too
@@ -183,6 +188,8 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
     if cfg.model.dtype == "float32" and (training_activation_gib(cfg, 1, batch=1, precision="bf16")
                                         <= hbm - resident_gib(cfg, dtype="bfloat16")):
         options.append({"model.dtype": "bfloat16", "train.mixed_precision": "bf16", "train.batch_size": 1})
+    if not options:
+        options = _combined_options(cfg)
     if resident >= hbm:
         reason = (f"the models, trained state and sampling buffers alone need about {resident:.1f} GiB per chip "
                   f"(estimate), the {topo.name} chip has {hbm:g} GiB")
@@ -192,3 +199,49 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
            "no setting of this topology fits one sample: use chips with more HBM (v6e, v4: 32 GiB)" if hbm < 32 else
            "no setting fits one sample on these chips")
     return Problem("tpu_topology.name", topo.name, reason, fix)
+
+
+def _combined_options(cfg: RunConfig) -> list[dict]:
+    """When no one setting makes room for one sample: the frozen weights over the host's widest fsdp (a single chip:
+    over the same chips' 8-chip host, where conf/tpu_topology has one) with activation checkpointing and batch 1,
+    and for a video family (catalog frame_step) the longest video that then fits."""
+    topo, spec = cfg.tpu_topology, family(cfg.model.family)
+    mem, k, base = _memory(cfg), _fsdp(cfg), {}
+    if mem.fsdp_splits_frozen_weights and topo.execution in MULTI_DEVICE:
+        k = max(d for d in range(1, topo.chips_per_host + 1) if topo.chips % d == 0 and topo.chips_per_host % d == 0)
+    elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := _host_of(topo)) is not None:
+        k, base = host[1], {"tpu_topology": host[0]}
+    if k != _fsdp(cfg):
+        base |= {"tpu_topology.mesh.fsdp": k, "tpu_topology.mesh.dp": (topo.chips if not base else k) // k}
+    base |= {"train.activation_checkpointing": True, "train.batch_size": 1}
+    room = topo.hbm_gib_per_chip - resident_gib(cfg, fsdp=k)
+    evals = 2 if cfg.train.cfg else 1
+
+    def fits(model) -> bool:
+        return evals * memory_of(spec, model).checkpointed_gib_per_eval_512[cfg.train.mixed_precision] <= room
+
+    if room <= 0:
+        return []
+    if fits(cfg.model):
+        return [base]
+    step, n = spec.frame_step, cfg.model.num_frames
+    if step is None or n is None:
+        return []
+    shorter = [f for f in range(n - step, 0, -step) if fits(cfg.model.model_copy(update={"num_frames": f}))]
+    return [base | {"model.num_frames": shorter[0]}] if shorter else []
+
+
+def _host_of(topo) -> tuple[str, int] | None:
+    """The 8-chip single-host topology of a single chip's kind with its HBM (v6e-1 -> v6e-8), if conf has one."""
+    import yaml
+
+    from ddpo_tpu.config.compose import conf_dir
+
+    name = f"{topo.name.rsplit('-', 1)[0]}-8"
+    path = conf_dir() / "tpu_topology" / f"{name}.yaml"
+    if name == topo.name or not path.is_file():
+        return None
+    t = yaml.safe_load(path.read_text())
+    same = t.get("accelerator") == topo.accelerator and t.get("hbm_gib_per_chip") == topo.hbm_gib_per_chip
+    whole = same and t.get("hosts") == 1 and t.get("chips") == t["chips_per_host"]
+    return (name, t["chips_per_host"]) if whole else None

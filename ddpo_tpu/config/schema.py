@@ -61,6 +61,7 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16"]
     text_encoder_3: bool = False     # SD 3: load the T5 encoder too (false: zeros in its place, as SD 3 allows)
     resolution: int | None = Field(default=None, ge=8, le=4096)  # image size in pixels (null: the model's own)
+    num_frames: int | None = Field(default=None, ge=1, le=1025)  # video families: frames a sample has
     lora: LoraConfig
 
 

@@ -25,13 +25,14 @@ from ddpo_tpu.families.base import Cond, StepScore, checkpoint_source
 from ddpo_tpu.families.sd1 import decoded_prompts
 from ddpo_tpu.families.sd3 import SD3Family
 
-def video_size(model, builder_video, default_video) -> tuple[int, int, int]:
-    """(frames, height, width) a model config samples: its build's video or flow_grpo's, model.resolution (a square)
-    replacing the size."""
-    frames, height, width = builder_video if model.builder is not None else default_video
+
+def video_size(model, builder_frame, default_frame) -> tuple[int, int, int]:
+    """(frames, height, width) a model config samples: model.num_frames frames of its build's size or flow_grpo's,
+    model.resolution (a square) replacing the size."""
+    height, width = builder_frame if model.builder is not None else default_frame
     if model.resolution is not None:
         height = width = int(model.resolution)
-    return frames, height, width
+    return int(model.num_frames), height, width
 
 
 class WanFamily(SD3Family):
@@ -42,12 +43,12 @@ class WanFamily(SD3Family):
     name = "wan"
 
     def __init__(self, cfg, rt, components):
-        from ddpo_tpu.models.wan import FLOW_GRPO_VIDEO, TINY_VIDEO
+        from ddpo_tpu.models.wan import FLOW_GRPO_FRAME, TINY_FRAME
 
         self.cfg, self.rt, self.c = cfg, rt, components
         self.model = components.transformer
         self.dtype = self.model.dtype
-        self.video = video_size(cfg.model, TINY_VIDEO, FLOW_GRPO_VIDEO)  # (frames, height, width) in pixels
+        self.video = video_size(cfg.model, TINY_FRAME, FLOW_GRPO_FRAME)  # (frames, height, width) in pixels
         self.latent_shape = components.latent_shape(*self.video)      # (C, latent frames, h, w)
         self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
         self.num_steps = self.tables.num_steps

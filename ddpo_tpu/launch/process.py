@@ -12,7 +12,6 @@ import sys
 import threading
 from pathlib import Path
 
-from ddpo_tpu.display.console import third_party_line
 from ddpo_tpu.rundir.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
 
 WORKER_MODULE = "ddpo_tpu.worker"
@@ -67,6 +66,7 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
     and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
     front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
     while either process lives. `main_node` False (another node of a multi-node run): no events written here."""
+    from ddpo_tpu.display.console import third_party_line  # here: ddpo-status imports this module, not the console
     from ddpo_tpu.env import RUN_DIR_LOCK_FD_VARIABLE
 
     run_dir = Path(log_path).parent

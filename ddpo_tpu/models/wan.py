@@ -35,19 +35,19 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ddpo_tpu.catalog.wan_memory import DEFAULT_FRAME, TEXT_TOKENS
 from ddpo_tpu.models.loading import ModelLoadError, family_load_failure, frozen
 
 TINY_WAN_VERSION = "v1"
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the keys that decide its sigmas and timesteps)
 WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
                      flow_shift=3.0, final_sigmas_type="zero", timestep_spacing="linspace", solver_order=2)
-TEXT_TOKENS = 512  # flow_grpo's max_sequence_length for Wan (compute_text_embeddings(..., 512)), also its prompt keys
 _TINY_TEXT_WIDTH = 32
 
-# The video a family config samples: (frames, height, width) in pixels. model.resolution (a square) overrides the
-# size; the frame count is fixed per model here until the schema has a key for it (docs/architecture.md, Wan).
-FLOW_GRPO_VIDEO = (33, 240, 416)  # flow_grpo's general_ocr_wan2_1 (config/grpo.py): frames 33, height 240, width 416
-TINY_VIDEO = (5, 32, 32)          # two latent frames of 4x4: the smallest video that has a temporal axis
+# The frame size a family config samples, (height, width) in pixels, unless model.resolution (a square) is set; the
+# frame count is model.num_frames (conf/model/*wan*.yaml: 33 for the real models, 5 for the tiny build).
+FLOW_GRPO_FRAME = DEFAULT_FRAME  # flow_grpo's general_ocr_wan2_1 (config/grpo.py): height 240, width 416
+TINY_FRAME = (32, 32)           # 4x4 latents
 
 
 # --------------------------------------------------------------------------------------
