@@ -306,10 +306,19 @@ def test_the_sd35_checkpoint_has_sd35_mediums_shapes_but_the_embedding_tables():
 
 def test_the_trajectory_gather_bytes_by_hand():
     """benchmarks/gather_bytes.py, per sample: SD 1.4's 51 float32 latents of 4 x 64 x 64 and its (77, 768) text
-    embeddings; SD 3.5 Medium's 11 bfloat16 latents of 16 x 64 x 64, (205, 4096) embeddings and (2048,) pooled."""
+    embeddings; SD 3.5 Medium's 11 bfloat16 latents of 16 x 64 x 64, (205, 4096) embeddings and (2048,) pooled;
+    Wan's 21 bfloat16 latents of 16 channels x (81 - 1) / 4 + 1 = 21 latent frames x 480 / 8 x 832 / 8 and UMT5's
+    (512, 4096). Kept on their rank: 1/8 of the epoch held, only the float64 rewards received."""
     from benchmarks import gather_bytes
 
-    sd14, sd35 = gather_bytes.SHAPES
+    sd14, sd35, _, wan = gather_bytes.SHAPES
+    assert gather_bytes.per_sample_bytes(wan)["latents"] == 21 * 16 * 21 * 60 * 104 * 2
+    assert gather_bytes.per_sample_bytes(wan)["conditioning"] == 512 * 4096 * 2
+    wan_row = gather_bytes.gather_row(wan, 8, ())
+    wan_whole = 128 * (21 * 16 * 21 * 60 * 104 * 2 + 20 * 12 + 512 * 4096 * 2)
+    assert wan_row["GiB held per rank"] == round(wan_whole / 2 ** 30, 2)
+    assert wan_row["kept on rank: GiB held per rank"] == round(wan_whole / 8 / 2 ** 30, 2)
+    assert wan_row["kept on rank: KiB received per rank"] == round(128 * 8 * 7 / 8 / 1024, 2)
     assert gather_bytes.per_sample_bytes(sd14) == {"latents": 51 * 4 * 64 * 64 * 4, "log_probs": 200,
                                                    "step_indices": 400, "conditioning": 77 * 768 * 4}
     assert gather_bytes.per_sample_bytes(sd35)["latents"] == 11 * 16 * 64 * 64 * 2

@@ -10,6 +10,7 @@ rounding: measured 9e-8 relative for DDP and FSDP2, against a weight change of 7
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,37 @@ def test_compiled_steps_compile_in_epoch_0_only(tmp_path, experiment):
     assert [e["epoch"] for e in epochs] == [0, 1, 2]
     assert epochs[0]["phases"]["sampling"]["compilations"] > 0 and epochs[0]["phases"]["training"]["compilations"] > 0
     assert [e["new_compilations"] for e in epochs[1:]] == [0, 0]
+
+
+def test_ranks_that_keep_their_samples_train_them_with_the_whole_epochs_advantages(tmp_path, model_cache):
+    """distributed.keep_samples_on_rank on two gloo ranks (tests/helpers/two_rank_epoch.py: one epoch of the smoke,
+    the samples built both ways from the same rewards). Each rank keeps the 4 of 8 samples it drew: its trajectories
+    and the advantages it trains equal the gathered epoch's at the rows it drew (as ddpo-pytorch's
+    `reshape(num_processes, -1)[process_index]`, kvablack/ddpo-pytorch@1958463 scripts/train.py:437-442, picks a
+    process's own), its gathers of the trajectories produce 0 bytes where the default's produce the whole epoch
+    (counted by the runtime), and training moves the weights, equally on both ranks (DDP's all-reduce)."""
+    from ddpo_tpu.models.tiny import ensure_tiny_model
+
+    ensure_tiny_model(model_cache)  # built once here: two ranks would build it at the same time
+    out = tmp_path / "two"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "tests.helpers.two_rank_epoch", str(out), str(model_cache)],
+                          cwd=Path(__file__).resolve().parents[1], env=clean_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert (r["own_rows"], r["whole_rows"]) == (True, False)
+        assert (r["own_samples"], r["whole_samples"]) == (4, 8)
+        assert r["advantages_differ"] == r["weights_differ"] == r["trajectories_differ"] == 0.0
+        assert r["advantages_std"] > 0.1  # advantages that differ per sample: a wrong row would show
+        # the gathered bytes, counted by the runtime: the whole epoch's parts vs none
+        assert r["gathered_bytes_whole"] == r["bytes_held_whole"] == 2 * r["bytes_held_own"] > 0
+        assert r["gathered_bytes_own"] == 0
+        assert r["updates"] == 2 and all(g > 0 for g in r["grad_norms"])
+        assert r["weight_change"] > 1e-3 and r["ranks_differ"] == 0.0
+    assert ranks[0]["grad_norms"] == ranks[1]["grad_norms"]  # one update of the two ranks' samples together
 
 
 def _ranks(front_end: subprocess.Popen) -> dict[int, int]:

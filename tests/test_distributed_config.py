@@ -147,3 +147,19 @@ def test_more_processes_per_node_than_devices_is_refused():
     assert "set tpu_topology.chips_per_host=4" in line
     assert _devices_problems(topo, 8, "NVIDIA GPU", "why", "fix") == []
     assert "no NVIDIA GPU" in _devices_problems(topo, 0, "NVIDIA GPU", "why", "fix")[0]
+
+
+@pytest.mark.parametrize("experiment", ["nft_smoke", "awm_smoke"])
+def test_keeping_samples_on_their_rank_is_refused_where_the_algorithm_trains_the_whole_epoch(experiment):
+    """DiffusionNFT and AWM train their epochs themselves over the whole epoch on every rank: the key would be
+    silently ignored, so it is refused, naming the fix."""
+    text = problems(f"+experiment={experiment}", "tpu_topology=cpu_dist2", "distributed.keep_samples_on_rank=true")
+    assert "distributed.keep_samples_on_rank=true: algorithm=" in text
+    assert "set distributed.keep_samples_on_rank=false" in text
+    # ... and only the distributed execution reads it (the enablement table's distributed.* row)
+    text = problems("+experiment=smoke", "distributed.keep_samples_on_rank=true")
+    assert "distributed.keep_samples_on_rank" in text and "tpu_topology=cpu_dist2" in text
+    for ok in ("smoke", "flow_grpo_smoke"):
+        cfg = compose_and_validate([f"+experiment={ok}", "tpu_topology=cpu_dist2",
+                                    "distributed.keep_samples_on_rank=true"]).cfg
+        assert cfg.distributed.keep_samples_on_rank

@@ -438,7 +438,7 @@ def _trainer_stub(algorithm, tokenizer):
     family = SD1Family.__new__(SD1Family)
     family.tokenizer = tokenizer
     rt = make_runtime(compose_and_validate(["+experiment=smoke"]).cfg)
-    return SimpleNamespace(family=family, algorithm=algorithm, rt=rt,
+    return SimpleNamespace(family=family, algorithm=algorithm, rt=rt, keep_samples_on_rank=False,
                            checkpoints=SimpleNamespace(saved_state=lambda: ""))
 
 

@@ -13,7 +13,8 @@
   samples scaled by that distance over the group's mean distance, below-mean ones by 1 (:42), no std (:50).
 
 The reference functions below are transcriptions of those lines; ours are ddpo_tpu/algorithms/guards.py, the
-gated KL of ddpo_tpu/algorithms/grpo.py and its row weights (training/loop.py's batch_mean_weights). The stand-ins for the reference's models (aesthetic, ImageReward, DINOv3) are
+gated KL of ddpo_tpu/algorithms/grpo.py and its row weights (training/epoch_data.py's batch_mean_weights). The
+stand-ins for the reference's models (aesthetic, ImageReward, DINOv3) are
 the project's tiny CLIP-based entries (tiny aesthetic, tiny clip_score, tiny clip_features): see
 tests/test_grpo_gardo_run.py."""
 
@@ -27,7 +28,7 @@ import torch
 
 from ddpo_tpu.algorithms.guards import UncertaintyGate, diversity_advantages, rank_uncertainty
 from ddpo_tpu.algorithms.grpo import grpo_loss, kl_to_reference
-from ddpo_tpu.training.loop import batch_mean_weights
+from ddpo_tpu.training.epoch_data import batch_mean_weights
 
 CLIP, ADV_MAX, BETA = 0.2, 5.0, 0.04
 

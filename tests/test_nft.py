@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 from ddpo_tpu.algorithms.nft import nft_loss, optimality
@@ -112,11 +113,14 @@ def test_nft_is_cfg_free():
 
 def test_nft_runs_on_flux_with_its_embedded_guidance_and_without_an_sde_window():
     flux = ["+experiment=flux_grpo_smoke", "algorithm=nft", "~algorithm.kl_beta"]
-    # trunc(sigma x 1000) is the SD3 transformer's timestep (NVlabs' pipeline), not FLUX's
-    found = problems(flux)
+    # trunc(sigma x 1000) is the SD3 transformer's timestep (NVlabs' pipeline), not FLUX's: asked for, it is refused;
+    # left to its default it resolves to the float on FLUX and the cast on SD3
+    found = problems([*flux, "algorithm.integer_rollout_timesteps=true"])
     assert "SD3 transformer" in found["algorithm.integer_rollout_timesteps"]
     assert "algorithm.integer_rollout_timesteps=false" in found["algorithm.integer_rollout_timesteps"]
-    cfg = compose_and_validate([*flux, "algorithm.integer_rollout_timesteps=false"]).cfg
+    cfg = compose_and_validate(flux).cfg
+    assert cfg.algorithm.integer_rollout_timesteps is None and not integer_rollout_timesteps(cfg)
+    assert integer_rollout_timesteps(compose_and_validate(NFT_SMOKE).cfg)
     # guidance_scale 3.5 is FLUX's embedding input, not CFG
     assert cfg.algorithm.name == "nft" and cfg.model.family == "flux" and cfg.sample.guidance_scale == 3.5
     found = problems([*NFT_SMOKE, "sample.sde_window.size=2"])

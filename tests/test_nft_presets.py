@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
@@ -30,7 +31,7 @@ def test_presets_compose_with_the_official_values(name, beta, steps, accum, deca
     cfg = preset(name)
     a, s, t = cfg.algorithm, cfg.sample, cfg.train
     assert (a.name, a.beta, a.kl_beta, a.adv_clip_max, a.group_size) == ("nft", beta, 1e-4, 5.0, 24)
-    assert (a.decay_start, a.decay_rate, a.decay_max) == decay and a.ode_sampling and a.integer_rollout_timesteps
+    assert (a.decay_start, a.decay_rate, a.decay_max) == decay and a.ode_sampling and integer_rollout_timesteps(cfg)
     assert (s.name, s.ode_solver, s.num_steps, s.guidance_scale) == ("flow_sde", "dpm2", steps, 1.0)
     assert (t.learning_rate, t.timestep_fraction, t.cfg, t.max_grad_norm, t.num_inner_epochs) == (3e-4, 0.99, False,
                                                                                                   1.0, 1)

@@ -13,8 +13,7 @@ import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
-NFT_WAN = ["+experiment=wan_grpo_smoke", "algorithm=nft", "algorithm.integer_rollout_timesteps=false",
-           "algorithm.beta=0.1", "algorithm.adv_clip_max=1", "algorithm.group_size=2"]
+NFT_WAN = ["+experiment=wan_grpo_smoke", "algorithm=nft", "algorithm.beta=0.1", "algorithm.adv_clip_max=1", "algorithm.group_size=2"]
 ONE_EPOCH = ["num_epochs=1", "sample.batch_size=4", "sample.num_batches_per_epoch=1", "sample.num_steps=3",
              "train.batch_size=4", "train.gradient_accumulation_steps=1"]
 
@@ -24,7 +23,7 @@ def test_nft_composes_on_wan_and_keeps_its_rules():
     assert (cfg.algorithm.name, cfg.model.family, cfg.sample.name) == ("nft", "wan", "wan_sde")
     assert cfg.sample.ode_solver == "euler" and not cfg.train.cfg and cfg.sample.guidance_scale == 1
     with pytest.raises(ConfigError) as e:  # trunc(sigma x 1000) is SD3's rollout timestep, Wan takes UniPC's own
-        compose_and_validate([k for k in NFT_WAN if "integer_rollout" not in k])
+        compose_and_validate([*NFT_WAN, "algorithm.integer_rollout_timesteps=true"])
     assert [p.key for p in e.value.problems] == ["algorithm.integer_rollout_timesteps"]
     with pytest.raises(ConfigError) as e:  # CFG-free, as on every family
         compose_and_validate([*NFT_WAN, "sample.guidance_scale=4.5"])

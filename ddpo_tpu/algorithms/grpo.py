@@ -130,7 +130,7 @@ def grpo_loss(
     ``ratio_norm_loss``) (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
     With ``weights`` (B,) every mean is ``mean(w * .)``: the zero-advantage filter (``zero_advantage_plan``).
     With ``kl_gate`` (B,) the KL's mean takes these row weights in place of ``weights`` (GARDO's gate: 0 on the rows
-    that do not carry the KL, the others scaled so the mean is over them, all 0 when none does; training/loop.py's
+    that do not carry the KL, the others scaled so the mean is over them, all 0 when none does; training/epoch_data.py's
     ``batch_mean_weights``).
 
     Returns ``(loss, info)``; info holds ``approx_kl`` and ``clipfrac`` (as ppo_loss), ``policy_loss`` and ``kl``

@@ -35,8 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.algorithms.ppo import weighted_mean
+from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
+from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.training.state import EMA
 
 OLD = "nft_old"            # the old policy's name in TrainState.copies (and in the checkpoint's optimizer state)
@@ -165,7 +166,7 @@ class NftEpochTrainer:
         autocast = lambda: rt.autocast(trainer.mixed)
         velocity = fam.make_velocity(autocast)
         if a.ode_sampling:  # the rollouts: the official solver and timesteps (the loop's sampling step otherwise)
-            tables = integer_timesteps(fam.tables) if a.integer_rollout_timesteps else fam.tables
+            tables = integer_timesteps(fam.tables) if integer_rollout_timesteps(cfg) else fam.tables
             step = rt.compile_step(make_rollout_step(fam, autocast, tables, cfg.sample.ode_solver))
             step.multistep = True
             trainer.denoise_step = step

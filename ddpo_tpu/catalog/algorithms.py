@@ -6,7 +6,7 @@ besides its own keys, and its rules. Adding an algorithm: its keys and spec here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -25,6 +25,9 @@ class AlgorithmSpec:
     reads: tuple[str, ...] = ()
     # (cfg, totals) -> problems: what its keys need of the rest of the config (totals: config/batch.py Totals)
     problems: Callable[[Any, Any], list[Problem]] = lambda cfg, totals: []
+    # trains its epochs itself (make_epoch_trainer) over the whole epoch's samples, laid out as one process holds
+    # them: distributed.keep_samples_on_rank (each rank keeps its own) does not apply
+    own_epoch_trainer: bool = False
 
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
@@ -89,8 +92,9 @@ class NftKeys(Keys):
     decay_start: int = Field(default=0, ge=0)
     ode_sampling: bool = True                           # sample with the ODE (sample.ode_solver; no log-probs)
     # the transformer's timestep while sampling: trunc(sigma x 1000) as the official sampling pipeline casts it
-    # (training uses the float sigma x 1000 there and here); false: the float (SD3 family only when true)
-    integer_rollout_timesteps: bool = True
+    # (training uses the float sigma x 1000 there and here); false: the float (SD3 family only when true);
+    # null (the default): the official cast on SD3, the float on the families the official code does not train
+    integer_rollout_timesteps: Optional[bool] = None
 
 
 class AwmKeys(Keys):
@@ -271,7 +275,7 @@ def _nft_key_problems(cfg: Any, fam: Any) -> list[Problem]:
         problems.append(Problem("sample.ode_solver", "dpm2", "algorithm.ode_sampling=false samples with the SDE: "
                                 "the ODE solver is not read", Fix.of({"algorithm.ode_sampling": True},
                                                                      {"sample.ode_solver": "euler"})))
-    if a.ode_sampling and a.integer_rollout_timesteps and fam.name != "sd3":
+    if a.ode_sampling and a.integer_rollout_timesteps is True and fam.name != "sd3":
         problems.append(Problem("algorithm.integer_rollout_timesteps", True, f"trunc(sigma x 1000) is the SD3 "
                                 f"transformer's timestep (the official code trains SD3 only); model.family={fam.name} "
                                 f"takes its own", Fix.of({"algorithm.integer_rollout_timesteps": False})))
@@ -318,14 +322,22 @@ def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:
     return []
 
 
+def integer_rollout_timesteps(cfg) -> bool:
+    """NFT's rollout timestep cast, resolved: the key when set, else the official code's (it trains SD3 only)."""
+    value = cfg.algorithm.integer_rollout_timesteps
+    return cfg.model.family == "sd3" if value is None else bool(value)
+
+
 ALGORITHMS.register(AlgorithmSpec(
     "ddpo", "DDPO", DdpoKeys, "ddpo_tpu.algorithms.ddpo:DDPO", reads=("stat_tracking",), problems=_ddpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
     "grpo", "GRPO", GrpoKeys, "ddpo_tpu.algorithms.grpo:GRPO", problems=_grpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
-    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.algorithms.nft:NFT", problems=_nft_problems))
+    "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.algorithms.nft:NFT", problems=_nft_problems,
+    own_epoch_trainer=True))
 ALGORITHMS.register(AlgorithmSpec(
-    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems))
+    "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems,
+    own_epoch_trainer=True))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:

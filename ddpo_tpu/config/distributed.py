@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from ddpo_tpu.problems import Problem
+from ddpo_tpu.catalog import ALGORITHMS
+from ddpo_tpu.problems import Fix, Problem
 
 ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})$")
 
@@ -43,4 +44,10 @@ def distributed_problems(cfg, overridden: frozenset[str] = frozenset()) -> list[
     if d.node_rank != "auto" and d.node_rank >= topo.hosts:
         problems.append(Problem("distributed.node_rank", d.node_rank, f"there are {topo.hosts} node(s), ranks "
                                 f"0..{topo.hosts - 1}", f"set distributed.node_rank to one of 0..{topo.hosts - 1}"))
+    if d.keep_samples_on_rank:
+        spec = ALGORITHMS.get(cfg.algorithm.name)
+        if spec.own_epoch_trainer:
+            problems.append(Problem("distributed.keep_samples_on_rank", True, f"algorithm={spec.name} trains its "
+                                    "epochs itself over the whole epoch's samples, on every rank",
+                                    Fix.of({"distributed.keep_samples_on_rank": False})))
     return problems

@@ -249,6 +249,13 @@ class DistributedConfig(_Strict):
     rdzv_endpoint: str | None = None
     # this node's rank among tpu_topology.hosts nodes: auto = the TPU VM worker id (TPU_WORKER_ID) or 0
     node_rank: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"
+    # where an epoch's trajectories live between sampling and training. false: every rank gathers the whole epoch
+    # (all steps' latents and the conditioning) and trains its rows of the one shuffle one process would draw: the
+    # run trains what one process trains, exactly. true: each rank keeps the samples it drew and trains them in its
+    # own shuffle, as ddpo-pytorch and flow_grpo do; only the rewards are gathered, so the advantages are the whole
+    # epoch's as before. Each rank then holds 1/ranks of the epoch (docs/distributed.md "Where an epoch's samples
+    # live"); an algorithm that trains the whole epoch itself (nft, awm) needs false
+    keep_samples_on_rank: bool = False
 
 
 class ParityConfig(_Strict):

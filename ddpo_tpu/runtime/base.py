@@ -25,13 +25,15 @@ class Counters:
     compile_time_s: float = 0.0
     host_transfers: int = 0         # device-to-host copies
     cpu_fallbacks: dict[str, int] = field(default_factory=dict)  # aten::op -> count (ops XLA ran on the host)
+    gathered_bytes: int = 0         # bytes of the whole tensors and arrays gather_batch / gather_rows left on this
+                                    # process (distributed: what its all-gathers produced; exact, counted per call)
 
     def minus(self, earlier: "Counters") -> "Counters":
         fallbacks = {k: v - earlier.cpu_fallbacks.get(k, 0) for k, v in self.cpu_fallbacks.items()}
         return Counters(self.compilations - earlier.compilations,
                         self.replicate_compilations - earlier.replicate_compilations,
                         self.compile_time_s - earlier.compile_time_s, self.host_transfers - earlier.host_transfers,
-                        {k: v for k, v in fallbacks.items() if v})
+                        {k: v for k, v in fallbacks.items() if v}, self.gathered_bytes - earlier.gathered_bytes)
 
 
 @dataclass

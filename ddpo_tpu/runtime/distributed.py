@@ -7,8 +7,10 @@ samples from the same seed): every rank draws the same global prompts and noise 
 samples rows [r B/W, (r+1) B/W) of each global sampling batch of B and scores their images; rewards are gathered so
 every rank computes the same advantages; the epoch's trajectories are gathered whole onto every rank (memory: one
 epoch's latents and conditioning per device, e.g. 0.9 GiB at the DDPO parity shape), shuffled with the same
-permutation there, and rank r trains rows [r T/W, (r+1) T/W) of each global train batch of T. Gradients are averaged
-over the ranks (DDP's all-reduce, or FSDP2's reduce-scatter and all-reduce), so an update is that of the global batch.
+permutation there, and rank r trains rows [r T/W, (r+1) T/W) of each global train batch of T (with
+distributed.keep_samples_on_rank each rank trains the samples it drew instead: training/epoch_data.py). Gradients are
+averaged over the ranks (DDP's all-reduce, or FSDP2's reduce-scatter and all-reduce), so an update is that of the
+global batch.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class DistributedRuntime(Runtime):
         self.name = f"distributed_{self.device.type}"
         self._ddp = None
         self._transfers = 0
+        self._gathered = 0  # bytes the gathers produced here (Counters.gathered_bytes)
         if self.backend == "tpu":
             import torch_tpu  # noqa: F401  (registers the tpu compile backend; loaded by `import torch` already)
 
@@ -97,13 +100,16 @@ class DistributedRuntime(Runtime):
         out = torch.empty((tensor.shape[0] * self.process_count, *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         dist.all_gather_into_tensor(out, tensor.contiguous())
+        self._gathered += out.numel() * out.element_size()
         return out
 
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
         """Host arrays of this rank's rows -> the global rows in rank order, on every rank."""
         parts: list = [None] * self.process_count
         dist.all_gather_object(parts, np.asarray(array))
-        return np.concatenate(parts)
+        whole = np.concatenate(parts)
+        self._gathered += whole.nbytes
+        return whole
 
     def mean_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone()
@@ -207,7 +213,7 @@ class DistributedRuntime(Runtime):
 
         seconds = sum(sum(v) for k, v in compilation_time_metrics.items() if k.endswith("compile_inner"))
         return Counters(compilations=int(counters["stats"]["unique_graphs"]), compile_time_s=float(seconds),
-                        host_transfers=self._transfers)
+                        host_transfers=self._transfers, gathered_bytes=self._gathered)
 
     def device_peak_gib(self) -> float | None:
         if self.device.type == "cpu":

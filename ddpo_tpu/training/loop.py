@@ -29,6 +29,8 @@ from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
+from ddpo_tpu.training.epoch_data import (EpochSamples, batch_mean_weights, drawn_rows, epoch_samples,
+                                          train_batches)
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
 from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
@@ -42,8 +44,8 @@ STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
 PROGRESS_EVERY_S = 30.0  # at most one progress event per phase this often (sampling also reports each batch)
 
 
-def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0) -> int:
-    return int(np.random.SeedSequence([seed, epoch, stream, sub]).generate_state(1, dtype=np.uint64)[0] >> 1)
+def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0, *more: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch, stream, sub, *more]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 @dataclass
@@ -56,20 +58,6 @@ class SampledEpoch:
     pending_rewards: list        # per batch: a Future or an array
     first_images: np.ndarray     # the first batch's uint8 images, or a video family's videos (the samples' files)
     scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
-
-
-@dataclass
-class EpochSamples:
-    """One epoch's trajectories with their advantages, global batch first, on the device."""
-
-    latents: torch.Tensor       # (N, T+1, C, h, w)
-    log_probs: torch.Tensor     # (N, T)
-    step_indices: torch.Tensor  # (N, T)
-    cond: Cond                  # each (N, ...)
-    advantages: torch.Tensor    # (N,)
-    weights: torch.Tensor       # (N,) loss weight of each sample (GRPO's zero-advantage filter; else 1)
-    orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
-    kl_gate: torch.Tensor | None = None  # (N,) 1 where a sample carries the KL (GARDO's gate), None: every sample
 
 
 def make_algorithm(cfg):
@@ -90,14 +78,6 @@ def _flat_step_inputs(cur, nxt, idx, cond, cols):
     B, K = cur.shape[0], cols.shape[0]
     flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
     return flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond), flat
-
-
-def batch_mean_weights(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """Row weights `x` (N,) of an epoch in its train order, rescaled in each train batch of `batch` rows to average 1
-    (a batch of zeros stays 0): a batch's plain mean of these x a term is then the x-weighted mean of the term over the
-    batch, the same however the batch splits over processes or devices. GARDO's gated KL: x = gate x loss weight."""
-    xb = x.reshape(-1, batch)
-    return (xb * batch / xb.sum(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)).reshape(-1)
 
 
 def make_micro_step_loss(score_step, loss, sqrt_dt=None):
@@ -163,6 +143,9 @@ class Trainer:
         own_scores = getattr(self.algorithm, "image_scores", None)
         self.image_scores = own_scores(self) if own_scores is not None else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
+        # each rank trains the samples it drew (training/epoch_data.py): the distributed execution's key
+        self.keep_samples_on_rank = (cfg.tpu_topology.execution == "distributed" and rt.process_count > 1
+                                     and cfg.distributed.keep_samples_on_rank)
         self.train_batch = cfg.train.batch_size * rt.replicas
         self.train_timesteps = num_train_timesteps(cfg)
         self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # trained timesteps per update
@@ -205,6 +188,9 @@ class Trainer:
         self.reference_policy = (own(self) if own is not None else None) or self.family.reference
         # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT), trains its epochs itself
         self.epoch_trainer = self.algorithm.make_epoch_trainer(self)
+        if self.epoch_trainer is not None and self.keep_samples_on_rank:  # refused at compose time too
+            raise ValueError(f"algorithm={cfg.algorithm.name} trains the whole epoch: distributed.keep_samples_on_rank "
+                             "must be false")
         self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
                                              state=self.state, algorithm=self.algorithm)
         self.report = Reporter(cfg, rt, out, self.events, self.tree, self.algorithm.stat_names)
@@ -357,22 +343,18 @@ class Trainer:
             adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep], **kept(keep))
         if not np.isfinite(adv).all():
             raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self.checkpoints.saved_state()}")
+        # distributed.keep_samples_on_rank: this process trains the samples it drew (training/epoch_data.py)
+        own, whole_epoch = self.keep_samples_on_rank, rewards
+        rows = drawn_rows(self.rt, len(sampled.trajectories), self.global_batch) if own else slice(None)
+        if own:  # the algorithm plans this process's samples (flow_grpo's mask is per process)
+            adv, keys, rewards = adv[rows], [keys[i] for i in rows], rewards[rows]
         plan = self.algorithm.train_plan(epoch, adv, keys, rewards)
         weights = plan.weights if plan is not None else np.ones(len(adv), dtype=np.float32)
-        gate = self.algorithm.kl_gate(rewards, scores) if scores is not None else None
-        # the whole epoch on every process (distributed ranks sampled a slice of each batch; SPMD holds it already)
-        rt, trajs = self.rt, sampled.trajectories
-        whole = lambda parts: torch.cat([rt.gather_batch(x) for x in parts])
-        return EpochSamples(
-            latents=whole(t.latents for t in trajs),
-            log_probs=whole(t.log_probs for t in trajs),
-            step_indices=whole(t.step_indices for t in trajs),
-            cond=tuple(whole(parts) for parts in zip(*sampled.conds)),
-            advantages=rt.epoch_layout(torch.as_tensor(adv, dtype=torch.float32).to(rt.device)),
-            weights=rt.epoch_layout(torch.as_tensor(weights, dtype=torch.float32).to(rt.device)),
-            orders=tuple(torch.as_tensor(o).to(rt.device) for o in plan.orders) if plan is not None else None,
-            kl_gate=rt.epoch_layout(torch.as_tensor(gate).to(rt.device)) if gate is not None else None,
-        )
+        # GARDO's gate: over the whole epoch, as its code ranks the gathered rewards, then this process's rows
+        gate = self.algorithm.kl_gate(whole_epoch, scores) if scores is not None else None
+        return epoch_samples(self.rt, sampled.trajectories, sampled.conds, adv, weights,
+                             plan.orders if plan is not None else None, own,
+                             gate[rows] if gate is not None else None)
 
     def evaluate(self, epoch: int) -> dict:
         """Fixed prompts and fixed noise, one sampling batch, with the EMA weights when train.ema. The sampling
@@ -404,11 +386,14 @@ class Trainer:
         dev = rt.device
         logs = []
         micro, said = 0, time.monotonic()
-        total = cfg.train.num_inner_epochs * N * self.train_timesteps // self.train_batch
+        batches, rows_of = train_batches(s, rt, self.train_batch)  # this process's rows of each train batch
+        total = cfg.train.num_inner_epochs * batches * self.train_timesteps
         n_stats = len(self.algorithm.stat_names)
         stats = torch.zeros(n_stats).to(dev)  # uploaded data, not a pending constant that would join the next graph
         for inner in range(cfg.train.num_inner_epochs):
-            gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
+            # own rows: a shuffle of this process's samples, its own (as the references' per-process randperm)
+            rank = (rt.process_index,) if s.own_rows else ()
+            gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner, *rank))
             # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
             perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
             if s.orders is not None:  # the algorithm's batches (GRPO: flow_grpo's, zero-advantage samples off)
@@ -428,16 +413,15 @@ class Trainer:
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             adv = s.advantages.index_select(0, perm)
             w = s.weights.index_select(0, perm)
-            # GARDO: the KL's mean over each train batch's gated (kept) samples, as a plain weighted mean
-            gate = (batch_mean_weights(s.kl_gate.index_select(0, perm) * w, self.train_batch)
-                    if s.kl_gate is not None else None)
+            # GARDO: the KL's mean over each train batch's gated (kept) samples, as a plain weighted mean; own rows:
+            # over this process's part of the batch, as each of flow_grpo's processes takes it
+            span = self.train_batch // rt.process_count if s.own_rows else self.train_batch
+            gate = batch_mean_weights(s.kl_gate.index_select(0, perm) * w, span) if s.kl_gate is not None else None
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
-            for b in range(N // self.train_batch):
-                # this process's rows of the global train batch (all of them unless distributed)
-                sel = torch.arange(b * self.train_batch, (b + 1) * self.train_batch)[rt.local_rows(self.train_batch)]
-                sel = sel.to(dev)
+            for b in range(batches):
+                sel = rows_of(b).to(dev)  # this process's rows of the train batch (all of them unless distributed)
                 pick = lambda x: x.index_select(0, sel)
                 batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
                 wb, gb = pick(w), (pick(gate) if gate is not None else None)

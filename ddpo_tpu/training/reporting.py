@@ -48,7 +48,9 @@ class PhaseClock:
                                  **({"replicate_compilations": d.replicate_compilations}
                                     if d.replicate_compilations else {}),
                                  "host_transfers": d.host_transfers,
-                                 **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {})}
+                                 **({"cpu_fallbacks": d.cpu_fallbacks} if d.cpu_fallbacks else {}),
+                                 # distributed: what this phase's gathers left on the main process, in bytes
+                                 **({"gathered_bytes": d.gathered_bytes} if d.gathered_bytes else {})}
         if self.events is not None:
             self.events.emit(ev.PhaseEnd(self.epoch, name, p["seconds"], p["host_seconds"], p["compilations"],
                                          p["compile_seconds"]))
