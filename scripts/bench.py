@@ -46,7 +46,7 @@ from benchmarks import runner  # noqa: E402
 from benchmarks.probes import (checkpointing, full_width, host_overhead, lazy_checkpointing, pipeline,  # noqa: E402
                                sd3_activations, sd3_parameters, sd14_activations, sde_window, step_estimate,
                                training_runs)
-from benchmarks.probes import awm_vs_grpo, flux_activations, wan_memory  # noqa: E402
+from benchmarks.probes import awm_vs_grpo, flux_activations, qwen_image_activations, wan_memory  # noqa: E402
 
 # flag -> (help, the probes it runs, in order); the first flag given wins, as before
 MODES = {
@@ -67,6 +67,8 @@ MODES = {
                       "CPU)", [awm_vs_grpo]),
     "--flux-activations": ("only FLUX.1-dev's parameter counts and training-activation probes (full width, 1-2 "
                            "blocks of each kind, eager CPU)", [flux_activations]),
+    "--qwen-image-activations": ("only Qwen-Image's parameter counts and training-activation probes (full width, 1-2 "
+                                 "blocks, eager CPU)", [qwen_image_activations]),
     "--wan-memory": ("only Wan 2.1's memory model: the saved-activation fit (toy widths), the tiny build's saved bytes "
                      "and peak RSS against it, the full-size figures (eager CPU)", [wan_memory]),
 }

@@ -158,19 +158,9 @@ def test_lora_target_table_matches_every_builders_model():
     from ddpo_tpu.launch import lora_targets
     from ddpo_tpu.models import sd3, tiny
 
-    adaptable = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    from tests.helpers import block_layers
 
-    def layers(model) -> set[str]:
-        out = set()
-        for name, module in model.named_modules():
-            if isinstance(module, adaptable):
-                parts, cut = name.split("."), 0
-                for i, p in enumerate(parts):
-                    if p in lora_targets.CONTAINERS:
-                        cut = i + 1 + (i + 1 < len(parts) and parts[i + 1].isdigit())
-                out.add(".".join(parts[cut:]))
-                assert lora_targets.is_known(name, "sd1" if hasattr(model, "conv_in") else "sd3"), name
-        return out
+    layers = lambda model: block_layers(model, "sd1" if hasattr(model, "conv_in") else "sd3")
 
     with torch.device("meta"):
         sd1 = set().union(*(layers(tiny._build_unet(tiny.SPECS[k])) for k in ("tiny", "sd14_topology", "sd14_random")))

@@ -90,6 +90,7 @@ def test_experiment_list_is_the_tested_one():
     flow += ["nft_smoke"]  # composed in tests/test_nft.py
     flow += [f"nft_sd3_{n}" for n in ("pickscore", "geneval", "ocr", "hpsv2", "multi_reward")]  # test_nft_presets.py
     flow += ["wan_grpo_smoke"]  # composed in tests/test_wan_model.py
+    flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in tests/test_qwen_image_model.py
     flow += ["awm_smoke"]  # composed in tests/test_awm.py
     assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
         "a new experiment needs a compose test here"

@@ -5,13 +5,10 @@ does not move). Run in-process: about 1.5 minutes for each run on one thread of 
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
-from tests.helpers import read_metrics
+from tests.helpers.learning import smoke_rewards, z
 
 pytestmark = pytest.mark.slow
 
@@ -23,29 +20,10 @@ MIN_Z = 4.0
 
 
 def run(tmp_path, model_cache, *overrides) -> np.ndarray:
-    import torch
+    def check(cfg):
+        assert cfg.model.family == "flux" and not cfg.train.cfg
 
-    from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.training import loop
-    from ddpo_tpu.rundir.files import RunDir
-    from ddpo_tpu.runtime import make_runtime
-
-    torch.set_num_threads(1)
-    v = compose_and_validate(["+experiment=flux_grpo_smoke", f"model.cache_dir={model_cache}", *overrides])
-    assert v.cfg.num_epochs == 20 and v.cfg.model.family == "flux" and not v.cfg.train.cfg
-    tmp_path.mkdir(exist_ok=True)
-    trainer = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree,
-                           stop=SimpleNamespace(requested=False))  # keep pytest's own signal handlers
-    trainer.fit()
-    epochs = read_metrics(tmp_path, "epoch")
-    assert [e["epoch"] for e in epochs] == list(range(20))
-    assert all(math.isfinite(e["kl"]) and 0 <= e["kl"] < 0.05 for e in epochs), [e["kl"] for e in epochs]
-    return np.array([e["reward_mean"] for e in epochs])
-
-
-def z(a: np.ndarray, b: np.ndarray) -> float:
-    """(mean of b - mean of a) in standard errors of the difference of the two means."""
-    return (b.mean() - a.mean()) / math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    return smoke_rewards(tmp_path, model_cache, "flux_grpo_smoke", 20, 0.05, *overrides, check=check)
 
 
 def test_flux_grpo_smoke_raises_jpeg_compressibility_over_a_frozen_control(tmp_path, model_cache):

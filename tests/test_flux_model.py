@@ -163,18 +163,9 @@ def test_lora_layer_table_matches_the_tiny_and_the_real_transformer():
     from ddpo_tpu.launch import lora_targets
     from ddpo_tpu.models import flux
 
-    adaptable = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    from tests.helpers import block_layers
 
-    def layers(model) -> set[str]:
-        out = set()
-        for name, module in model.named_modules():
-            if isinstance(module, adaptable):
-                assert lora_targets.is_known(name, "flux"), name
-                parts = name.split(".")
-                cut = max((i + 1 + (i + 1 < len(parts) and parts[i + 1].isdigit())
-                           for i, p in enumerate(parts) if p in lora_targets.CONTAINERS), default=0)
-                out.add(".".join(parts[cut:]))
-        return out
+    layers = lambda model: block_layers(model, "flux")
 
     with torch.device("meta"):
         tiny = layers(flux._build_transformer())

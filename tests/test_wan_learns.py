@@ -6,13 +6,10 @@ tests/test_flux_learns.py."""
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
-from tests.helpers import read_metrics
+from tests.helpers.learning import assert_rises_over_frozen_control, smoke_rewards
 
 pytestmark = pytest.mark.slow
 
@@ -25,41 +22,15 @@ MIN_Z = 4.0
 
 
 def run(tmp_path, model_cache, *overrides) -> np.ndarray:
-    import torch
+    def check(cfg):
+        assert cfg.model.family == "wan" and cfg.sample.name == "wan_sde"
 
-    from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.training import loop
-    from ddpo_tpu.rundir.files import RunDir
-    from ddpo_tpu.runtime import make_runtime
-
-    torch.set_num_threads(1)
-    v = compose_and_validate(["+experiment=wan_grpo_smoke", f"model.cache_dir={model_cache}", *overrides])
-    assert v.cfg.num_epochs == EPOCHS and v.cfg.model.family == "wan" and v.cfg.sample.name == "wan_sde"
-    tmp_path.mkdir(exist_ok=True)
-    trainer = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree,
-                           stop=SimpleNamespace(requested=False))  # keep pytest's own signal handlers
-    trainer.fit()
-    epochs = read_metrics(tmp_path, "epoch")
-    assert [e["epoch"] for e in epochs] == list(range(EPOCHS))
     # Wan's KL divides by the step's std std_dev_t sqrt(-dt) (train_wan2_1.py), not SD 3's std_dev_t: at 6 steps about
     # 6x the scale of flux_grpo_smoke's bound (0.05); measured peak 0.11 (epoch 4)
-    assert all(math.isfinite(e["kl"]) and 0 <= e["kl"] < 0.3 for e in epochs), [e["kl"] for e in epochs]
-    return np.array([e["reward_mean"] for e in epochs])
-
-
-def z(a: np.ndarray, b: np.ndarray) -> float:
-    """(mean of b - mean of a) in standard errors of the difference of the two means."""
-    return (b.mean() - a.mean()) / math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    return smoke_rewards(tmp_path, model_cache, "wan_grpo_smoke", EPOCHS, 0.3, *overrides, check=check)
 
 
 def test_wan_grpo_smoke_raises_per_frame_jpeg_compressibility_over_a_frozen_control(tmp_path, model_cache):
     trained = run(tmp_path / "trained", model_cache)
     frozen = run(tmp_path / "frozen", model_cache, "train.learning_rate=1e-9")
-    print(f"wan_grpo_smoke rewards {np.round(trained, 4).tolist()}, frozen {np.round(frozen, 4).tolist()}; "
-          f"z trained {z(trained[:WINDOW], trained[-WINDOW:]):.1f}, over the control "
-          f"{z(frozen[-WINDOW:], trained[-WINDOW:]):.1f}, control {z(frozen[:WINDOW], frozen[-WINDOW:]):.1f}")
-    assert trained[0] == frozen[0]  # the same first epoch: the control differs only in what training does
-    assert z(trained[:WINDOW], trained[-WINDOW:]) > MIN_Z, trained.tolist()
-    assert z(frozen[-WINDOW:], trained[-WINDOW:]) > MIN_Z, (trained.tolist(), frozen.tolist())
-    rise = lambda r: r[-WINDOW:].mean() - r[:WINDOW].mean()
-    assert abs(rise(frozen)) < rise(trained) / 4, (trained.tolist(), frozen.tolist())
+    assert_rises_over_frozen_control("wan_grpo_smoke", trained, frozen, WINDOW, MIN_Z)

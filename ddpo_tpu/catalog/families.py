@@ -229,18 +229,31 @@ FLUX_EAGER_F32_GIB = 10.61  # the probe's saved-bytes "57_blocks_eager"
 FLUX_EAGER_GIB = {"no": FLUX_EAGER_F32_GIB, "bf16": round(FLUX_EAGER_F32_GIB * 0.74, 2)}
 
 
-def _flux_resident_gib(model, fsdp: int, dtype: str) -> float:
-    b = FLUX1_DEV_BILLIONS
-    size = 2 if dtype == "bfloat16" else 4
-    return ((b["transformer"] / fsdp + b["clip"] + b["t5"]) * size + b["vae"] * 4) * 1e9 / GIB + FLUX_STATE_GIB
+def _split_transformer_memory(billions: Mapping[str, float], encoders: tuple[str, ...], state_gib: float,
+                              eager_gib: Mapping[str, float], scores_gib: float) -> FamilyMemory:
+    """The memory figures of a family whose transformer is split over mesh.fsdp while its text encoders and VAE
+    (float32) stay whole on every chip (FLUX, Qwen-Image): per evaluation the eager part plus XLA's softmaxes, with
+    activation checkpointing SD 3.5's measured eager ratio and SD 1.x's scores ratio."""
+    b = billions
+    text = sum(b[e] for e in encoders)
+
+    def resident(model, fsdp: int, dtype: str) -> float:
+        size = 2 if dtype == "bfloat16" else 4
+        return ((b["transformer"] / fsdp + text) * size + b["vae"] * 4) * 1e9 / GIB + state_gib
+
+    def full_finetune(fsdp: int) -> float:
+        # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; the text encoders
+        # in bfloat16 (as flow_grpo casts them) and the VAE in float32 whole, and the epoch's samples and runtime
+        whole = (text * 2 + b["vae"] * 4) * 1e9 / GIB + 1.1
+        return b["transformer"] * 16 * 1e9 / GIB / fsdp + whole
+
+    return FamilyMemory(
+        activation_gib_per_eval_512={k: v + scores_gib for k, v in eager_gib.items()},
+        checkpointed_gib_per_eval_512={k: round(v * SD3_CKPT_EAGER_RATIO + CKPT_XLA_SCORES_RATIO * scores_gib, 2)
+                                       for k, v in eager_gib.items()},
+        resident_gib=resident, full_finetune_gib=full_finetune, fsdp_splits_frozen_weights=True)
 
 
-def _flux_full_finetune_gib(fsdp: int) -> float:
-    # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; the text encoders in
-    # bfloat16 (as flow_grpo casts them) and the VAE in float32 whole, and the epoch's samples and runtime
-    b = FLUX1_DEV_BILLIONS
-    whole = ((b["clip"] + b["t5"]) * 2 + b["vae"] * 4) * 1e9 / GIB + 1.1
-    return b["transformer"] * 16 * 1e9 / GIB / fsdp + whole
 
 
 FLUX = FAMILIES.register(FamilySpec(
@@ -259,15 +272,8 @@ FLUX = FAMILIES.register(FamilySpec(
     lora_example="attn.to_q",
     resolution_multiple=16,  # VAE factor 8 x the 2x2 packing of the latents
     guidance="embedded",     # FLUX.1-dev is guidance-distilled: sample.guidance_scale is the guidance embedding's input
-    memory=FamilyMemory(
-        activation_gib_per_eval_512={k: v + FLUX_ATTENTION_SCORES_GIB_512 for k, v in FLUX_EAGER_GIB.items()},
-        checkpointed_gib_per_eval_512={k: round(v * SD3_CKPT_EAGER_RATIO
-                                                + CKPT_XLA_SCORES_RATIO * FLUX_ATTENTION_SCORES_GIB_512, 2)
-                                       for k, v in FLUX_EAGER_GIB.items()},
-        resident_gib=_flux_resident_gib,
-        full_finetune_gib=_flux_full_finetune_gib,
-        fsdp_splits_frozen_weights=True,
-    ),
+    memory=_split_transformer_memory(FLUX1_DEV_BILLIONS, ("clip", "t5"), FLUX_STATE_GIB, FLUX_EAGER_GIB,
+                                     FLUX_ATTENTION_SCORES_GIB_512),
 ))
 
 # --- Wan 2.1 text-to-video -------------------------------------------------------------------------------------------
@@ -296,4 +302,49 @@ WAN = FAMILIES.register(FamilySpec(
     # count and samples F // 4 * 4 + 1 instead; :341 the latent frames)
     frame_step=4,
     memory=wan_memory.figures,
+))
+
+# --- Qwen-Image ------------------------------------------------------------------------------------------------------
+# Packed 2x2 latents as FLUX's, Qwen2.5-VL's masked prompt states, true CFG with the norm rescaling, Flow-GRPO's SDE
+# step (sampler flow_sde: flow_grpo's Qwen-Image code calls its SD 3 step). The LoRA layers: the module paths of
+# QwenImageTransformer2DModel (Qwen-Image's config and the tiny build on the meta device: test_qwen_image_model.py).
+# Qwen/Qwen-Image's parts in billions of values (diffusers' QwenImageTransformer2DModel and AutoencoderKLQwenImage,
+# transformers' Qwen2_5_VLForConditionalGeneration built with the checkpoint's configs on the meta device): the
+# transformer (60 double-stream blocks of 0.340), Qwen2.5-VL 7B whole (its vision tower 0.677 and LM head 0.545
+# included: flow_grpo loads the class whole), the VAE (float32). No positional table (RoPE from the shapes).
+# Measured by: python scripts/bench.py --qwen-image-activations (benchmarks/RESULTS.md 2026-11-26 09:27)
+QWEN_IMAGE_BILLIONS = {"transformer": 20.430, "text_encoder": 8.292, "vae": 0.127}
+# flow_grpo's LoRA (rank 64 on its 12 attention and feed-forward targets, model=qwen_image): 424.7M values x (weight,
+# gradient, 2 AdamW moments, EMA) in float32 = 7.9 GiB; an epoch's trajectories and prompt states (64 samples a chip as
+# flow_grpo's 8-GPU config: 3 packed latents of 1024 x 64 in its 2-step window, 128 x 3584 prompt states) ~0.1 GiB;
+# ~1 GiB for the runtime and fragmentation. Whole on every chip, as FLUX's.
+QWEN_IMAGE_STATE_GIB = 0.4247 * 20 * 1e9 / GIB + 0.1 + 1.0
+# One Qwen-Image transformer evaluation at 512 px: 1024 image tokens + 128 prompt tokens (the family's TEXT_TOKENS),
+# LoRA as model=qwen_image. (1) float32: the bytes autograd saves in a forward + backward at full width (3072, 24 heads
+# of 128) with random weights on eager CPU, 1 and 2 blocks deep, batch 1: 0.240 GiB with one block and the embedders,
+# 0.239 per further block (FLUX.1's double block measured the same), extrapolated to 60 blocks: 14.37 GiB (peak RSS:
+# 14.49). bf16: float32's x 0.74 (SD 3.5's measured ratio). (2) XLA's softmaxes: 24 heads x S^2 x 4 bytes over the 60
+# joint attentions (S = 1152). Activation checkpointing: the eager part x SD 3.5's measured 0.26 (the same kind of
+# block; not probed here), the scores as SD 1.x's. An estimate for the HBM rule, not a TPU figure.
+QWEN_IMAGE_ATTENTION_SCORES_GIB_512 = 60 * 24 * 1152 ** 2 * 4 / GIB  # 7.12 (the probe's attention_scores_gib())
+QWEN_IMAGE_EAGER_F32_GIB = 14.37  # the probe's saved-bytes "60_blocks_eager"
+QWEN_IMAGE_EAGER_GIB = {"no": QWEN_IMAGE_EAGER_F32_GIB, "bf16": round(QWEN_IMAGE_EAGER_F32_GIB * 0.74, 2)}
+
+
+QWEN_IMAGE = FAMILIES.register(FamilySpec(
+    name="qwen_image", title="Qwen-Image (MMDiT, Qwen2.5-VL prompts, flow matching)",
+    module="ddpo_tpu.families.qwen_image:QwenImageFamily",
+    sampler="flow_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
+    example_hub_id="Qwen/Qwen-Image",
+    builders=("tiny_qwen_image",),
+    lora_layers=("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                 "attn.to_out.0", "attn.to_q", "attn.to_v", "img_in", "img_mlp.net.0.proj", "img_mlp.net.2",
+                 "img_mod.1", "norm_out.linear", "proj_out", "time_text_embed.timestep_embedder.linear_1",
+                 "time_text_embed.timestep_embedder.linear_2", "txt_in", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+                 "txt_mod.1"),
+    lora_example="attn.to_q",
+    resolution_multiple=16,  # QwenImagePipeline.check_inputs: height and width divisible by vae_scale_factor x 2
+    memory=_split_transformer_memory(QWEN_IMAGE_BILLIONS, ("text_encoder",), QWEN_IMAGE_STATE_GIB,
+                                     QWEN_IMAGE_EAGER_GIB, QWEN_IMAGE_ATTENTION_SCORES_GIB_512),
 ))

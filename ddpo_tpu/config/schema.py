@@ -125,7 +125,8 @@ class SampleConfig(_Strict):
     name: Annotated[str, _registered(SAMPLERS)]  # the sampler (ddpo_tpu/catalog/samplers.py): ddim, flow_sde
     num_steps: int = Field(ge=1, le=1000)
     eta: float | None = Field(default=None, gt=0, le=1)              # ddim
-    noise_level: float | None = Field(default=None, gt=0, le=1)      # flow_sde
+    # flow_sde; above 1: flow_grpo's Qwen-Image runs (config/grpo.py pickscore_qwenimage 1.2, its edit runs 1.5)
+    noise_level: float | None = Field(default=None, gt=0, le=2)
     sde_type: Literal["sde", "cps"] | None = None                    # flow_sde
     ode_solver: Literal["euler", "dpm2"] | None = None               # flow_sde: its ODE rollouts' solver (nft)
     guidance_scale: float = Field(ge=1)

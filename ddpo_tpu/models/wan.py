@@ -73,16 +73,18 @@ def _build_vae():
                             temperal_downsample=[False, True, True])
 
 
-def _pass_latents_through(decoder) -> None:
+def _pass_latents_through(decoder, prefix: str = "Wan") -> None:
     """Zero the last conv of every residual branch of the decoder (and its attention's projection): each block starts
-    as the identity (plus its shortcut), so the decoded video is a function of the latents, not one random texture."""
+    as the identity (plus its shortcut), so the decoded video is a function of the latents, not one random texture.
+    ``prefix`` names the block classes: "Wan" (AutoencoderKLWan), "QwenImage" (AutoencoderKLQwenImage: Wan's blocks
+    under its own names)."""
     with torch.no_grad():
         for name, module in decoder.named_modules():
-            if type(module).__name__ == "WanResidualBlock":
+            if type(module).__name__ == f"{prefix}ResidualBlock":
                 last = [m for m in module.conv2.modules() if hasattr(m, "weight")][-1]
                 last.weight.zero_()
                 last.bias.zero_()
-            elif type(module).__name__ == "WanAttentionBlock":
+            elif type(module).__name__ == f"{prefix}AttentionBlock":
                 module.proj.weight.zero_()
                 module.proj.bias.zero_()
 

@@ -116,3 +116,24 @@ def family_with_trained_adapter(overrides: list[str]):
             if "lora_B" in name:
                 p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     return fam
+
+
+def block_layers(model, family_name: str) -> set[str]:
+    """The paths of a denoiser's adaptable layers (what peft adds LoRA to: Linear, Conv, Embedding) below its
+    numbered block containers: what the family's catalog lora_layers must list. Asserts each full path is a known
+    target of the family (launch/lora_targets.py)."""
+    import torch
+
+    from ddpo_tpu.launch import lora_targets
+
+    adaptable = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+    out = set()
+    for name, module in model.named_modules():
+        if isinstance(module, adaptable):
+            assert lora_targets.is_known(name, family_name), name
+            parts, cut = name.split("."), 0
+            for i, p in enumerate(parts):
+                if p in lora_targets.CONTAINERS:
+                    cut = i + 1 + (i + 1 < len(parts) and parts[i + 1].isdigit())
+            out.add(".".join(parts[cut:]))
+    return out
