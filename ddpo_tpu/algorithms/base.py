@@ -52,6 +52,9 @@ class Algorithm(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def make_epoch_trainer(self, trainer) -> Any: ...  # its own training of an epoch; None = the loop's PPO steps
+    # optional (GRPO's GARDO options; docs/architecture.md): reference_policy(trainer), after_training(epoch, steps),
+    # image_scores(trainer) -> (images, prompts) -> {name: rows} | None; with it, advantages(..., scores=) and
+    # kl_gate(rewards, scores) -> (N,) | None, the gate reaching loss(..., kl_gate=) as the KL's row weights
 
 
 __all__ = ["Algorithm", "TrainPlan"]

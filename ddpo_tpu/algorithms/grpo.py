@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.algorithms.base import TrainPlan
-from ddpo_tpu.algorithms.guards import AdaptiveReference
+from ddpo_tpu.algorithms.guards import (AdaptiveReference, ImageScores, UncertaintyGate, diversity_advantages,
+                                       rank_uncertainty)
 from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
 from ddpo_tpu.families.base import StepScore
 
@@ -123,10 +124,14 @@ def grpo_loss(
     beta: float = 0.0,
     weights: Tensor | None = None,
     guard=None,
+    kl_gate: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``ppo_loss(...) + beta * mean(kl)`` (``guard``: weights -> (policy loss, info) in place of ppo_loss, GRPO-Guard's
     ``ratio_norm_loss``) (the KL term only when ``beta > 0`` and ``kl`` is given, as the reference).
     With ``weights`` (B,) every mean is ``mean(w * .)``: the zero-advantage filter (``zero_advantage_plan``).
+    With ``kl_gate`` (B,) the KL's mean takes these row weights in place of ``weights`` (GARDO's gate: 0 on the rows
+    that do not carry the KL, the others scaled so the mean is over them, all 0 when none does; training/epoch_data.py's
+    ``batch_mean_weights``).
 
     Returns ``(loss, info)``; info holds ``approx_kl`` and ``clipfrac`` (as ppo_loss), ``policy_loss`` and ``kl``
     (``mean(kl)``, logged even when beta is 0; zero when kl is None), all detached, on the device.
@@ -138,7 +143,7 @@ def grpo_loss(
     policy_loss, info = (guard(weights) if guard is not None else
                          ppo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max, weights))
     if kl is not None:
-        kl_mean = weighted_mean(kl, weights)
+        kl_mean = weighted_mean(kl, weights if kl_gate is None else kl_gate)
         loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
         info["kl"] = kl_mean.detach()
     else:
@@ -256,6 +261,9 @@ class GRPO:
         a = cfg.algorithm
         self.adaptive = (AdaptiveReference(a.reference_reset_kl, a.reference_reset_every)
                          if getattr(a, "reference_reset_kl", None) is not None else None)
+        # GARDO's gated KL (kl_gate_rewards) and diversity-aware advantages (diversity_features): guards.py
+        self.gate = UncertaintyGate(a.kl_gate_share) if getattr(a, "kl_gate_rewards", None) else None
+        self.diversity = getattr(a, "diversity_features", None) is not None
 
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
         """flow_grpo's DistributedKRepeatSampler, batch by batch: batch_size / group_size distinct prompts, each
@@ -272,8 +280,31 @@ class GRPO:
             out.append([distinct[i // g] for i in order])
         return out
 
-    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
+    def advantages(self, keys: list[str], rewards: np.ndarray, scores: dict | None = None) -> np.ndarray:
+        """scores: what image_scores gave these samples (GARDO's features)."""
+        if self.diversity:
+            return diversity_advantages(rewards, keys, scores["features"])
         return group_advantages(rewards, keys, global_std=self.cfg.algorithm.global_std)
+
+    def image_scores(self, trainer) -> ImageScores | None:
+        """What GARDO scores per image besides the reward (its auxiliary rewards, its features), or None."""
+        if self.gate is None and not self.diversity:
+            return None
+        return ImageScores(self.cfg.algorithm, self.cfg.model.cache_dir, trainer.rt.device)
+
+    def kl_gate(self, rewards: np.ndarray, scores: dict | None) -> np.ndarray | None:
+        """(N,) 1 where a sample carries the KL (GARDO's gate over the epoch), None: every sample. Samples with a
+        non-finite reward or auxiliary score are neither ranked nor gated."""
+        if self.gate is None:
+            return None
+        aux = scores["kl_gate_rewards"]
+        ok = np.isfinite(rewards) & np.isfinite(aux).all(axis=1)
+        gate = np.zeros(len(rewards), dtype=np.float32)
+        if ok.any():
+            gate[ok] = self.gate(rank_uncertainty(rewards[ok], aux[ok]))
+        # the reference logs the share as kl_perc
+        self.epoch_metrics.update({"kl_gate_share": self.gate.share, "kl_gated": float(gate.mean())})
+        return gate
 
     def rekey(self, key_of) -> None:
         pass  # no state across epochs
@@ -298,9 +329,10 @@ class GRPO:
 
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,
              reference_mean: Tensor | None = None, weights: Tensor | None = None, old_mean: Tensor | None = None,
-             sqrt_dt: Tensor | None = None, steps: Tensor | None = None) -> tuple[Tensor, ...]:
+             sqrt_dt: Tensor | None = None, steps: Tensor | None = None, kl_gate: Tensor | None = None
+             ) -> tuple[Tensor, ...]:
         """old_mean, sqrt_dt, steps (GRPO-Guard's ratio_norm): the sampling policy's step means, each row's sqrt(-dt)
-        and schedule step."""
+        and schedule step; kl_gate (GARDO): the KL's row weights, 0 on the rows that do not carry it."""
         t = self.cfg.train
         kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
         guard = None
@@ -308,7 +340,7 @@ class GRPO:
             guard = lambda w: ratio_norm_loss(score.log_prob, old_log_prob, score.mean, old_mean, score.std, sqrt_dt,
                                               steps, advantages, t.clip_range, t.adv_clip_max, w)
         loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,
-                               self.cfg.algorithm.kl_beta, weights, guard)
+                               self.cfg.algorithm.kl_beta, weights, guard, kl_gate)
         return loss, info["approx_kl"], info["clipfrac"], info["kl"]
 
     def make_epoch_trainer(self, trainer) -> None:
@@ -323,9 +355,12 @@ class GRPO:
             self.adaptive.observe(steps)
 
     def state_dict(self) -> dict[str, Any]:
-        # no history: each epoch's groups stand alone; GARDO's reset schedule (its copy is TrainState.copies')
-        return self.adaptive.state_dict() if self.adaptive is not None else {}
+        # no history: each epoch's groups stand alone; GARDO's reset schedule (its copy is TrainState.copies') and
+        # its gate's share and window
+        return {**(self.adaptive.state_dict() if self.adaptive is not None else {}),
+                **(self.gate.state_dict() if self.gate is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.adaptive is not None and state:
-            self.adaptive.load_state_dict(state)
+        for part in (self.adaptive, self.gate):
+            if part is not None and state:
+                part.load_state_dict(state)

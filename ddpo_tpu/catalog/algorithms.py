@@ -6,12 +6,12 @@ besides its own keys, and its rules. Adding an algorithm: its keys and spec here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import Field
 
 from ddpo_tpu.catalog.registry import Registry
-from ddpo_tpu.catalog.rewards import Keys
+from ddpo_tpu.catalog.rewards import REWARDS, Keys
 from ddpo_tpu.problems import Fix, Problem
 
 
@@ -40,6 +40,13 @@ class DdpoKeys(Keys):
     shuffle_timesteps: bool = True
 
 
+def _entries(features: bool) -> Any:
+    """A reward-registry entry with its own keys, picked by `name`: the image scores (features=False) or the feature
+    models (rewards/clip_features.py). Built from the registry, as the schema builds the `reward` group."""
+    models = tuple(r.keys for r in REWARDS if not r.composite and r.features == features and r.takes == "images")
+    return models[0] if len(models) == 1 else Annotated[Union[models], Field(discriminator="name")]  # noqa: UP007
+
+
 class GrpoKeys(Keys):
     name: Literal["grpo"]
     group_size: int = Field(ge=2)                  # samples per prompt in an epoch
@@ -54,6 +61,14 @@ class GrpoKeys(Keys):
     # GRPO-Guard (flow_grpo scripts/train_sd3_GRPO_Guard.py, config.rationorm): the ratio normalised with the sampling
     # policy's step means, the loss divided by each step's dt (costs a forward of those weights per trained step)
     ratio_norm: bool = False
+    # GARDO's uncertainty-gated KL (train_sd3_gardo.py:826-836, 953, 979-990): the KL only on the samples the trained
+    # reward ranks furthest behind the mean rank these auxiliary rewards give them (its code: aesthetic, ImageReward);
+    # []: every sample. kl_gate_share: its RiskCompensator's base, the gated share at the first epoch, then adapted
+    kl_gate_rewards: list[_entries(False)] = []
+    kl_gate_share: float = Field(default=0.1, ge=0.02, le=0.2)
+    # GARDO's diversity-aware advantages (stat_tracking.py:11-50, type='gardo'): a feature model (its code: DINOv3);
+    # null: GRPO's (r - mean) / std
+    diversity_features: _entries(True) | None = None
 
 
 class NftKeys(Keys):
@@ -145,6 +160,7 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
         problems.append(Problem("algorithm.kl_beta", a.kl_beta, "the reference policy is the model with its LoRA "
                                 "adapter off; a full fine-tune has no adapter",
                                 Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
+    problems.extend(_gardo_problems(cfg))
     if a.ratio_norm and cfg.sample.name != "flow_sde":
         problems.append(Problem("algorithm.ratio_norm", True, f"GRPO-Guard normalises the flow SDE's ratio by its "
                                 f"steps' sqrt(dt); sample.name={cfg.sample.name} is not a flow sampler",
@@ -157,6 +173,37 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                                        note="(flow_grpo)")))
     elif cps_kl and _window_reaches_last_step(cfg):
         problems.append(_last_step_window_problem(cfg))
+    return problems
+
+
+def _gardo_problems(cfg: Any) -> list[Problem]:
+    """GARDO's gate and feature model: a gate needs a KL term and rewards that can disagree with the trained one;
+    each entry's own keys are checked as the run's reward's are."""
+    from ddpo_tpu.catalog.families import FAMILIES
+
+    a, problems = cfg.algorithm, []
+    output = FAMILIES.get(cfg.model.family).output
+    for key, on, off in (("algorithm.kl_gate_rewards", bool(a.kl_gate_rewards), []),
+                         ("algorithm.diversity_features", a.diversity_features is not None, None)):
+        if on and output != "images":
+            problems.append(Problem(key, "set", f"GARDO's auxiliary rewards and feature model score images (its code "
+                                    f"trains SD 3 and FLUX); model.family={cfg.model.family} decodes {output}",
+                                    Fix.of({key: off})))
+    if a.kl_gate_rewards and a.kl_beta == 0:
+        problems.append(Problem("algorithm.kl_gate_rewards", [e.name for e in a.kl_gate_rewards], "GARDO's gate picks "
+                                "the samples that carry the KL; with algorithm.kl_beta=0 there is no KL term",
+                                Fix.of({"algorithm.kl_beta": 0.04}, {"algorithm.kl_gate_rewards": []})))
+    trained = cfg.reward.model_dump(exclude={"host_workers", "frame_reduction"})  # the run's own keys
+    for i, e in enumerate(a.kl_gate_rewards):
+        key = f"algorithm.kl_gate_rewards.{i}"
+        if e.model_dump() == trained:
+            problems.append(Problem(key, e.name, "the trained reward itself: it ranks every sample as the trained "
+                                    "reward does, so no sample is ever uncertain", "give another reward (GARDO's "
+                                    "code: aesthetic and ImageReward beside the trained one)"))
+        problems.extend(REWARDS.get(e.name).problems(e, key))
+    if a.diversity_features is not None:
+        f = a.diversity_features
+        problems.extend(REWARDS.get(f.name).problems(f, "algorithm.diversity_features"))
     return problems
 
 

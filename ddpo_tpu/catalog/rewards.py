@@ -36,6 +36,8 @@ class RewardSpec:
     # the schema cannot say: (keys, dotted prefix) -> problems (files that must exist, URLs, pairs of stand-ins)
     problems: Callable[[Any, str], list[Problem]] = lambda keys, prefix: []
     composite: bool = False  # holds other rewards (weighted): not itself a component
+    # a feature model (B, D), not a score: never a run's reward or a component; GRPO's diversity_features takes one
+    features: bool = False
     # what it scores: uint8 images (B, H, W, 3), or videos (B, F, H, W, 3) as a video family decodes them
     # (FamilySpec.output). An image reward on a video family scores every frame and reduces the frames' scores by its
     # `frame_reduction` key (rewards/video.py); a video reward on an image family is refused at compose time.
@@ -96,6 +98,12 @@ class PickScoreKeys(Keys):
     clip_model: str = Field(default="yuvalkirstain/PickScore_v1", min_length=1)  # CLIPModel: hub id, dir or `tiny`
     processor: str = Field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", min_length=1)  # CLIPProcessor or `tiny`
     batch_size: int | None = Field(default=None, ge=1)
+
+
+class ClipFeaturesKeys(Keys):
+    name: Literal["clip_features"]
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
+    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass (null: the whole batch)
 
 
 class RemoteKeys(Keys):
@@ -171,6 +179,9 @@ REWARDS.register(RewardSpec("frame_consistency", "frame-to-frame consistency of 
                             FrameConsistencyKeys, "ddpo_tpu.rewards.frame_consistency", torch=True, takes="videos"))
 REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScoreKeys, "ddpo_tpu.rewards.pickscore",
                             torch=True, problems=_tiny_pair("clip_model", "processor")))
+# GARDO's feature model (its code: DINOv3), for algorithm.diversity_features; CLIP's image embedding stands in
+REWARDS.register(RewardSpec("clip_features", "CLIP image features (a feature model, not a score)", ClipFeaturesKeys,
+                            "ddpo_tpu.rewards.clip_features", torch=True, features=True))
 REWARDS.register(RewardSpec("remote", "a reward server over HTTP", RemoteKeys, "ddpo_tpu.rewards.remote",
                             problems=lambda r, prefix: url_problems(f"{prefix}.url", r.url)))
 def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, evals: list[str]) -> list[Problem]:

@@ -264,7 +264,9 @@ def _schema_problem(err: dict[str, Any], tree: dict[str, Any]) -> Problem:
         choices = ", ".join(_tags(union))
         if kind == "union_tag_not_found":
             return Problem(key, None, "required key is missing", f"set {key} to one of: {choices}")
-        return Problem(key, err.get("ctx", {}).get("tag"), f"no {loc[0] if loc else 'model'} of this name goes here",
+        # a registry entry nested under another section (GRPO's kl_gate_rewards) is a reward, as reward.components'
+        what = ("reward" if len(loc) > 1 else loc[0]) if loc else "model"
+        return Problem(key, err.get("ctx", {}).get("tag"), f"no {what} of this name goes here",
                        f"choose one of: {choices}")
     if kind == "not_registered":
         ctx = err.get("ctx", {})

@@ -103,6 +103,15 @@ DEPENDENTS: tuple[Dependent, ...] = (
               lambda c: c.algorithm.name != "grpo" or c.algorithm.reference_reset_kl is not None,
               "algorithm.reference_reset_kl=null: the KL's reference is never reset",
               Fix.of({"algorithm.reference_reset_kl": 0.1}, note="(or another KL threshold)")),
+    # GARDO's gated KL: the gate's starting share without a gate; its diversity-aware advantages have no std
+    Dependent(("algorithm.kl_gate_share",),
+              lambda c: c.algorithm.name != "grpo" or bool(c.algorithm.kl_gate_rewards),
+              "algorithm.kl_gate_rewards=[]: every sample carries the KL",
+              "set algorithm.kl_gate_rewards=[{name: <reward>, ...}, ...] (the auxiliary rewards)"),
+    Dependent(("algorithm.global_std",),
+              lambda c: c.algorithm.name != "grpo" or c.algorithm.diversity_features is None,
+              "algorithm.diversity_features is set: GARDO's advantages are r - mean, not divided by a std",
+              Fix.of({"algorithm.diversity_features": None})),
 )
 
 

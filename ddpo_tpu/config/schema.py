@@ -84,7 +84,7 @@ def _tagged_union(models: list[type[BaseModel]]) -> Any:
     return Annotated[Union[tuple(models)], Field(discriminator="name")]  # noqa: UP007 -- built from a list
 
 
-_LEAF_REWARDS = [r for r in REWARDS if not r.composite]
+_LEAF_REWARDS = [r for r in REWARDS if not r.composite and not r.features]  # feature models score nothing
 
 
 def _frames(spec) -> tuple[type[BaseModel], ...]:

@@ -43,6 +43,7 @@ class EpochSamples:
     weights: torch.Tensor       # (N,) loss weight of each sample (GRPO's zero-advantage filter; else 1)
     orders: tuple[torch.Tensor, ...] | None = None  # per inner epoch (N,): the algorithm's train order, else shuffled
     own_rows: bool = False      # this process's samples only (distributed.keep_samples_on_rank)
+    kl_gate: torch.Tensor | None = None  # (N,) 1 where a sample carries the KL (GARDO's gate), None: every sample
 
 
 def drawn_rows(rt: Runtime, batches: int, batch: int) -> np.ndarray:
@@ -53,9 +54,9 @@ def drawn_rows(rt: Runtime, batches: int, batch: int) -> np.ndarray:
 
 
 def epoch_samples(rt: Runtime, trajectories, conds, adv: np.ndarray, weights: np.ndarray, orders,
-                  own_rows: bool) -> EpochSamples:
-    """The epoch's samples beside `adv`, `weights` and `orders` (this process's rows of them when own_rows, else the
-    whole epoch's): whole = every part gathered onto every process, else this process's parts as they are."""
+                  own_rows: bool, kl_gate: np.ndarray | None = None) -> EpochSamples:
+    """The epoch's samples beside `adv`, `weights`, `orders` and `kl_gate` (this process's rows of them when own_rows,
+    else the whole epoch's): whole = every part gathered onto every process, else this process's parts as they are."""
     join = (lambda parts: torch.cat(list(parts))) if own_rows else (
         lambda parts: torch.cat([rt.gather_batch(x) for x in parts]))
     layout = (lambda x: x) if own_rows else rt.epoch_layout
@@ -68,6 +69,7 @@ def epoch_samples(rt: Runtime, trajectories, conds, adv: np.ndarray, weights: np
         weights=layout(torch.as_tensor(weights, dtype=torch.float32).to(rt.device)),
         orders=tuple(torch.as_tensor(o).to(rt.device) for o in orders) if orders is not None else None,
         own_rows=own_rows,
+        kl_gate=layout(torch.as_tensor(kl_gate).to(rt.device)) if kl_gate is not None else None,
     )
 
 
@@ -79,3 +81,11 @@ def train_batches(s: EpochSamples, rt: Runtime, train_batch: int) -> tuple[int, 
         per = train_batch // rt.process_count
         return n // per, lambda b: torch.arange(b * per, (b + 1) * per)
     return n // train_batch, lambda b: torch.arange(b * train_batch, (b + 1) * train_batch)[rt.local_rows(train_batch)]
+
+
+def batch_mean_weights(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Row weights `x` (N,) of an epoch in its train order, rescaled in each train batch of `batch` rows to average 1
+    (a batch of zeros stays 0): a batch's plain mean of these x a term is then the x-weighted mean of the term over the
+    batch, the same however the batch splits over processes or devices. GARDO's gated KL: x = gate x loss weight."""
+    xb = x.reshape(-1, batch)
+    return (xb * batch / xb.sum(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)).reshape(-1)

@@ -29,7 +29,8 @@ from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
-from ddpo_tpu.training.epoch_data import EpochSamples, drawn_rows, epoch_samples, train_batches
+from ddpo_tpu.training.epoch_data import (EpochSamples, batch_mean_weights, drawn_rows, epoch_samples,
+                                          train_batches)
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
 from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
@@ -56,6 +57,7 @@ class SampledEpoch:
     prompts: list[str]
     pending_rewards: list        # per batch: a Future or an array
     first_images: np.ndarray     # the first batch's uint8 images, or a video family's videos (the samples' files)
+    scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
 
 
 def make_algorithm(cfg):
@@ -83,11 +85,14 @@ def make_micro_step_loss(score_step, loss, sqrt_dt=None):
     one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
     terms. A plain function of tensors: the runtime compiles it once."""
 
-    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None, old_mean=None):
+    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None, old_mean=None,
+                        kl_gate=None):
         x, i, x_prev, c, flat = _flat_step_inputs(cur, nxt, idx, cond, cols)
         K = cols.shape[0]
         # old_mean: the sampling policy's step means (GRPO-Guard), with each row's sqrt(-dt) from the flow tables
         guard = {} if old_mean is None else {"old_mean": old_mean, "sqrt_dt": sqrt_dt(i), "steps": i}
+        if kl_gate is not None:  # (B,) GARDO: the KL's row weights (0 on the samples that do not carry it)
+            guard["kl_gate"] = kl_gate.repeat_interleave(K)
         # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
         return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
                     w.repeat_interleave(K) if w is not None else None, **guard)
@@ -134,6 +139,9 @@ class Trainer:
                                                                  device=rt.device,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
+        # what the algorithm scores per image besides the reward (GARDO's auxiliary rewards and features), or None
+        own_scores = getattr(self.algorithm, "image_scores", None)
+        self.image_scores = own_scores(self) if own_scores is not None else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
         # each rank trains the samples it drew (training/epoch_data.py): the distributed execution's key
         self.keep_samples_on_rank = (cfg.tpu_topology.execution == "distributed" and rt.process_count > 1
@@ -247,10 +255,11 @@ class Trainer:
         self.checkpoints.stop_if_requested(epoch, stopping)
 
     # --- sampling and rewards ---------------------------------------------------------------------------------
-    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray:
-        if self.pool is None:
-            return self.reward(images, prompts)
-        return self.pool.submit(self.reward, images, prompts)
+    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray | tuple:
+        fn = self.reward
+        if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
+            fn = lambda i, p: (self.reward(i, p), self.image_scores(i, p))
+        return fn(images, prompts) if self.pool is None else self.pool.submit(fn, images, prompts)
 
     def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False,
                       sde_window: tuple[int, int] | None = None
@@ -300,8 +309,12 @@ class Trainer:
             self.rt.sync()
         try:
             # per batch, every process's rows in order (distributed: gathered from the ranks)
-            rewards = np.concatenate([self.rt.gather_rows(np.asarray(f.result() if isinstance(f, Future) else f))
-                                      for f in sampled.pending_rewards])
+            done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
+            if self.image_scores is not None:
+                sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
+                                  for k in done[0][1]}
+                done = [d[0] for d in done]
+            rewards = np.concatenate([self.rt.gather_rows(np.asarray(d)) for d in done])
         except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
             self.checkpoints.stop_if_requested(epoch - 1)
             raise
@@ -322,21 +335,26 @@ class Trainer:
         keys = key_of(sampled.prompts)
         keep = np.isfinite(rewards)
         adv = np.zeros_like(rewards, dtype=np.float32)
+        scores = sampled.scores
+        kept = lambda m: {"scores": {k: v[m] for k, v in scores.items()}} if scores is not None else {}
         if keep.all():
-            adv = self.algorithm.advantages(keys, rewards)
+            adv = self.algorithm.advantages(keys, rewards, **kept(keep))
         else:
-            adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep])
+            adv[keep] = self.algorithm.advantages([p for p, k in zip(keys, keep) if k], rewards[keep], **kept(keep))
         if not np.isfinite(adv).all():
             raise NonFinite(f"non-finite advantages in epoch {epoch}: stopped; {self.checkpoints.saved_state()}")
         # distributed.keep_samples_on_rank: this process trains the samples it drew (training/epoch_data.py)
-        own = self.keep_samples_on_rank
+        own, whole_epoch = self.keep_samples_on_rank, rewards
         rows = drawn_rows(self.rt, len(sampled.trajectories), self.global_batch) if own else slice(None)
         if own:  # the algorithm plans this process's samples (flow_grpo's mask is per process)
             adv, keys, rewards = adv[rows], [keys[i] for i in rows], rewards[rows]
         plan = self.algorithm.train_plan(epoch, adv, keys, rewards)
         weights = plan.weights if plan is not None else np.ones(len(adv), dtype=np.float32)
+        # GARDO's gate: over the whole epoch, as its code ranks the gathered rewards, then this process's rows
+        gate = self.algorithm.kl_gate(whole_epoch, scores) if scores is not None else None
         return epoch_samples(self.rt, sampled.trajectories, sampled.conds, adv, weights,
-                             plan.orders if plan is not None else None, own)
+                             plan.orders if plan is not None else None, own,
+                             gate[rows] if gate is not None else None)
 
     def evaluate(self, epoch: int) -> dict:
         """Fixed prompts and fixed noise, one sampling batch, with the EMA weights when train.ema. The sampling
@@ -395,6 +413,10 @@ class Trainer:
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             adv = s.advantages.index_select(0, perm)
             w = s.weights.index_select(0, perm)
+            # GARDO: the KL's mean over each train batch's gated (kept) samples, as a plain weighted mean; own rows:
+            # over this process's part of the batch, as each of flow_grpo's processes takes it
+            span = self.train_batch // rt.process_count if s.own_rows else self.train_batch
+            gate = batch_mean_weights(s.kl_gate.index_select(0, perm) * w, span) if s.kl_gate is not None else None
             rt.sync()
             uncond = self.uncond_train if cfg.train.cfg else None
             K = self.fused
@@ -402,7 +424,7 @@ class Trainer:
                 sel = rows_of(b).to(dev)  # this process's rows of the train batch (all of them unless distributed)
                 pick = lambda x: x.index_select(0, sel)
                 batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
-                wb = pick(w)
+                wb, gb = pick(w), (pick(gate) if gate is not None else None)
                 for j in range(0, self.train_timesteps, K):
                     # this micro-step's K timesteps, uploaded as data: one graph for every j
                     cols = torch.arange(j, j + K).to(dev)
@@ -416,7 +438,7 @@ class Trainer:
                             old = self.old_mean(*batch, cols, uncond)
                     last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
                     with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
-                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb, old)
+                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb, old, gb)
                         # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum,
                         # each timestep weighs what it weighs unfused (1 / trained timesteps per update)
                         (loss / (self.window // K)).backward()
