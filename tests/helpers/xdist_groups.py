@@ -1,0 +1,46 @@
+"""pytest-xdist's `--dist loadgroup`, made to work with pytest 9.2 and to group on its own.
+
+xdist 3.8 (the newest) groups by appending "@group" to an item's private `_nodeid`, which pytest 9.2 no longer reads
+(a node's id is now `_id`): every test would be scheduled alone, and a module-scoped fixture (the end-to-end runs
+several tests read, a loaded model) built once per worker. Here each worker writes, at collection, which tests belong
+together (tests/conftest.py: those sharing a fixture of module, class or package scope, and any explicit
+`xdist_group` mark) into a folder the controller names; the controller's scheduler reads it and sends each group to
+one worker as one unit, the largest units first (xdist's own order), every other test alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from xdist.scheduler import LoadScopeScheduling
+
+GROUPS_DIR_KEY = "ddpo_tpu_test_groups_dir"  # in each worker's workerinput
+
+
+def write_groups(workerinput: dict, groups: dict[str, str]) -> None:
+    """On a worker: its nodeid -> group table, where the controller reads it."""
+    folder = workerinput.get(GROUPS_DIR_KEY)
+    if folder is None:
+        return
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(groups, f)
+    os.replace(tmp, Path(folder) / f"{workerinput['workerid']}.json")
+
+
+class FixtureGroupScheduling(LoadScopeScheduling):
+    """xdist's loadscope scheduling with the workers' groups as scopes (a test in no group is its own scope)."""
+
+    def __init__(self, config, log, folder: str):
+        super().__init__(config, log)
+        self._folder = Path(folder)
+        self._groups: dict[str, str] | None = None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self._groups is None:  # first called once every worker has collected (and written its table)
+            self._groups = {}
+            for table in sorted(self._folder.glob("*.json")):
+                self._groups.update(json.loads(table.read_text()))
+        return self._groups.get(nodeid, nodeid)
