@@ -101,8 +101,9 @@ def pytest_collection_modifyitems(config, items):
         if marks:
             groups[item.nodeid] = "_".join(sorted(set(marks)))
     if hasattr(config, "workerinput"):
-        from tests.helpers.xdist_groups import write_groups
+        from tests.helpers.xdist_groups import longest_first, write_groups
 
+        longest_first(items, groups)
         write_groups(config.workerinput, groups)
     if HAS_TORCH_XLA:
         return

@@ -5,7 +5,9 @@ xdist 3.8 (the newest) groups by appending "@group" to an item's private `_nodei
 several tests read, a loaded model) built once per worker. Here each worker writes, at collection, which tests belong
 together (tests/conftest.py: those sharing a fixture of module, class or package scope, and any explicit
 `xdist_group` mark) into a folder the controller names; the controller's scheduler reads it and sends each group to
-one worker as one unit, the largest units first (xdist's own order), every other test alone."""
+one worker as one unit, every other test alone. Units go out longest first (the workers order their collection by
+MEASURED_S; unknown tests count as short), so two workers end together rather than one waiting on a long test
+scheduled last."""
 
 from __future__ import annotations
 
@@ -17,6 +19,31 @@ from pathlib import Path
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_DIR_KEY = "ddpo_tpu_test_groups_dir"  # in each worker's workerinput
+
+# Seconds of the longest slow tests (call + setup, the fixture's runs counted on the test that built them), measured
+# under `-n 2 --dist loadgroup` on the shared 2-core machine (README "Tests"). Only the order depends on them: a
+# stale or missing entry makes the end less even, never a test wrong.
+MEASURED_S: dict[str, float] = {}
+
+
+def longest_first(items: list, groups: dict[str, str]) -> None:
+    """Order a worker's items (in place) by their unit's measured seconds, longest first, a group's tests together;
+    ties keep the collection order. Every worker orders the same collection the same way."""
+    unit_of = {item.nodeid: groups.get(item.nodeid, item.nodeid) for item in items}
+    seconds: dict[str, float] = {}
+    count: dict[str, int] = {}
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        unit = unit_of[item.nodeid]
+        seconds[unit] = seconds.get(unit, 0.0) + MEASURED_S.get(item.nodeid, 0.0)
+        count[unit] = count.get(unit, 0) + 1
+        first_seen.setdefault(unit, i)
+    # unmeasured: the larger groups first (xdist's own order for loadscope)
+    def key(item):
+        unit = unit_of[item.nodeid]
+        return -seconds[unit], -count[unit], first_seen[unit]
+
+    items.sort(key=key)
 
 
 def write_groups(workerinput: dict, groups: dict[str, str]) -> None:
@@ -35,6 +62,7 @@ class FixtureGroupScheduling(LoadScopeScheduling):
 
     def __init__(self, config, log, folder: str):
         super().__init__(config, log)
+        config.option.loadscopereorder = False  # the units' order is the workers' (longest_first), not by test count
         self._folder = Path(folder)
         self._groups: dict[str, str] | None = None
 
