@@ -20,10 +20,32 @@ from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_DIR_KEY = "ddpo_tpu_test_groups_dir"  # in each worker's workerinput
 
-# Seconds of the longest slow tests (call + setup, the fixture's runs counted on the test that built them), measured
-# under `-n 2 --dist loadgroup` on the shared 2-core machine (README "Tests"). Only the order depends on them: a
-# stale or missing entry makes the end less even, never a test wrong.
-MEASURED_S: dict[str, float] = {}
+# Seconds of the 20 longest slow tests (setup + call: a module fixture's runs count on the test that built them), from
+# the slow tier under `-n 2 --dist loadgroup` on the shared 2-core machine, 2026-11-26 (load 6-9; README "Tests").
+# Only the order depends on them: a stale or missing entry makes the end less even, never a test wrong.
+MEASURED_S: dict[str, float] = {
+    "tests/test_xla.py::test_no_new_compilations_after_the_first_epoch": 820,
+    "tests/test_digits_learns.py::test_the_digits_demo_learns_far_above_a_frozen_control[grpo]": 545,
+    "tests/test_training.py::test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch[cpu]": 352,
+    "tests/test_digits_learns.py::test_the_digits_demo_learns_far_above_a_frozen_control[ddpo]": 328,
+    "tests/test_nft_learns.py::test_nft_smoke_raises_jpeg_compressibility_over_a_frozen_policy": 266,
+    "tests/test_distributed.py::test_checkpoints_resume_across_world_sizes": 248,
+    "tests/test_flux_learns.py::test_flux_grpo_smoke_raises_jpeg_compressibility_over_a_frozen_control": 242,
+    "tests/test_distributed_nodes.py::test_two_nodes_train_what_one_node_trains_and_a_lost_node_is_named": 217,
+    "tests/test_distributed.py::test_a_stopped_or_killed_rank_ends_the_job_naming_it_and_the_run_resumes_exactly": 204,
+    "tests/test_resume.py::test_sigkill_at_three_points_then_resume_is_exact": 184,
+    "tests/test_flow_grpo_learns.py::test_flow_grpo_smoke_raises_jpeg_compressibility": 140,
+    "tests/test_faults.py::test_a_kill_around_the_checkpoint_neither_loses_nor_duplicates_an_epoch": 135,
+    "tests/test_bucket_e2e.py::test_sigkill_and_a_lost_disk_then_the_same_command_continues_from_the_bucket": 123,
+    "tests/test_distributed.py::test_two_processes_train_what_one_eager_process_trains[fsdp_grpo_sd3]": 116,
+    "tests/test_events.py::test_an_xla_run_says_what_it_compiles_while_it_compiles": 116,
+    "tests/test_bucket_e2e.py::test_a_bucket_outage_past_the_deadline_ends_in_one_line_and_the_same_command_finishes":
+        109,
+    "tests/test_xla.py::test_sd14_topology_trains_on_xla_with_a_fixed_graph_set": 99,
+    "tests/test_awm_learns.py::test_awm_smoke_raises_jpeg_compressibility_over_a_frozen_policy": 96,
+    "tests/test_flow_grpo_e2e.py::test_flow_grpo_under_spmd_over_4_devices": 93,
+    "tests/test_resume.py::test_sigterm_checkpoints_exits_75_and_the_same_command_continues": 92,
+}
 
 
 def longest_first(items: list, groups: dict[str, str]) -> None:
