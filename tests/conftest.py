@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,22 @@ from tests.helpers import REPO, clean_env, read_metrics, run_train  # noqa: F401
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    """One tiny-model build for the whole session (each run loads it through from_pretrained)."""
-    return tmp_path_factory.mktemp("models")
+def model_cache(tmp_path_factory, worker_id) -> Path:
+    """One tiny-model build for the whole session (each run loads it through from_pretrained). Under pytest-xdist
+    (-n 2) the workers share it: it sits beside their own temporary dirs, and models/build_cache.py's lock makes the
+    second worker that needs a model wait for the first one's build and reuse it."""
+    if worker_id == "master":  # one process (no -n)
+        return tmp_path_factory.mktemp("models")
+    shared = tmp_path_factory.getbasetemp().parent / "models"  # the run's dir, above each worker's own
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+@pytest.fixture(scope="session")
+def worker_id(request) -> str:
+    """pytest-xdist's worker name (gw0, gw1, ...), "master" without -n; the same as xdist's fixture of this name,
+    defined here so the tests also run where pytest-xdist is not installed."""
+    return getattr(request.config, "workerinput", {}).get("workerid", "master")
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +54,57 @@ def _one_torch_thread_in_pytest():
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
 
+GROUPS_DIR = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The controller (pytest-xdist): a folder for the workers' test groups (tests/helpers/xdist_groups.py)."""
+    from tests.helpers.xdist_groups import GROUPS_DIR_KEY
+
+    if GROUPS_DIR not in node.config.stash:
+        node.config.stash[GROUPS_DIR] = tempfile.mkdtemp(prefix="ddpo_tpu-test-groups-")
+    node.workerinput[GROUPS_DIR_KEY] = node.config.stash[GROUPS_DIR]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup`: the groups the workers wrote (xdist's own loadgroup does not group under pytest 9.2)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from tests.helpers.xdist_groups import FixtureGroupScheduling
+
+    return FixtureGroupScheduling(config, log, config.stash[GROUPS_DIR])
+
+
+def pytest_unconfigure(config):
+    if GROUPS_DIR in config.stash:
+        shutil.rmtree(config.stash[GROUPS_DIR], ignore_errors=True)
+
+
+SHARED_SCOPES = ("module", "class", "package")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """In the TorchTPU environment (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's
-    runtime skip, saying why; everything else runs there too."""
+    """Tests that share a fixture of module scope (one set of end-to-end runs several tests read, a loaded model) run
+    on one pytest-xdist worker (`-n 2 --dist loadgroup`; tests/helpers/xdist_groups.py), so the fixture is built once
+    rather than once per worker; an explicit `xdist_group` mark groups too. In the TorchTPU environment
+    (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why;
+    everything else runs there too."""
+    groups = {}
+    for item in items:
+        marks = [m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")]
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs is not None and any(d[-1].scope in SHARED_SCOPES for d in defs.name2fixturedefs.values() if d):
+            marks.append(item.nodeid.split("::")[0])
+        if marks:
+            groups[item.nodeid] = "_".join(sorted(set(marks)))
+    if hasattr(config, "workerinput"):
+        from tests.helpers.xdist_groups import longest_first, write_groups
+
+        longest_first(items, groups)
+        write_groups(config.workerinput, groups)
     if HAS_TORCH_XLA:
         return
     skip = pytest.mark.skip(reason="needs torch_xla, which this environment (the TorchTPU lockfile) does not have")

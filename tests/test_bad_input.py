@@ -7,15 +7,13 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import clean_env
+from tests.helpers import clean_env, timed_run
 from ddpo_tpu.catalog import family
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
@@ -96,29 +94,28 @@ CASES = [
 
 
 def front_end(tmp: Path, args: list[str], **env_changes: str | None):
-    """Run the front end in tmp/cwd with run dirs under tmp/out; returns (process, error lines, seconds)."""
+    """Run the front end in tmp/cwd with run dirs under tmp/out; returns (process, error lines, CPU seconds: what its
+    wall time is on a quiet machine, and what other work on the machine does not stretch; tests.helpers.timed_run)."""
     cwd = tmp / "cwd"
     cwd.mkdir(exist_ok=True)
     env = clean_env()
     for k, v in env_changes.items():
         env.pop(k, None) if v is None else env.__setitem__(k, v)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    wall = time.monotonic() - start
-    return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")], wall
+    proc, wall, cpu = timed_run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env, timeout=TIMEOUT)
+    print(f"front end: {cpu:.2f} CPU s, {wall:.2f} s wall")
+    return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")], cpu
 
 
-def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, wall: float) -> None:
+def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, cpu: float) -> None:
     out = proc.stdout + proc.stderr
-    print(f"refused in {wall:.2f} s: {errors}")
+    print(f"refused in {cpu:.2f} CPU s: {errors}")
     assert proc.returncode == 2, out
     assert len(errors) == 1, out
     assert f"{key}=" in errors[0] and fragment in errors[0], errors[0]
     assert errors[0].endswith(")"), errors[0]  # ... (fix)
     assert "Traceback" not in out and "nothing was started" in proc.stderr
     assert list((tmp / "cwd").iterdir()) == [] and not (tmp / "out").exists()  # no run dir anywhere
-    assert wall < 5.0, f"refusing took {wall:.2f} s"
+    assert cpu < 5.0, f"refusing took {cpu:.2f} CPU s"
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -129,17 +126,17 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, ke
     overrides = [o for o in overrides if o != "-m"]
     root = [] if any(o.startswith("output_root=") for o in overrides) else [f"output_root={tmp_path}/out/runs"]
     args = [*multirun, "+experiment=smoke", *root, *overrides]
-    proc, errors, wall = front_end(tmp_path, args)
-    assert_refused(tmp_path, proc, errors, key, fragment, wall)
+    proc, errors, cpu = front_end(tmp_path, args)
+    assert_refused(tmp_path, proc, errors, key, fragment, cpu)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("_XLAC") is None, reason="torch_xla is not installed here")
 def test_unknown_xla_flag_name_is_refused_before_xla_aborts_on_it(tmp_path):
     """XLA aborts its process on an unknown XLA_FLAGS name (SIGABRT, 15-20 s in, run dir written); the front end
     looks the names up in torch_xla's library instead and names the near ones. Known names pass."""
-    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=cpu",
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=cpu",
                                               'xla.flags=["--xla_dump_to=/tmp/x","--xla_dump_too=/tmp/x"]'])
-    assert_refused(tmp_path, proc, errors, "xla.flags[1]", "XLA has no flag named xla_dump_too", wall)
+    assert_refused(tmp_path, proc, errors, "xla.flags[1]", "XLA has no flag named xla_dump_too", cpu)
     assert "did you mean --xla_dump_to" in errors[0]
     from ddpo_tpu.launch import xla_flags
 
@@ -190,17 +187,17 @@ def test_wandb_online_without_credentials_is_refused(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / ".netrc").write_text("machine example.com login user password secret\n")  # another host's entry
-    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "logger=wandb"],
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "logger=wandb"],
                                    HOME=str(home), **dict.fromkeys(WANDB_VARIABLES))
-    assert_refused(tmp_path, proc, errors, "logger.mode", "no API key", wall)
+    assert_refused(tmp_path, proc, errors, "logger.mode", "no API key", cpu)
     assert "wandb login" in errors[0] and "logger.mode=offline" in errors[0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed here")
 def test_tpu_topology_without_libtpu_is_refused(tmp_path):
-    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
                                               "tpu_topology=v6e-1"])
-    assert_refused(tmp_path, proc, errors, "tpu_topology", "libtpu", wall)
+    assert_refused(tmp_path, proc, errors, "tpu_topology", "libtpu", cpu)
     assert 'pip install "torch_xla[tpu]==2.9.0"' in errors[0] and "tpu_topology=cpu" in errors[0]
 
 
@@ -216,7 +213,7 @@ def _saved_job(tmp_path: Path, num: int, *overrides: str) -> Path:
 def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path):
     job = _saved_job(tmp_path, 1, "train.learning_rate=0.001")
     before = (job / "config.yaml").read_bytes()
-    proc, errors, wall = front_end(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
+    proc, errors, cpu = front_end(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
                                               "train.learning_rate=0.003,0.0001"])
     print(proc.stderr)
     assert proc.returncode == 2 and len(errors) == 2, proc.stderr  # the point, then the sweep summary

@@ -64,6 +64,14 @@ def test_sigkill_and_a_lost_disk_then_the_same_command_continues_from_the_bucket
     assert facts["state"] == "finished" and facts["run_dir"] == f"gs://{fake_gcs}/runs/smoke"
 
 
+# The outage starts once epoch 0's checkpoint is in the bucket; the deadline must pass after epoch 1's local
+# checkpoint (what the resume then continues from and uploads), so it is the longest epoch 1 can take on a busy
+# machine, not a quiet machine's: with 3 s, a run whose epoch took 26 s (CI, the slow tier beside other work) stopped
+# inside epoch 1 with nothing newer than the bucket's epoch 0. Where the run finishes its epochs first, it waits for
+# the deadline at its end (storage.Mirror.close) and ends the same way, one error line and exit 1.
+OUTAGE_DEADLINE_S = 30
+
+
 def test_a_bucket_outage_past_the_deadline_ends_in_one_line_and_the_same_command_finishes(tmp_path, model_cache,
                                                                                         fake_gcs, gcs_server):
     """The bucket goes away after epoch 0's checkpoint went up and stays away longer than storage_timeout_s: the run
@@ -76,7 +84,7 @@ def test_a_bucket_outage_past_the_deadline_ends_in_one_line_and_the_same_command
     gate = Gate(gcs_server)  # the training processes reach the bucket through it; this test process directly
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "STORAGE_EMULATOR_HOST": gate.url}
     args = [*(a for a in BASE if not a.startswith("num_epochs=")), "num_epochs=3", f"model.cache_dir={model_cache}",
-            f"output_root=gs://{fake_gcs}/runs", "storage_timeout_s=3"]
+            f"output_root=gs://{fake_gcs}/runs", f"storage_timeout_s={OUTAGE_DEADLINE_S}"]
     staging = tmp_path / "cache" / "ddpo_tpu" / "runs" / fake_gcs / "runs" / "smoke"
     fs = storage.filesystem()
     run = storage.Url(fake_gcs, "runs/smoke")

@@ -65,11 +65,24 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def eager_run(tmp_path_factory):
+    """The one-process run of a command, run once per module: ddp_full and fsdp_full compare with the same one."""
+    done: dict[tuple[str, ...], Path] = {}
+
+    def run(args: list[str]) -> Path:
+        if tuple(args) not in done:
+            done[tuple(args)] = train(tmp_path_factory.mktemp("eager"), "eager", args)
+        return done[tuple(args)]
+
+    return run
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_processes_train_what_one_eager_process_trains(tmp_path, case):
+def test_two_processes_train_what_one_eager_process_trains(tmp_path, case, eager_run):
     experiment, one, two, mesh = CASES[case]
     common = [*experiment, "num_epochs=1", *LINEAR_ADAM]
-    eager = train(tmp_path, "eager", [*common, *one])
+    eager = eager_run([*common, *one])
     dist = train(tmp_path, "dist", [*common, *two, *DIST, *mesh])
     a, b = final_weights(eager), final_weights(dist)
     # the same samples: every reward of the epoch, in order

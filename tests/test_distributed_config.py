@@ -111,20 +111,20 @@ def test_a_resume_compares_the_global_batch_not_how_it_is_split():
 
 # --- the front end's machine checks: one line, exit 2, no run dir ----------------------------------------------------
 def test_a_gpu_topology_without_gpus_is_refused(tmp_path):
-    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=gpu-8"])
-    assert_refused(tmp_path, proc, errors, "tpu_topology", "no NVIDIA GPU", wall)
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=gpu-8"])
+    assert_refused(tmp_path, proc, errors, "tpu_topology", "no NVIDIA GPU", cpu)
 
 
 def test_a_torchtpu_topology_without_torchtpu_or_a_tpu_is_refused(tmp_path):
-    proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
                                               "tpu_topology=v6e-8", "tpu_topology.execution=distributed",
                                               "sample.batch_size=1", "train.batch_size=1"])
     import importlib.util
 
     if importlib.util.find_spec("torch_tpu") is None:  # .venv: TorchTPU is not installed
-        assert_refused(tmp_path, proc, errors, "tpu_topology.execution", "setup.sh --torchtpu", wall)
+        assert_refused(tmp_path, proc, errors, "tpu_topology.execution", "setup.sh --torchtpu", cpu)
     else:  # .venv-torchtpu: installed, and this machine has no TPU
-        assert_refused(tmp_path, proc, errors, "tpu_topology", "no TPU chip", wall)
+        assert_refused(tmp_path, proc, errors, "tpu_topology", "no TPU chip", cpu)
 
 
 def test_a_rendezvous_port_in_use_is_refused(tmp_path):
@@ -132,9 +132,9 @@ def test_a_rendezvous_port_in_use_is_refused(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc, errors, wall = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
+        proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
                                                   "tpu_topology=cpu_dist2", f"distributed.rdzv_endpoint=127.0.0.1:{port}"])
-    assert_refused(tmp_path, proc, errors, "distributed.rdzv_endpoint", "in use", wall)
+    assert_refused(tmp_path, proc, errors, "distributed.rdzv_endpoint", "in use", cpu)
 
 
 def test_more_processes_per_node_than_devices_is_refused():

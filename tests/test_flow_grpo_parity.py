@@ -246,14 +246,28 @@ def _reference_epoch(t, cfg, initial, seen) -> tuple[list[torch.Tensor], list[to
     return grads, final, batches[0].flatten()
 
 
+@pytest.fixture(scope="module")
+def epoch_run(tmp_path_factory, model_cache):
+    """_run_epoch with train.cfg_detach_uncond=<detach>, once per module: the parity test of each setting and the test
+    that the two settings differ read the same two epochs. Returns (run dir, _run_epoch's results)."""
+    done = {}
+
+    def run(detach: bool):
+        if detach not in done:
+            run_dir = tmp_path_factory.mktemp(f"detach_{detach}")
+            with pytest.MonkeyPatch.context() as mp:
+                done[detach] = run_dir, _run_epoch(run_dir, model_cache, [f"train.cfg_detach_uncond={detach}"], mp)
+        return done[detach]
+
+    return run
+
+
 @pytest.mark.parametrize("detach", [False, True], ids=["both_halves", "uncond_detached"])
-def test_an_epoch_with_a_group_of_equal_rewards_trains_flow_grpos_samples_with_its_gradient(
-        tmp_path, model_cache, monkeypatch, detach):
+def test_an_epoch_with_a_group_of_equal_rewards_trains_flow_grpos_samples_with_its_gradient(epoch_run, detach):
     from tests.helpers import read_metrics
 
-    t, cfg, initial, final, grads, seen = _run_epoch(
-        tmp_path, model_cache, ["train.cfg_detach_uncond=true"] if detach else [], monkeypatch)
-    assert cfg.train.cfg_detach_uncond is detach if detach else True
+    tmp_path, (t, cfg, initial, final, grads, seen) = epoch_run(detach)
+    assert cfg.train.cfg_detach_uncond is detach
     ref_grads, ref_final, trained = _reference_epoch(t, cfg, initial, seen)
     # the zero-std group dropped out: the reference trains 9 + 1 re-included of 12 (10 divides by 2 batches)
     assert len(trained) == 10
@@ -275,11 +289,10 @@ def test_an_epoch_with_a_group_of_equal_rewards_trains_flow_grpos_samples_with_i
     assert diff < 1e-3 * moved
 
 
-def test_detaching_the_unconditional_half_changes_the_gradient(tmp_path, model_cache, monkeypatch):
-    """At guidance 4.5 the two gradients differ (the issue measured about 80% on flow_grpo's model): the key is live."""
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    _, _, _, _, both, _ = _run_epoch(tmp_path / "a", model_cache, ["train.cfg_detach_uncond=false"], monkeypatch)
-    _, _, _, _, detached, _ = _run_epoch(tmp_path / "b", model_cache, ["train.cfg_detach_uncond=true"], monkeypatch)
+def test_detaching_the_unconditional_half_changes_the_gradient(epoch_run):
+    """At guidance 4.5 the two gradients differ (the issue measured about 80% on flow_grpo's model): the key is live.
+    (The trainer's gradients, captured before the parity test's reference epoch reuses the trainer's weights.)"""
+    both, detached = (epoch_run(detach)[1][4] for detach in (False, True))
     rel = float((both[0] - detached[0]).norm() / both[0].norm())
     print(f"relative gradient difference, both halves vs unconditional detached: {rel:.2f}")
     assert rel > 0.05

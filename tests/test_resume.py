@@ -47,8 +47,10 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, model_cache):
+    """The uninterrupted run the resumed ones must end identical to; with checkpoint_limit=2, which changes nothing
+    it trains, it is also the run test_checkpoint_rotation_keeps_the_newest reads (one 4-epoch run for both)."""
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    proc = run_train([*BASE, f"model.cache_dir={model_cache}"], cwd)
+    proc = run_train([*BASE, f"model.cache_dir={model_cache}", "checkpoint_limit=2"], cwd)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return cwd / "outputs" / "smoke"
 
@@ -106,14 +108,12 @@ def test_resume_refuses_a_changed_config_unless_forced(tmp_path, model_cache):
     assert [e["epoch"] for e in read_metrics(tmp_path / "outputs" / "smoke", "epoch")] == [0, 1]
 
 
-def test_checkpoint_rotation_keeps_the_newest(tmp_path, model_cache):
-    proc = run_train([*BASE, f"model.cache_dir={model_cache}", "checkpoint_limit=2"], tmp_path)
-    assert proc.returncode == 0
-    names = sorted(p.name for p in (tmp_path / "outputs" / "smoke" / "checkpoints").iterdir())
+def test_checkpoint_rotation_keeps_the_newest(reference):
+    names = sorted(p.name for p in (reference / "checkpoints").iterdir())
     assert names == ["epoch_0002", "epoch_0003"]
     # a checkpoint names no module of ours (no pickled class of the package: optimizer.pt is a plain state dict read
     # with weights_only=True), so moving or renaming modules never stops an old checkpoint from resuming
-    files = [f for f in (tmp_path / "outputs" / "smoke" / "checkpoints").rglob("*") if f.is_file()]
+    files = [f for f in (reference / "checkpoints").rglob("*") if f.is_file()]
     assert {f.name for f in files} >= {"trainable.safetensors", "optimizer.pt", "state.json"}
     assert [f for f in files if b"ddpo_tpu" in f.read_bytes()] == []
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import resource
 from pathlib import Path
 
 import pytest
@@ -20,17 +19,6 @@ from tests.test_bad_input import assert_refused, front_end
 
 REPO = Path(__file__).resolve().parents[1]
 FLOW = "+experiment=flow_grpo_smoke"  # tiny SD 3, flow_sde sampler, GRPO with kl_beta 0.01, 6 steps, 20 epochs
-
-
-def timed_front_end(tmp: Path, args: list[str], **env: str):
-    """front_end(), with the CPU seconds the front end took: what its wall time is on a quiet machine (the budget is
-    1.5 s there), and what a shared machine's load does not stretch."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc, errors, wall = front_end(tmp, args, **env)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    print(f"front end: {cpu:.2f} CPU s, {wall:.2f} s wall")
-    return proc, errors, cpu
 
 
 def refused(overrides: list[str]):
@@ -121,12 +109,12 @@ def test_digits_scoring_the_prompted_digit_needs_prompts_that_name_one():
 def test_a_pickscore_component_this_machine_lacks_is_refused_before_a_run_dir(tmp_path):
     hf, processor = tmp_path / "hf", tmp_path / "processor"  # an empty cache; the processor a local copy
     hf.mkdir(), processor.mkdir()
-    proc, errors, cpu = timed_front_end(tmp_path, [
+    proc, errors, cpu = front_end(tmp_path, [
         "+experiment=smoke", f"output_root={tmp_path}/out", "reward=weighted",
         f"reward.components=[{{name:jpeg_compressibility}},{{name:pickscore,processor:'{processor}'}}]"],
         HF_HUB_CACHE=str(hf))
     assert_refused(tmp_path, proc, errors, "reward.components.1.clip_model", "hf download yuvalkirstain/PickScore_v1",
-                   wall=0.0)  # (its time: CPU seconds, below)
+                   cpu)
     assert cpu < 1.5
     assert "local_files_only" in errors[0]
 
@@ -204,7 +192,7 @@ def test_the_readme_next_commands_do_not_rewrite_a_finished_run(tmp_path, change
     root = tmp_path / "out"
     run = _saved_run(root, 20)
     before = (run / "config.yaml").read_bytes()
-    proc, errors, cpu = timed_front_end(tmp_path, ["+experiment=smoke", f"output_root={root}", *change])
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={root}", *change])
     print(proc.stderr)
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert errors[0].startswith(f"error: {key}") and words in errors[0] and "run_name=smoke-2" in errors[0]
@@ -275,7 +263,7 @@ def test_check_previews_a_run_for_a_machine_this_one_is_not(tmp_path):
     if machine.nvidia_gpus() > 0:
         pytest.skip("this machine has a GPU")
     args = ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=gpu-1"]
-    proc, errors, cpu = timed_front_end(tmp_path, [*args, "--check"])
+    proc, errors, cpu = front_end(tmp_path, [*args, "--check"])
     assert proc.returncode == 0 and errors == [], proc.stderr
     assert "checked on the target machine" in proc.stdout and "1 NVIDIA GPU(s)" in proc.stdout
     assert "train timesteps per sample" in proc.stdout  # the parity table

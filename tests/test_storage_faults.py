@@ -78,7 +78,7 @@ def test_an_unreachable_bucket_and_a_refusing_one_get_distinct_lines_quickly(mon
         m.setattr(socket, "getaddrinfo", no_dns)
         t0 = time.monotonic()
         reason, fix = storage.check_writable("gs://bkt/runs", timeout_s=30)
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 10  # not retried for 30 s (instant on a quiet machine; a busy one stretches it)
     assert "unreachable" in reason and "DNS cannot resolve gcs.example.invalid" in reason and "DNS" in fix
 
     refusing = Refusing()

@@ -22,13 +22,33 @@ FAST_XLA_CPU = "xla.flags=[" + ",".join(f'"{f}"' for f in FAST_XLA_FLAGS) + "]"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without the variables ddpo_tpu owns (and HYDRA_FULL_ERROR), the repo on PYTHONPATH, plus extra."""
+    """os.environ without the variables ddpo_tpu owns (and HYDRA_FULL_ERROR), the repo on PYTHONPATH, plus extra.
+    Under pytest-xdist with several workers, torch in the processes the tests start computes with one intra-op
+    thread (OMP_NUM_THREADS=1, unless extra says otherwise): two workers' runs each spinning two OpenMP threads on 2
+    cores collapse (tests/conftest.py's _one_torch_thread_in_pytest measured it), and the tiny models gain nothing
+    from a second thread."""
     from ddpo_tpu.env import OWNED_VARIABLES
 
     env = {k: v for k, v in os.environ.items() if k not in OWNED_VARIABLES and k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+def timed_run(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, float, float]:
+    """subprocess.run(cmd, capture_output=True, text=True, **kwargs), with its wall seconds and the CPU seconds the
+    process (and what it waited for) used. Tests that a command answers quickly (a refusal before torch is imported)
+    assert on the CPU seconds: on a quiet machine they are its wall time, and a busy machine (other tests on the
+    other pytest-xdist worker, other people) stretches the wall time but not them."""
+    import resource
+
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    wall, after = time.monotonic() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc, wall, cpu
 
 
 def run_train(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
@@ -59,7 +79,8 @@ def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: fl
         time.sleep(0.2)
 
 
-__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "REPO", "clean_env", "read_metrics", "run_train", "wait_for_event"]
+__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "REPO", "clean_env", "read_metrics", "run_train", "timed_run",
+           "wait_for_event"]
 
 
 def run_in_pty(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
