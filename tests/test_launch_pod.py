@@ -201,7 +201,7 @@ def test_stop_and_status_commands():
     stop = lp.build_stop_command("~/ddpo_tpu")
     assert "kill -TERM" in stop and shlex.quote(lp.FRONT_END_PATTERN) in stop and "ddpo_tpu.train " not in stop
     status = lp.build_status_command("~/ddpo_tpu", "outputs", lines=7)
-    assert ".venv/bin/python -m ddpo_tpu.status --brief --events 7" in status and "ps -o pid,etime,args" in status
+    assert ".venv/bin/python -m ddpo_tpu.status --brief --events 7" in status and "ps -ww -o pid,etime,args" in status
     assert "grep -F" not in status and "[epoch" not in status  # the state comes from events, not log lines
     (argv,) = lp.build_gcloud_commands(args_for("--stop"), hosts=None)
     assert remote_of(argv) == stop and "--worker=all" in argv

@@ -142,7 +142,8 @@ def build_status_command(workdir: str = "~/ddpo_tpu", output_root: str = "output
     the output root (the one whose events.jsonl changed last), each line prefixed with the worker's hostname."""
     body = (f"{_PIDS_HERE}; "
             f"pids=$(pids_here {shlex.quote(TRAINING_PATTERN)} | paste -sd, -); "
-            f"if [ -n \"$pids\" ]; then ps -o pid,etime,args -p \"$pids\"; "
+            # -ww: the whole command line (piped, ps cuts it at 80 columns: a long venv path hid the command)
+            f"if [ -n \"$pids\" ]; then ps -ww -o pid,etime,args -p \"$pids\"; "
             f"else echo \"no training process in $PWD\"; fi; "
             f"run=$(find {shell_path(output_root)} -maxdepth 3 -name {EVENTS_FILE} -type f -printf '%T@ %h\\n' "
             f"2>/dev/null | sort -rn | head -n 1 | cut -d' ' -f2-); "
