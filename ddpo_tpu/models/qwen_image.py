@@ -163,9 +163,10 @@ def build_tiny_qwen_image(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.
 
 def ensure_tiny_qwen_image(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """``cache_dir/tiny-qwen-image-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
+    from ddpo_tpu.catalog import family
     from ddpo_tpu.models.build_cache import build_once, pipeline_files
 
-    required = pipeline_files(("scheduler", "tokenizer", "transformer", "vae", "text_encoder"))
+    required = pipeline_files(family("qwen_image").subfolders)  # the catalog's list, as the loader checks
     return build_once(cache_dir, f"tiny-qwen-image-{TINY_QWEN_IMAGE_VERSION}-seed{seed}", required,
                       lambda tmp: build_tiny_qwen_image(tmp, seed=seed))
 
