@@ -76,7 +76,9 @@ def test_prompt_states_equal_the_pipelines_encode_prompt_padded_with_their_mask(
         ref, ref_mask = pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=tokens)
     n = ref.shape[1]
     assert embeds.shape == (3, tokens, 32) and mask.shape == (3, tokens) and mask.dtype == torch.long
-    torch.testing.assert_close(embeds[:, :n], ref, rtol=0, atol=0)
+    # float32 rounding, not exact: ours tokenizes to a fixed TEMPLATE_START + tokens (one shape for XLA), the pipeline
+    # to the batch's longest; causal attention makes the kept states the same sums over a differently shaped batch
+    torch.testing.assert_close(embeds[:, :n], ref, rtol=1.3e-6, atol=1e-6)
     assert torch.equal(mask[:, :n], ref_mask.long()) and not mask[:, n:].any() and not embeds[:, n:].any()
     # each prompt's tokens (bytes, or a template word such as " of") + the 5 of "<|im_end|>\n<|im_start|>assistant\n",
     # cut at max_sequence_length

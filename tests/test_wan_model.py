@@ -80,6 +80,33 @@ def test_prompt_embeddings_equal_flow_grpos(comps, tokens):
     assert lengths[0] < lengths[1] < tokens if tokens == 512 else lengths[0] == lengths[1] == tokens  # cut at 16
 
 
+def test_decoding_under_xla_safe_vae_is_bit_identical_and_upsamples_with_nearest(comps, monkeypatch):
+    """models/vae_ops.py rewrites two eager-only idioms of the VAE for XLA; on the CPU the video must not change by a
+    bit, and no interpolate inside the decode may reach the kernel as nearest-exact (XLA runs that one on the host).
+    On XLA itself: tests/test_xla_families.py."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from ddpo_tpu.models import wan
+
+    modes = []
+
+    class Spy(torch.overrides.TorchFunctionMode):  # entered before decode_wan's mode: it sees what that passes on
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.interpolate:
+                modes.append(kwargs["mode"])
+            return func(*args, **(kwargs or {}))
+
+    latents = torch.randn(2, comps.vae.config.z_dim, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), Spy():
+        safe, safe_modes, modes[:] = wan.decode_wan(comps.vae, latents), list(modes), []
+        monkeypatch.setattr(wan, "xla_safe_vae", contextlib.nullcontext)  # diffusers' decode as it is
+        plain = wan.decode_wan(comps.vae, latents)
+    assert set(modes) == {"nearest-exact"} and set(safe_modes) == {"nearest"} and len(modes) == len(safe_modes)
+    assert torch.equal(safe, plain)
+
+
 def test_lora_layer_table_matches_the_tiny_and_the_real_transformers():
     from diffusers import WanTransformer3DModel
 

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.models.loading import ModelLoadError, family_load_failure, frozen
+from ddpo_tpu.models.vae_ops import xla_safe_vae
 
 TINY_QWEN_IMAGE_VERSION = "v1"
 # Qwen/Qwen-Image scheduler/scheduler_config.json (the keys that decide its sigmas and timesteps)
@@ -235,11 +236,17 @@ def encode_prompts_qwen(c: QwenImageComponents, prompts: Sequence[str], device,
     """``(embeds (B, max_sequence_length, width), mask (B, max_sequence_length) int64)`` as
     QwenImagePipeline.encode_prompt: each prompt in the chat template, Qwen2.5-VL's last hidden state over its real
     tokens, the first 34 (the system part) dropped, cut at ``max_sequence_length``; then zeros and mask 0 up to
-    ``max_sequence_length`` (the pipeline pads to the batch's longest). Tokens are padded on the right, so a prompt's
-    real tokens are its first ones and (causal attention) do not see the padding."""
+    ``max_sequence_length`` (the pipeline pads to the batch's longest).
+
+    Tokens are padded on the right, so a prompt's real tokens are its first ones and (causal attention) do not see the
+    padding, nor the tokens past the ``TEMPLATE_START + max_sequence_length`` kept: so every batch is tokenized to
+    exactly that length (the pipeline: to the batch's longest, cut at 1024 + 34), which gives the kept states the
+    pipeline's values and the text encoder one input shape. On XLA a batch-dependent length compiled a new encoder
+    graph for each new longest prompt, epoch after epoch."""
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    tok = c.tokenizer([PROMPT_TEMPLATE.format(p) for p in prompts], max_length=_TOKENIZER_MAX + TEMPLATE_START,
-                      padding=True, truncation=True, padding_side="right", return_tensors="pt")
+    length = TEMPLATE_START + min(max_sequence_length, _TOKENIZER_MAX)
+    tok = c.tokenizer([PROMPT_TEMPLATE.format(p) for p in prompts], max_length=length,
+                      padding="max_length", truncation=True, padding_side="right", return_tensors="pt")
     ids, mask = tok.input_ids.to(device), tok.attention_mask.to(device)
     hidden = c.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
     hidden, mask = hidden[:, TEMPLATE_START:TEMPLATE_START + max_sequence_length], mask[:, TEMPLATE_START:]
@@ -291,5 +298,6 @@ def decode_qwen_image(vae, packed: Tensor, height: int, width: int) -> Tensor:
     shape = (1, cfg.z_dim, 1, 1, 1)
     mean = torch.tensor(cfg.latents_mean).view(shape).to(z.device, z.dtype)
     inv_std = 1.0 / torch.tensor(cfg.latents_std).view(shape).to(z.device, z.dtype)
-    image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+    with xla_safe_vae():
+        image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
     return (image.float() / 2 + 0.5).clamp(0, 1)

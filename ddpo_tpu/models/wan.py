@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ddpo_tpu.catalog.wan_memory import DEFAULT_FRAME, TEXT_TOKENS
 from ddpo_tpu.models.loading import ModelLoadError, family_load_failure, frozen
+from ddpo_tpu.models.vae_ops import xla_safe_vae
 
 TINY_WAN_VERSION = "v1"
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the keys that decide its sigmas and timesteps)
@@ -231,5 +232,7 @@ def decode_wan(vae, latents: Tensor) -> Tensor:
     mean = torch.tensor(cfg.latents_mean, device=latents.device, dtype=torch.float32).view(shape)
     inv_std = 1.0 / torch.tensor(cfg.latents_std, device=latents.device, dtype=torch.float32).view(shape)
     z = latents.float() / inv_std + mean  # the pipeline's order of operations (it holds 1 / std)
-    video = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+    with xla_safe_vae():
+        video = vae.decode(z.to(vae.dtype), return_dict=False)[0]
     return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
