@@ -92,6 +92,8 @@ def test_experiment_list_is_the_tested_one():
     flow += ["wan_grpo_smoke"]  # composed in tests/test_wan_model.py
     flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in tests/test_qwen_image_model.py
     flow += ["awm_smoke"]  # composed in tests/test_awm.py
+    flow += [f"gardo_{n}" for n in ("sd3_ocr", "sd3_geneval", "sd3_compressibility", "flux_hps")]  # test_gardo_presets.py
+    flow += ["gardo_smoke"]  # composed and run in tests/test_gardo_smoke.py
     assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
         "a new experiment needs a compose test here"
 
