@@ -510,7 +510,7 @@ def test_missing_mandatory_value():
 # --- no torch at validation time; the parity report ---------------------------------------------------------------
 
 
-def test_validation_leaves_torch_unimported():
+def test_validation_leaves_torch_unimported(tmp_path):
     code = (
         "import sys\n"
         "from ddpo_tpu.config.compose import compose_and_validate\n"
@@ -524,9 +524,10 @@ def test_validation_leaves_torch_unimported():
     )
     env = {k: v for k, v in os.environ.items() if k not in _owned()}
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    # in tmp_path: preflight takes the run dir's lock, outputs/smoke/lock under the working directory
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "HEAVY []" in p.stdout
+    assert "HEAVY []" in p.stdout and (tmp_path / "outputs" / "smoke" / "lock").exists()
 
 
 def _owned():
