@@ -19,7 +19,7 @@ from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
 
 REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 20  # a refusal takes about a second; a case that got through would start training
+TIMEOUT = 60  # a refusal: ~1 s quiet, up to 8.4 s of wall time seen at load 9 (its CPU seconds are bounded)
 WANDB_VARIABLES = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC")
 
 

@@ -336,9 +336,16 @@ def test_compile_progress_from_a_thread_while_the_main_thread_is_busy(tmp_path):
     watch = CompileWatch(counters, every=0.05)
     log = ev.EventLog(tmp_path, echo=lambda *a: None)
     with watch.stage("sampling", 0, log):
-        for _ in range(3):
+        for n in range(1, 4):
             time.sleep(0.12)  # the main thread "compiles"
             graphs[0] += 1
+            # and stays busy until the thread has reported the graph (not a fixed time, which a busy machine can
+            # spend without the thread being scheduled): progress with the graphs compiled so far, from the thread
+            deadline = time.monotonic() + 30
+            while not any(r["event"] == "compile_progress" and r["compilations"] == n
+                          for r in ev.read_events(tmp_path)):
+                assert time.monotonic() < deadline, f"no compile_progress with {n} graph(s) in 30 s"
+                time.sleep(0.01)
     with watch.stage("sampling", 1, log), watch.stage("reward", 0, log):
         pass
     kinds = [r["event"] for r in ev.read_events(tmp_path)]

@@ -338,6 +338,11 @@ FAKE_TRAIN = textwrap.dedent("""
 """)
 
 
+# how long a detached stand-in runs unless stopped: longer than the test can take on a busy machine (each step starts
+# a Python process or two), so it is still running where the test says so; the workdir fixture kills it after the test
+STAND_IN_S = "600"
+
+
 def worker_dir(tmp_path: Path) -> Path:
     """WORKDIR on a worker: .venv/bin/python (this Python, with its packages) and a ddpo_tpu package that `-m` finds
     first (cwd) whose modules are this checkout's."""
@@ -400,7 +405,7 @@ def test_detach_status_guard_and_stop_on_a_worker(workdir):
     host = socket.gethostname()
     # start detached: the command returns at once, the stand-in keeps running, its output goes to the worker's log
     start = lp.build_remote_command(V6E_16, str(workdir), ".venv", detach=True)
-    proc = bash(start, FAKE_WAIT="60")
+    proc = bash(start, FAKE_WAIT=STAND_IN_S)
     assert proc.returncode == 0, proc.stderr
     assert f"{host}: started ddpo_tpu.train (pid " in proc.stdout
     wait_for(workdir / "train.pid")
@@ -424,7 +429,7 @@ def test_detach_status_guard_and_stop_on_a_worker(workdir):
     assert f"{host}:   [epoch 0] sampling start\n{host}:   [epoch 0] sampling batch 1/2 done\n" in status.stdout
 
     # a second start on the same worker is refused while it runs (a retried SSH never starts a second copy)
-    again = bash(start, FAKE_WAIT="60")
+    again = bash(start, FAKE_WAIT=STAND_IN_S)
     assert again.returncode == lp.ALREADY_RUNNING and "already running" in again.stderr
 
     # stop: SIGTERM to it, which exits 75 after "checkpointing"
@@ -448,7 +453,7 @@ def test_status_and_stop_ignore_training_in_other_directories(workdir, tmp_path)
     other.mkdir()
     empty = bash(lp.build_status_command(str(other), "outputs")).stdout
     assert "no training process" in empty and "no run dir with events.jsonl under outputs yet" in empty
-    proc = bash(lp.build_remote_command(["seed=1"], str(workdir), ".venv", detach=True), FAKE_WAIT="60")
+    proc = bash(lp.build_remote_command(["seed=1"], str(workdir), ".venv", detach=True), FAKE_WAIT=STAND_IN_S)
     assert proc.returncode == 0, proc.stderr
     wait_for(workdir / "train.pid")
     assert "no training process" in bash(lp.build_stop_command(str(other))).stdout

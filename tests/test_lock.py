@@ -42,6 +42,7 @@ elif mode == "spawn":
 elif mode == "release-after":
     print("ACQUIRED", flush=True)
     time.sleep(float(sys.argv[4]))
+    print("RELEASING", time.monotonic(), flush=True)  # CLOCK_MONOTONIC: one clock for every process of the host
     lock.release()
     time.sleep(60)
 print("ACQUIRED", flush=True)
@@ -269,8 +270,12 @@ def test_timeout_waits_for_the_holder_to_release(paths, holders):
     h = holders(lock_path, run_dir, "release-after", 0.5)
     t0 = time.monotonic()
     with AcceleratorLock(lock_path, run_dir).acquire(timeout=10) as lock:
-        assert 0.2 < time.monotonic() - t0 < 10
+        acquired = time.monotonic()
         assert lock.held and AcceleratorLock.holder(lock_path).pid == os.getpid()
+    # taken after the holder let go, by the holder's own clock: a duration measured from here would start late on a
+    # busy machine (the holder's 0.5 s run from its "ACQUIRED", which this process may read long after)
+    word, released = h.proc.stdout.readline().split()
+    assert word == "RELEASING" and float(released) < acquired < t0 + 10
     assert h.proc.poll() is None  # it released while alive
 
 

@@ -18,14 +18,32 @@ from ddpo_tpu.launch import lock as lockmod
 from ddpo_tpu.models.build_cache import build_once
 
 
-def test_a_second_builder_waits_for_the_first_and_reuses_its_build(tmp_path, capfd):
+class _Announces:
+    """sys.stderr, setting `event` when a line containing `words` is written to it."""
+
+    def __init__(self, inner, words: str, event: threading.Event):
+        self.inner, self.words, self.event = inner, words, event
+
+    def write(self, text: str) -> int:
+        if self.words in text:
+            self.event.set()
+        return self.inner.write(text)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+def test_a_second_builder_waits_for_the_first_and_reuses_its_build(tmp_path, capfd, monkeypatch):
     calls = []
-    started = threading.Event()
+    started, waiting = threading.Event(), threading.Event()
+    monkeypatch.setattr(sys, "stderr", _Announces(sys.stderr, "waiting for it", waiting))
 
     def build(tmp):
         calls.append(tmp)
         started.set()
-        time.sleep(1.0)
+        # the build lasts until the second builder has said it waits (not a fixed second, which a busy machine can
+        # spend before the second builder even looks, finding the build done and saying nothing)
+        assert waiting.wait(60), "the second builder never said it waits"
         (tmp / "model.bin").write_bytes(b"weights")
 
     results = []
@@ -103,8 +121,8 @@ def test_a_lock_whose_holder_is_exiting_is_waited_for(tmp_path, holder):
         assert lockmod._exiting(child.pid)
     path = tmp_path / "lock"
     fd = _hold_for(path, child.pid)
+    t0 = time.monotonic()  # before the timer starts: a late t0 (a busy machine) would shorten the wait measured
     threading.Timer(1.5, os.close, (fd,)).start()
-    t0 = time.monotonic()
     lockmod.RunDirLock(tmp_path).acquire().release()
     assert 1.4 < time.monotonic() - t0 < lockmod.EXITING_WAIT_S
     child.wait()
