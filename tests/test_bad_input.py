@@ -101,9 +101,23 @@ def front_end(tmp: Path, args: list[str], **env_changes: str | None):
     env = clean_env()
     for k, v in env_changes.items():
         env.pop(k, None) if v is None else env.__setitem__(k, v)
-    proc, wall, cpu = timed_run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env, timeout=TIMEOUT)
+    # -X importtime: stderr names every module imported, so a test can prove the front end imported no heavy one
+    proc, wall, cpu = timed_run([sys.executable, "-X", "importtime", "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env,
+                                timeout=TIMEOUT)
     print(f"front end: {cpu:.2f} CPU s, {wall:.2f} s wall")
     return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")], cpu
+
+
+HEAVY = ("torch", "torch_xla", "diffusers", "transformers", "peft", "safetensors")
+
+
+def heavy_imports(proc) -> set[str]:
+    """The heavy packages the front end imported, from -X importtime's "import time: self | cumulative | name" lines
+    (exact, whatever the machine's load; what CPU-second bounds approximated)."""
+    names = {ln.rsplit("|", 1)[1].strip().split(".")[0] for ln in proc.stderr.splitlines()
+             if ln.startswith("import time:") and ln.count("|") == 2}
+    assert "ddpo_tpu" in names, "no -X importtime lines: was the front end run by front_end()?"
+    return names & set(HEAVY)
 
 
 def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, cpu: float) -> None:
@@ -115,7 +129,7 @@ def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, 
     assert errors[0].endswith(")"), errors[0]  # ... (fix)
     assert "Traceback" not in out and "nothing was started" in proc.stderr
     assert list((tmp / "cwd").iterdir()) == [] and not (tmp / "out").exists()  # no run dir anywhere
-    assert cpu < 5.0, f"refusing took {cpu:.2f} CPU s"
+    assert not heavy_imports(proc) and cpu < 5.0, f"refusing took {cpu:.2f} CPU s, imports {heavy_imports(proc)}"
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
