@@ -5,7 +5,9 @@ text encoders' mask checks, and copy to the host only what is counted below (tor
 What this caught (both fixed in ddpo_tpu/models): Wan's VAE decode raised on XLA ("Value out of range": diffusers'
 AutoencoderKLWan slices x[:, :, -2:] on a one-frame axis) and both video VAEs ran each 2x upsampling on the host
 (aten::_upsample_nearest_exact2d; models/vae_ops.py); Qwen-Image compiled a new text-encoder graph whenever a batch's
-longest prompt was new (prompts are now tokenized to a fixed length; models/qwen_image.py::encode_prompts_qwen)."""
+longest prompt was new (prompts are now tokenized to a fixed length; models/qwen_image.py::encode_prompts_qwen) and
+put its RoPE tables, which stay on the host when the model moves, into every compiled graph as CPU constants
+(models/qwen_image.py::rope_tables_to)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ def test_a_flow_family_compiles_its_graphs_once_and_samples_on_the_device(experi
     assert [e["epoch"] for e in epochs] == [0, 1]
     assert epochs[0]["new_compilations"] > 0
     assert epochs[1]["new_compilations"] == 0, epochs[1]["phases"]
+    # no host tensor inside a compiled graph (Qwen-Image's RoPE tables were: models/qwen_image.rope_tables_to)
+    assert "on cpu. Please move all tensors to xla device" not in (tmp_path / "outputs" / experiment / "train.log"
+                                                                    ).read_text()
     for e in epochs:
         sampling = e["phases"]["sampling"]
         assert set(sampling.get("cpu_fallbacks", {})) <= {"aten::_local_scalar_dense"}, sampling  # the mask checks

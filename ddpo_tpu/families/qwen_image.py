@@ -34,10 +34,11 @@ class QwenImageFamily(SD3Family):
     name = "qwen_image"
 
     def __init__(self, cfg, rt, components):
-        from ddpo_tpu.models.qwen_image import img_shapes
+        from ddpo_tpu.models.qwen_image import img_shapes, rope_tables_to
 
         self.cfg, self.rt, self.c = cfg, rt, components
         self.model = components.transformer
+        rope_tables_to(self.model, rt.device)
         self.dtype = self.model.dtype
         factor = components.vae_scale_factor
         # null: the tiny build's 32 px, else QwenImagePipeline's default (default_sample_size 128 latent pixels)

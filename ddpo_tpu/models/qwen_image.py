@@ -259,6 +259,16 @@ def encode_prompts_qwen(c: QwenImageComponents, prompts: Sequence[str], device,
     return embeds.to(c.text_encoder.dtype), mask.long()
 
 
+def rope_tables_to(transformer, device) -> None:
+    """Put the transformer's RoPE tables on ``device`` once. QwenEmbedRope keeps them as plain attributes (complex
+    values, which a registered buffer would cast to real), so moving the model leaves them on the host and every
+    forward copied them up (``.to(device)`` inside the call: a host-to-device upload per step on XLA, and a CPU
+    constant in each compiled graph, which torch_xla's dynamo bridge warns of: "Found tensor with shape
+    torch.Size([4096, 8]) on cpu"). Once they are there, that ``.to`` returns them as they are."""
+    rope = transformer.pos_embed
+    rope.pos_freqs, rope.neg_freqs = rope.pos_freqs.to(device), rope.neg_freqs.to(device)
+
+
 def img_shapes(batch: int, tokens_h: int, tokens_w: int) -> list:
     """The transformer's RoPE shapes of a batch of packed images: one (frame, rows, columns) each."""
     return [[(1, tokens_h, tokens_w)]] * batch
