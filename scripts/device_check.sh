@@ -92,7 +92,7 @@ if [ "${CHECKS:-1}" = 1 ]; then
   kill "$WATCH" 2>/dev/null
   say "smoke (tpu_topology=$TOPOLOGY): exit $SMOKE_RC ($(grep -c '\] done: ' "$OUT/smoke.log" 2>/dev/null || true) epochs done)"
   wait "$TESTS_PID"
-  say "fast tier (torch-only, ${TESTS_S:-150} s limit, ${#LEFT_OUT[@]} left out): exit $?: $(tail -1 "$OUT/tests.log")"
+  say "fast tier (torch-only, ${TESTS_S:-150} s limit, ${#LEFT_OUT[@]} node-id prefixes left out): exit $?: $(tail -1 "$OUT/tests.log")"
 fi
 wait  # the checkpoint builds
 say "checkpoints: $(tail -qn1 "$OUT"/build_*.log | tr '\n' ' ')"

@@ -233,7 +233,7 @@ def test_the_harness_times_an_unmodified_scripts_bars_and_stops_it_after_n_epoch
     # load_s and eval_s are rounded to 0.1 s: a 0.05 s tolerance is the rounding's alone (CI once measured the old
     # 0.05 s eval as 5.421 - 5.371 = 0.04999..., rounded to 0.0), so the eval sleeps 0.2 s and both allow 0.06
     assert m["load_s"] == pytest.approx(record["phases"][0]["start"], abs=0.06)
-    assert m["eval_s"] == pytest.approx(0.2, abs=0.15)
+    assert 0.15 <= m["eval_s"] < 0.5  # slept 0.2 s; late wake-ups only lengthen it
     assert record["device"] == "cpu" and record["versions"]["torch"]
 
 

@@ -6,8 +6,6 @@ parity group holds them."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -15,10 +13,15 @@ from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
 PROMPTS = "prompts.file=simple_animals.txt"  # the official prompt files are not shipped
-# the aesthetic auxiliary reward needs the LAION MLP's weights (no hub default): a placeholder file stands in
-MLP = Path(tempfile.mkdtemp()) / "sac+logos+ava1-l14-linearMSE.pth"
-MLP.write_bytes(b"placeholder")
-EXTRA = [PROMPTS, f"algorithm.kl_gate_rewards.0.mlp_path={MLP}"]
+EXTRA = [PROMPTS]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def placeholder_mlp(tmp_path_factory):
+    """The aesthetic auxiliary reward needs the LAION MLP's weights (no hub default): a placeholder file stands in."""
+    mlp = tmp_path_factory.mktemp("mlp") / "sac+logos+ava1-l14-linearMSE.pth"
+    mlp.write_bytes(b"placeholder")
+    EXTRA[1:] = [f"algorithm.kl_gate_rewards.0.mlp_path={mlp}"]
 
 
 def preset(name: str, *overrides: str):

@@ -27,6 +27,19 @@ def checkpoint_source(model, ensure_tiny) -> tuple:
     return model.pretrained, model.revision, model.local_files_only
 
 
+def encode_distinct(prompts: list[str], encode, rt) -> tuple[Tensor, ...]:
+    """``encode(prompts)`` (a tuple of batch-first tensors), each distinct prompt encoded once (GRPO's batches repeat
+    every prompt group_size times) and its rows repeated, on an eager runtime. A runtime that compiles graphs
+    encodes every row: how many prompts of a batch are distinct varies from batch to batch, and each new count
+    would be a new text-encoder graph after epoch 0 (the encoder is a small part of an epoch's work)."""
+    unique = prompts if rt.compiles_graphs else list(dict.fromkeys(prompts))
+    out = encode(unique)
+    if len(unique) < len(prompts):
+        rows = torch.tensor([unique.index(p) for p in prompts]).to(rt.device)
+        out = tuple(t.index_select(0, rows) for t in out)
+    return out
+
+
 class StepScore(NamedTuple):
     """A recorded step re-scored under the current weights."""
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
-from ddpo_tpu.families.base import Cond, checkpoint_source
+from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.sd1 import decoded_prompts
 from ddpo_tpu.families.sd3 import SD3Family
 
@@ -74,13 +74,8 @@ class QwenImageFamily(SD3Family):
     def encode(self, prompts: list[str]) -> Cond:
         from ddpo_tpu.models.qwen_image import NEGATIVE_PROMPT, encode_prompts_qwen
 
-        # each distinct prompt once (GRPO's batches repeat every prompt group_size times), then one row per prompt
         prompts = [p or NEGATIVE_PROMPT for p in prompts]
-        unique = list(dict.fromkeys(prompts))
-        embeds, mask = encode_prompts_qwen(self.c, unique, self.rt.device)
-        if len(unique) < len(prompts):
-            rows = torch.tensor([unique.index(p) for p in prompts]).to(self.rt.device)
-            embeds, mask = embeds.index_select(0, rows), mask.index_select(0, rows)
+        embeds, mask = encode_distinct(prompts, lambda ps: encode_prompts_qwen(self.c, ps, self.rt.device), self.rt)
         if len(prompts) > 1:
             embeds, mask = self.rt.shard_batch(embeds), self.rt.shard_batch(mask)
         return embeds, mask

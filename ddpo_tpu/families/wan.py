@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.diffusion.wan_sde import wan_sde_step
-from ddpo_tpu.families.base import Cond, StepScore, checkpoint_source
+from ddpo_tpu.families.base import Cond, StepScore, checkpoint_source, encode_distinct
 from ddpo_tpu.families.sd1 import decoded_prompts
 from ddpo_tpu.families.sd3 import SD3Family
 
@@ -66,12 +66,7 @@ class WanFamily(SD3Family):
     def encode(self, prompts: list[str]) -> Cond:
         from ddpo_tpu.models.wan import encode_prompts_wan
 
-        # each distinct prompt once (GRPO's batches repeat every prompt group_size times), then one row per prompt
-        unique = list(dict.fromkeys(prompts))
-        embeds = encode_prompts_wan(self.c, unique, self.rt.device)
-        if len(unique) < len(prompts):
-            rows = torch.tensor([unique.index(p) for p in prompts]).to(self.rt.device)
-            embeds = embeds.index_select(0, rows)
+        (embeds,) = encode_distinct(prompts, lambda ps: (encode_prompts_wan(self.c, ps, self.rt.device),), self.rt)
         return (self.rt.shard_batch(embeds) if len(prompts) > 1 else embeds,)
 
     def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:

@@ -7,8 +7,10 @@ Two idioms in their code do not lower to XLA as written, and each has an exact e
   diffusers fixed this slice in AutoencoderKLQwenImage (huggingface/diffusers#13480), not in AutoencoderKLWan (0.42.1).
 - ``interpolate(mode="nearest-exact")`` by a factor of 2 (their 2x upsampling): XLA has no kernel for it, so each
   call ran on the host (aten::_upsample_nearest_exact2d, a device -> host -> device round trip per upsampling layer
-  and frame). For an integer factor, nearest-exact picks the source pixel floor((i + 0.5) / k) = floor(i / k), which
-  is what mode="nearest" picks: the same values, from an op XLA compiles.
+  and frame). For an integer factor k, nearest-exact picks the source pixel floor((i + 0.5) / k) = floor(i / k),
+  which is what mode="nearest" picks: the same values, from an op XLA compiles. Kernels compute both with the float
+  32 reciprocal 1/k, exact only for a power of two (at k = 41, nearest's floor(41 * float(1/41)) is 0, not 1), so
+  only power-of-two factors are rewritten.
 
 ``xla_safe_vae()`` is a torch function mode applying both rewrites inside a decode, on every device (on CPU and CUDA
 the results are bit-identical: tests/test_wan_model.py checks it), so one code path serves all runtimes.
@@ -33,8 +35,9 @@ class xla_safe_vae(torch.overrides.TorchFunctionMode):  # noqa: N801 - used as a
 
 def _clamped(index: tuple, shape) -> tuple:
     """A tuple of slices and ints with each negative bound past its axis clamped to the axis (eager's semantics)."""
-    if any(i is None or i is Ellipsis or isinstance(i, Tensor) for i in index):
-        return index  # not one item per axis: left as it is (the VAEs' cache slices are plain)
+    plain = all(isinstance(i, slice) or (isinstance(i, int) and not isinstance(i, bool)) for i in index)
+    if not plain or len(index) > len(shape):
+        return index  # not one item per axis (None, ..., bools, tensors) or too many: as it is, so eager's error stays
 
     def bound(b, size):
         return -size if isinstance(b, int) and b < -size else b
@@ -48,4 +51,4 @@ def _integer_factors(kwargs: dict) -> bool:
     if factor is None or kwargs.get("size") is not None or kwargs.get("recompute_scale_factor"):
         return False
     factors = factor if isinstance(factor, (tuple, list)) else (factor,)
-    return all(float(f).is_integer() and f >= 1 for f in factors)
+    return all(float(f).is_integer() and f >= 1 and (int(f) & (int(f) - 1)) == 0 for f in factors)  # 1, 2, 4, ...

@@ -235,4 +235,3 @@ def decode_wan(vae, latents: Tensor) -> Tensor:
     with xla_safe_vae():
         video = vae.decode(z.to(vae.dtype), return_dict=False)[0]
     return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
-
