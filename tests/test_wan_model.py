@@ -86,23 +86,16 @@ def test_decoding_under_xla_safe_vae_is_bit_identical_and_upsamples_with_nearest
     On XLA itself: tests/test_xla_families.py."""
     import contextlib
 
-    import torch.nn.functional as F
-
     from ddpo_tpu.models import wan
 
-    modes = []
-
-    class Spy(torch.overrides.TorchFunctionMode):  # entered before decode_wan's mode: it sees what that passes on
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is F.interpolate:
-                modes.append(kwargs["mode"])
-            return func(*args, **(kwargs or {}))
+    from tests.test_vae_ops import Modes
 
     latents = torch.randn(2, comps.vae.config.z_dim, 2, 4, 4, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), Spy():
-        safe, safe_modes, modes[:] = wan.decode_wan(comps.vae, latents), list(modes), []
+    with torch.no_grad(), Modes() as seen:  # entered before decode_wan's mode: it sees what that passes on
+        safe, safe_modes, seen.seen = wan.decode_wan(comps.vae, latents), list(seen.seen), []
         monkeypatch.setattr(wan, "xla_safe_vae", contextlib.nullcontext)  # diffusers' decode as it is
         plain = wan.decode_wan(comps.vae, latents)
+    modes = seen.seen
     assert set(modes) == {"nearest-exact"} and set(safe_modes) == {"nearest"} and len(modes) == len(safe_modes)
     assert torch.equal(safe, plain)
 

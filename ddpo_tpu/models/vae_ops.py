@@ -28,7 +28,7 @@ class xla_safe_vae(torch.overrides.TorchFunctionMode):  # noqa: N801 - used as a
         kwargs = kwargs or {}
         if func is Tensor.__getitem__ and isinstance(args[1], tuple):
             args = (args[0], _clamped(args[1], args[0].shape))
-        elif func is F.interpolate and kwargs.get("mode") == "nearest-exact" and _integer_factors(kwargs):
+        elif func is F.interpolate and kwargs.get("mode") == "nearest-exact" and _power_of_two_factors(kwargs):
             kwargs = {**kwargs, "mode": "nearest"}
         return func(*args, **kwargs)
 
@@ -46,7 +46,7 @@ def _clamped(index: tuple, shape) -> tuple:
                  for i, n in zip(index, shape))
 
 
-def _integer_factors(kwargs: dict) -> bool:
+def _power_of_two_factors(kwargs: dict) -> bool:
     factor = kwargs.get("scale_factor")
     if factor is None or kwargs.get("size") is not None or kwargs.get("recompute_scale_factor"):
         return False
