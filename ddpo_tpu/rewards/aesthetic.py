@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, RewardError, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, register_reward
 
 __all__ = ["AESTHETIC_MLP_KEYS", "AestheticReward", "make_aesthetic_mlp", "load_mlp_state_dict",
            "clip_image_processor_class"]
@@ -186,7 +186,7 @@ class AestheticReward(Reward):
         emb = emb / torch.linalg.vector_norm(emb, dim=-1, keepdim=True).clamp_min(1e-12)
         return self.mlp(emb).squeeze(-1)
 
-    def __call__(self, images: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str] | None = None, metadata: Metadata = None) -> np.ndarray:
         import torch
 
         images = self._check_host_images(images, prompts)

@@ -6,7 +6,18 @@ modules can be imported cheaply in any process.
 A reward is a callable object::
 
     reward = make_reward("jpeg_compressibility")
-    scores = reward(images_uint8_bhwc, prompts)   # float32 (B,)
+    scores = reward(images_uint8_bhwc, prompts)                      # float32 (B,)
+    scores = reward(images_uint8_bhwc, prompts, metadata=rows)       # rows: one dict per image (the prompt's metadata)
+    result = reward.score(images_uint8_bhwc, prompts, metadata=rows) # RewardScores: values + per-image extras
+
+``metadata`` is what a prompt dataset row holds besides its prompt (GenEval's tag, objects, counts, colours and
+positions; an OCR target; anything a JSONL row carries), one mapping per image in the order of ``prompts``; an empty
+mapping for a prompt without any, and ``None`` when the prompt source has no metadata at all. Rewards that do not use
+it ignore it.
+
+``extras`` are per-image values a reward reports beside the one that trains (a weighted reward's components,
+GenEval's strict correctness per tag): float arrays of shape (B,), NaN where a value does not apply to an image. The
+loop logs each one's mean over the images where it applies.
 
 A run builds its reward from the typed `reward` config with
 ``ddpo_tpu.rewards.from_config.reward_from_config``.
@@ -15,13 +26,16 @@ A run builds its reward from the typed `reward` config with
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 __all__ = [
     "RewardError",
     "Reward",
+    "RewardScores",
+    "Metadata",
     "REWARDS",
     "register_reward",
     "make_reward",
@@ -41,20 +55,39 @@ class RewardError(RuntimeError):
         super().__init__(f"reward.name={name!r}: {message}")
 
 
+#: one mapping per image (its prompt's dataset fields besides the prompt), or None when the prompts carry none
+Metadata = Sequence[Mapping[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class RewardScores:
+    """What one reward call scored: ``values`` train (float32 (B,)); ``extras`` are logged (name -> float (B,), NaN
+    where the value does not apply to an image)."""
+
+    values: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 class Reward(abc.ABC):
     """Base class of all rewards.
 
     Subclasses set the class attribute ``name`` (``register_reward`` does) and
-    implement ``__call__(images, prompts)`` which takes uint8 images of shape
-    (B, H, W, 3) on the host plus the B prompts, and returns float32 rewards of
-    shape (B,).
+    implement ``__call__(images, prompts, metadata=None)`` which takes uint8
+    images of shape (B, H, W, 3) on the host plus the B prompts (and, from a
+    dataset, the B prompts' metadata), and returns float32 rewards of shape
+    (B,). A reward with values to log beside the one that trains overrides
+    ``score`` too.
     """
 
     name: str
 
     @abc.abstractmethod
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         ...
+
+    def score(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> RewardScores:
+        """The values that train and the extras to log; by default the call's values and no extras."""
+        return RewardScores(np.asarray(self(images, prompts, metadata=metadata), dtype=np.float32))
 
     # Helpers for subclasses -------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, RewardError, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, register_reward
 
 _NAME = "clip_features"
 
@@ -44,7 +44,7 @@ class ClipFeatures(Reward):
         self.encoder = encoder.to(self.device).eval()
         self.batch_size = batch_size
 
-    def __call__(self, images: np.ndarray, prompts: list[str] | None = None) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str] | None = None, metadata: Metadata = None) -> np.ndarray:
         import torch
 
         images = self._check_host_images(images, prompts)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, RewardError, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, register_reward
 
 
 @register_reward("clip_score")
@@ -25,7 +25,7 @@ class ClipScoreReward(Reward):
         self.processor, self.tokenizer, self.model, self.device = load_clip("clip_score", clip_model,
                                                                             local_files_only, device, CLIPTokenizer)
 
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         import torch
 
         images = np.asarray(images)

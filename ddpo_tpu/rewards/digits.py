@@ -16,7 +16,7 @@ import pathlib
 import numpy as np
 
 from ddpo_tpu.catalog.rewards import PROMPTED_DIGIT
-from ddpo_tpu.rewards.base import Reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, register_reward
 
 CLASSIFIER_VERSION = "v1"
 CLASSIFIER_STEPS = 400
@@ -113,7 +113,7 @@ class DigitClassifier(Reward):
         with torch.no_grad():
             return torch.softmax(self.net(x), dim=1).numpy().astype(np.float64)
 
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         images = self._check_host_images(images, prompts)
         p = self.probabilities(images)
         if self.target is not None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, register_reward
 from ddpo_tpu.rewards.clip_score import image_features, load_clip
 
 
@@ -42,7 +42,7 @@ class FrameConsistencyReward(Reward):
         self.processor, _, self.model, self.device = load_clip(self.name, clip_model, local_files_only, device)
         self.batch_size = batch_size
 
-    def __call__(self, videos: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, videos: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         import torch
 
         videos = np.asarray(videos)

@@ -12,7 +12,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from ddpo_tpu.rewards.base import Reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, register_reward
 
 __all__ = ["JPEG_QUALITY", "jpeg_sizes_kb", "JpegIncompressibility", "JpegCompressibility"]
 
@@ -42,7 +42,7 @@ class _JpegReward(Reward):
             raise self._error(f"JPEG quality must be in [1, 100], got {quality}")
         self.quality = int(quality)
 
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         images = self._check_host_images(images, prompts)
         try:
             sizes = jpeg_sizes_kb(images, self.quality)

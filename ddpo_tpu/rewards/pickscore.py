@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, register_reward
 
 __all__ = ["PICKSCORE_MODEL", "PICKSCORE_PROCESSOR", "PICKSCORE_DIVISOR", "PickScoreReward"]
 
@@ -141,7 +141,7 @@ class PickScoreReward(Reward):
             scores = scale * (text * image).sum(dim=-1) / PICKSCORE_DIVISOR
         return scores.float().cpu().numpy()
 
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         images = self._check_host_images(images, prompts)
         if prompts is None:
             raise self._error("PickScore needs the prompts of the images")

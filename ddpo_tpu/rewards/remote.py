@@ -75,7 +75,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, register_reward
 
 __all__ = [
     "WIRE_VERSION",
@@ -338,7 +338,7 @@ class RemoteReward(Reward):
 
     # -- scoring ---------------------------------------------------------------
 
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
         images = self._check_host_images(images, prompts)
         prompts = list(prompts)
         out = np.empty(images.shape[0], dtype=np.float32)

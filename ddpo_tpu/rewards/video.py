@@ -20,7 +20,7 @@ import numpy as np
 
 from ddpo_tpu.catalog.rewards import FRAME_REDUCTIONS as REDUCTIONS
 from ddpo_tpu.catalog.rewards import REWARDS
-from ddpo_tpu.rewards.base import Reward
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardScores
 
 
 class PerFrame(Reward):
@@ -37,7 +37,8 @@ class PerFrame(Reward):
             raise AttributeError(item)
         return getattr(self.reward, item)
 
-    def __call__(self, videos: np.ndarray, prompts: list[str]) -> np.ndarray:
+    def score(self, videos: np.ndarray, prompts: list[str], metadata: Metadata = None) -> RewardScores:
+        """Every frame scored with its video's prompt (and metadata); values and extras reduced over the frames."""
         if not isinstance(videos, np.ndarray) or videos.ndim != 5 or videos.shape[-1] != 3:
             raise self._error(f"expected uint8 videos of shape (B, F, H, W, 3), got "
                               f"{getattr(videos, 'shape', type(videos).__name__)}")
@@ -45,10 +46,17 @@ class PerFrame(Reward):
         if len(prompts) != b:
             raise self._error(f"got {b} videos but {len(prompts)} prompts")
         frames = np.ascontiguousarray(videos.reshape(b * f, *videos.shape[2:]))
-        scores = np.asarray(self.reward(frames, [p for p in prompts for _ in range(f)]), dtype=np.float64)
-        per_frame = scores.reshape(b, f)
+        per_frame = None if metadata is None else [m for m in metadata for _ in range(f)]
+        scored = self.reward.score(frames, [p for p in prompts for _ in range(f)], metadata=per_frame)
+        return RewardScores(self._reduce(scored.values, b), {k: self._reduce(v, b) for k, v in scored.extras.items()})
+
+    def _reduce(self, scores, videos: int) -> np.ndarray:
+        per_frame = np.asarray(scores, dtype=np.float64).reshape(videos, -1)
         reduced = per_frame.mean(axis=1) if self.reduction == "mean" else per_frame.min(axis=1)
         return reduced.astype(np.float32)
+
+    def __call__(self, videos: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
+        return self.score(videos, prompts, metadata=metadata).values
 
     def __repr__(self) -> str:
         return f"PerFrame({self.reward!r}, reduction={self.reduction!r})"

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Reward, RewardError, make_reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, RewardScores, make_reward, register_reward
 
 __all__ = ["WeightedReward"]
 
@@ -82,34 +82,42 @@ class WeightedReward(Reward):
         #: Unweighted per-component rewards (float32 (B,)) of the most recent call, by component key.
         self.last_components: dict[str, np.ndarray] = {}
 
-    def score_with_components(self, images: np.ndarray, prompts: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The weighted sum and the unweighted rewards of each component, for this call only."""
+    def score(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> RewardScores:
+        """The weighted sum; extras: each component's unweighted values by component key, and each component's own
+        extras as `<component key>/<extra>`."""
         batch = len(prompts) if prompts is not None else None
         if isinstance(images, np.ndarray) and images.ndim >= 1:
             batch = images.shape[0]
-        parts: dict[str, np.ndarray] = {}
+        extras: dict[str, np.ndarray] = {}
         total: np.ndarray | None = None
         for i, (key, weight, reward) in enumerate(zip(self.component_keys, self.weights, self.components)):
             where = f"reward.components.{i} ({reward.name})"
             try:
-                values = reward(images, prompts)
+                scored = reward.score(images, prompts, metadata=metadata)
             except RewardError as exc:
                 raise self._error(f"{where}: {exc}") from exc
             except Exception as exc:
                 raise self._error(f"{where}: {type(exc).__name__}: {exc}") from exc
-            values = np.asarray(values)
+            values = np.asarray(scored.values)
             if values.ndim != 1 or (batch is not None and values.shape[0] != batch) or values.dtype.kind not in "fiu":
                 raise self._error(
                     f"{where}: returned {values.dtype} of shape {tuple(values.shape)}, expected float ({batch},)"
                 )
-            parts[key] = values.astype(np.float32, copy=False)
+            extras[key] = values.astype(np.float32, copy=False)
+            extras.update({f"{key}/{name}": v for name, v in scored.extras.items()})
             term = weight * values.astype(np.float64)
             total = term if total is None else total + term
         assert total is not None
-        return total.astype(np.float32), parts
+        return RewardScores(total.astype(np.float32), extras)
 
-    def __call__(self, images: np.ndarray, prompts: list[str]) -> np.ndarray:
-        total, parts = self.score_with_components(images, prompts)
+    def score_with_components(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None
+                              ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The weighted sum and the unweighted rewards of each component, for this call only."""
+        scored = self.score(images, prompts, metadata=metadata)
+        return scored.values, {k: scored.extras[k] for k in self.component_keys}
+
+    def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
+        total, parts = self.score_with_components(images, prompts, metadata=metadata)
         self.last_components = parts  # one assignment: readers never see a half-filled dict
         return total
 
