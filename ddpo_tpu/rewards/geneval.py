@@ -28,7 +28,10 @@ Colours (87-106): each object's crop is the image composited over a #999 grey ba
 (no mask: the image itself), cropped to its box; CLIP ViT-L/14 zero-shot over 10 colours, each colour's text
 embedding the normalised mean of the normalised embeddings of three templates ("a photo of a {c} {class}",
 "a photo of a {c}-colored {class}", "a photo of a {c} object"), argmax of the cosine (clip_benchmark's
-zero_shot_classifier / run_classification). Pluggable: ``colors=module:function``, ``(crops, classname) -> names``.
+zero_shot_classifier / run_classification). ``colors=open_clip`` is the reference's open_clip ViT-L-14 `openai` with
+its own transform (in the mmdet environment); ``colors=clip`` the same weights through transformers' CLIPModel and
+CLIPProcessor (resize 224 bicubic, centre crop, the same mean/std: the same steps, not bit-identical pixels);
+``colors=module:function`` your own, ``(crops, classname) -> colour names``.
 
 Positions (119-136): centres and sizes of the two boxes; the offset shrunk by 0.1 x (sum of sizes) per axis; below
 1e-3 on both axes -> no relation; else, divided by the offset's norm, dx < -0.5 "left of", > 0.5 "right of", dy < -0.5
@@ -299,7 +302,7 @@ class GenevalReward(Reward):
     name = _NAME
 
     def __init__(self, detector: str = "mmdet", detector_model: str | None = None, detector_config: str | None = None,
-                 colors: str = "clip", clip_model: str = "openai/clip-vit-large-patch14",
+                 colors: str = "open_clip", clip_model: str = "openai/clip-vit-large-patch14",
                  lenient_accuracy: bool = False, device: Any = "cpu", local_files_only: bool = True):
         self.lenient_accuracy = lenient_accuracy
         options = {"model": detector_model, "config": detector_config, "device": device,
@@ -496,6 +499,40 @@ def clip_color_classifier(clip_model: str = "openai/clip-vit-large-patch14", dev
             pixels = processor(images=list(crops), return_tensors="pt")["pixel_values"]
             feats = _projected(model.get_image_features(pixel_values=pixels.to(model.device, torch.float32)))
             feats = torch.nn.functional.normalize(feats, dim=-1)
+            pred = (100.0 * feats @ weights[classname]).argmax(dim=1)
+        return [COLORS[int(i)] for i in pred]
+
+    return classify
+
+
+@register_color_classifier("open_clip")
+def open_clip_color_classifier(device: Any = "cpu", **_: Any) -> ColorClassifier:
+    """The reference's own classifier (gen_eval.py:49-51, 88-106): open_clip ViT-L-14 `openai` with its transform and
+    clip_benchmark's zero-shot weights -- for the mmdet environment, where open_clip is installed. Weights come from
+    open_clip's cache (downloaded once by scripts/reward_envs/geneval_mmdet.sh)."""
+    import open_clip
+    import torch
+    from PIL import Image
+
+    model, _, transform = open_clip.create_model_and_transforms("ViT-L-14", pretrained="openai", device=str(device))
+    tokenizer = open_clip.get_tokenizer("ViT-L-14")
+    model.eval()
+    weights: dict[str, Any] = {}
+
+    def classify(crops: list[np.ndarray], classname: str) -> list[str]:
+        if not crops:
+            return []
+        with torch.no_grad():
+            if classname not in weights:
+                rows = []
+                for c in COLORS:
+                    emb = model.encode_text(tokenizer([t.format(c=c, cls=classname) for t in COLOR_TEMPLATES])
+                                            .to(device))
+                    emb = torch.nn.functional.normalize(emb, dim=-1).mean(dim=0)
+                    rows.append(emb / emb.norm())
+                weights[classname] = torch.stack(rows, dim=1)
+            pixels = torch.stack([transform(Image.fromarray(c)) for c in crops]).to(device)
+            feats = torch.nn.functional.normalize(model.encode_image(pixels), dim=-1)
             pred = (100.0 * feats @ weights[classname]).argmax(dim=1)
         return [COLORS[int(i)] for i in pred]
 
