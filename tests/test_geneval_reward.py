@@ -235,3 +235,64 @@ def test_compose_time_refusals():
         assert d.value == "mmdet" and "scripts/reward_envs/geneval_mmdet.sh" in d.reason
     (p, *_) = [q for q in _problems(base + ["reward.colors=no_such_module_y:f"]) if q.key != "prompts"]
     assert p.key == "reward.colors" and "not found" in p.reason
+
+
+# -- the in-process backends on tiny random-weight models (loaded through from_pretrained) --------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
+    from tests.helpers.tiny_mask2former import build_tiny_mask2former
+
+    root = tmp_path_factory.mktemp("geneval_models")
+    return build_tiny_mask2former(root / "m2f"), ensure_tiny_aesthetic(root / "clip")[0]
+
+
+def test_transformers_detector_maps_coco_labels_and_feeds_the_rules(tiny_models):
+    from ddpo_tpu.rewards.geneval import DETECTORS
+
+    m2f, clip = tiny_models
+    images = np.random.default_rng(0).integers(0, 256, (2, 48, 64, 3), dtype=np.uint8)
+    found = DETECTORS["transformers"](model=str(m2f))(list(images))
+    assert len(found) == 2
+    for dets in found:
+        assert set(dets) == {"computer mouse"}  # the checkpoint's "mouse" is GenEval's "computer mouse"
+        for b, p, mask in dets["computer mouse"]:
+            assert mask.shape == (48, 64) and mask.dtype == bool and 0.3 < p <= 1
+            ys, xs = np.nonzero(mask)  # the box is the mask's extent
+            np.testing.assert_array_equal(b, [xs.min(), ys.min(), xs.max(), ys.max()])
+    # through the reward: one mouse asked for, n found above 0.3 -> 1 - |1 - n| (gen_eval.py:219)
+    n = [sum(p > 0.3 for _, p, _ in d["computer mouse"]) for d in found]
+    reward = make_reward("geneval", detector="transformers", detector_model=str(m2f), colors="clip",
+                         clip_model=str(clip))
+    row = {"tag": "single_object", "include": [{"class": "computer mouse", "count": 1}]}
+    np.testing.assert_allclose(reward(images, ["a photo of a computer mouse"] * 2, [row, row]),
+                               [1 - abs(1 - k) for k in n])
+
+
+def test_clip_colours_are_the_zero_shot_argmax_of_the_three_templates(tiny_models):
+    # clip_benchmark zero_shot_classifier: per colour, mean of the unit text embeddings of the 3 templates, renormed;
+    # run_classification: argmax of the unit image embedding against them (gen_eval.py:88-106). Computed here in one
+    # batch of 30 texts, apart from the classifier's per-colour loop.
+    import torch
+    from transformers import CLIPModel, CLIPTokenizer
+
+    from ddpo_tpu.rewards.clip_score import image_features, load_clip
+    from ddpo_tpu.rewards.geneval import COLOR_CLASSIFIERS, COLORS, COLOR_TEMPLATES
+
+    _, clip = tiny_models
+    crops = [np.random.default_rng(i).integers(0, 256, (10 + 7 * i, 20 + 3 * i, 3), dtype=np.uint8) for i in range(6)]
+    got = COLOR_CLASSIFIERS["clip"](clip_model=str(clip))(crops, "car")
+    processor, _, model, dev = load_clip("geneval", str(clip), True, "cpu")
+    tok = CLIPTokenizer.from_pretrained(clip)
+    texts = [t.format(c=c, cls="car") for c in COLORS for t in COLOR_TEMPLATES]
+    with torch.no_grad():
+        emb = model.get_text_features(**tok(texts, padding=True, return_tensors="pt"))
+        emb = emb if torch.is_tensor(emb) else emb.pooler_output
+        w = torch.nn.functional.normalize(torch.nn.functional.normalize(emb, dim=-1).view(10, 3, -1).mean(1), dim=-1)
+        img = torch.nn.functional.normalize(torch.cat([image_features(processor, model, c[None], dev) for c in crops]),
+                                            dim=-1)
+    assert got == [COLORS[i] for i in (img @ w.T).argmax(1).tolist()]
+    assert len(set(got)) >= 1 and all(g in COLORS for g in got)
+    assert isinstance(model, CLIPModel)

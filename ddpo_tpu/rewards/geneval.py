@@ -465,39 +465,38 @@ def transformers_detector(model: str | None = None, device: Any = "cpu", local_f
 def clip_color_classifier(clip_model: str = "openai/clip-vit-large-patch14", device: Any = "cpu",
                           local_files_only: bool = True, **_: Any) -> ColorClassifier:
     """CLIP zero-shot over COLORS with the reference's three templates (gen_eval.py:88-106): each colour's weight the
-    normalised mean of its templates' normalised text embeddings; a crop's colour the argmax of the cosine. The
-    reference uses open_clip ViT-L-14 `openai` (the same weights as openai/clip-vit-large-patch14) and open_clip's
-    224 px bicubic resize + centre crop; here transformers' CLIPProcessor (the same steps)."""
+    normalised mean of its templates' normalised text embeddings (clip_benchmark's zero_shot_classifier); a crop's
+    colour the argmax of 100 x cosine (run_classification). Weights: openai/clip-vit-large-patch14, the reference's
+    open_clip ViT-L-14 `openai`; preprocessing: CLIP's image processor (224 px bicubic resize, centre crop, CLIP
+    mean/std), loaded as clip_score loads it (rewards/clip_score.py load_clip)."""
     import torch
-    from transformers import CLIPModel, CLIPProcessor
+    from transformers import CLIPTokenizer
 
+    from ddpo_tpu.rewards.clip_score import image_features, load_clip
     from ddpo_tpu.rewards.pickscore import _projected
 
-    source = _local_or_hub(clip_model)
-    try:
-        processor = CLIPProcessor.from_pretrained(source, local_files_only=local_files_only)
-        model = CLIPModel.from_pretrained(source, local_files_only=local_files_only)
-    except Exception as exc:  # noqa: BLE001
-        raise RewardError(_NAME, f"reward.clip_model={clip_model!r} cannot be loaded ({type(exc).__name__}); "
-                                 f"download it once (hf download {clip_model}) or give a local directory") from None
-    model = model.to(torch.device(device), torch.float32).eval().requires_grad_(False)
+    processor, tokenizer, model, dev = load_clip(_NAME, clip_model, local_files_only, device, CLIPTokenizer)
+    model = model.float()
     weights: dict[str, Any] = {}
+
+    def text_weights(classname: str):
+        rows = []
+        for c in COLORS:
+            tok = tokenizer([t.format(c=c, cls=classname) for t in COLOR_TEMPLATES], padding=True,
+                            return_tensors="pt")
+            emb = _projected(model.get_text_features(**{k: v.to(dev) for k, v in tok.items()}))
+            emb = torch.nn.functional.normalize(emb, dim=-1).mean(dim=0)
+            rows.append(emb / emb.norm())
+        return torch.stack(rows, dim=1)  # (D, colours)
 
     def classify(crops: list[np.ndarray], classname: str) -> list[str]:
         if not crops:
             return []
         with torch.no_grad():
             if classname not in weights:
-                rows = []
-                for c in COLORS:
-                    texts = [t.format(c=c, cls=classname) for t in COLOR_TEMPLATES]
-                    tok = processor(text=texts, padding=True, return_tensors="pt")
-                    emb = _projected(model.get_text_features(**{k: v.to(model.device) for k, v in tok.items()}))
-                    emb = torch.nn.functional.normalize(emb, dim=-1).mean(dim=0)
-                    rows.append(emb / emb.norm())
-                weights[classname] = torch.stack(rows, dim=1)  # (D, colours)
-            pixels = processor(images=list(crops), return_tensors="pt")["pixel_values"]
-            feats = _projected(model.get_image_features(pixel_values=pixels.to(model.device, torch.float32)))
+                weights[classname] = text_weights(classname)
+            # crops differ in size: the processor resizes each (one at a time keeps input_data_format simple)
+            feats = torch.cat([image_features(processor, model, c[None], dev) for c in crops])
             feats = torch.nn.functional.normalize(feats, dim=-1)
             pred = (100.0 * feats @ weights[classname]).argmax(dim=1)
         return [COLORS[int(i)] for i in pred]
