@@ -57,8 +57,10 @@ Recognizer = Callable[[Sequence[np.ndarray]], list[str]]
 RECOGNIZERS: dict[str, Callable[..., Recognizer]] = {}
 
 #: recognisers defined in other modules, imported when chosen: name -> "module:factory" (factory(**options) ->
-#: recogniser). The registration point of the VLM transcription client (a chat endpoint, another module): add
-#: "vlm": "ddpo_tpu.rewards.<its module>:<its factory>" here and "vlm" to catalog/rewards.py OCR_RECOGNIZERS
+#: recogniser). The registration point of the VLM transcription client: ddpo_tpu/rewards/vlm_judge.py VlmTranscriber
+#: (its own branch; (images) -> list[str], built from url, model and the chat client's keys). To enable it: add
+#: "vlm": "ddpo_tpu.rewards.vlm_judge:VlmTranscriber" here, "vlm" to catalog/rewards.py OCR_RECOGNIZERS, and OcrKeys
+#: keys for its url / model passed as `options` by OcrReward (with the url checked by catalog url_problems)
 _LAZY: dict[str, str] = {}
 
 def register_recognizer(name: str) -> Callable[[Callable[..., Recognizer]], Callable[..., Recognizer]]:
