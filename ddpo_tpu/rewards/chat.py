@@ -138,10 +138,12 @@ class ChatClient:
 
     # -- requests ----------------------------------------------------------------------------------------------------
 
-    def complete(self, requests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def complete(self, requests: Sequence[dict[str, Any] | Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
         """One reply (the parsed JSON chat completion) per request body, in order; at most ``max_concurrency`` in
-        flight. Raises the first failure (after its retries), or RewardInterrupted on a stop request."""
-        bodies = [json.dumps(r, separators=(",", ":")).encode("utf-8") for r in requests]
+        flight. A request may be a function returning its body: it is called on a worker thread, so building the
+        next bodies (image encoding) overlaps the requests in flight. Raises the first failure (after its retries),
+        or RewardInterrupted on a stop request."""
+        bodies = list(requests)
         replies: list[Any] = [None] * len(bodies)
         if not bodies:
             return []
@@ -156,7 +158,9 @@ class ChatClient:
                         return
                     state["next"] = i + 1
                 try:
-                    replies[i] = self._complete_one(bodies[i], i, cancel)
+                    request = bodies[i]() if callable(bodies[i]) else bodies[i]
+                    body = json.dumps(request, separators=(",", ":")).encode("utf-8")
+                    replies[i] = self._complete_one(body, i, cancel)
                 except BaseException as exc:  # noqa: BLE001 -- handed to the caller
                     with lock:
                         state["error"] = state["error"] or exc
