@@ -160,7 +160,7 @@ def _user(body: dict[str, Any]) -> tuple[str, str]:
     return message["content"][0]["image_url"]["url"], message["content"][1]["text"]
 
 
-# --- the presets' requests and scores ----------------------------------------------------------------------------------
+# --- the presets' requests and scores ---------------------------------------------------------------------------------
 
 
 def test_unifiedreward_v1_5_request_and_final_score_over_5():

@@ -330,19 +330,21 @@ class VlmTranscriber:
     list[str]``, one transcription per image (the reply's text, unchanged; '' for an empty reply).
 
     Args: url, model (the served name), the client's keys (rewards/chat.py), and the sampling fields (verl-omni's
-    defaults). ``prefix`` names the keys in messages (e.g. ``reward.recognizer``)."""
+    defaults). ``prefix`` names the keys in messages (e.g. ``reward.recognizer``), ``reward_name`` the reward in
+    its errors (RewardError)."""
 
     def __init__(self, url: str, model: str = "Qwen/Qwen2.5-VL-7B-Instruct", *, timeout_s: float = 120.0,
                  retries: int = 3, backoff_s: float = 1.0, max_concurrency: int = 16, api_key_env: str | None = None,
                  temperature: float = 0.7, top_p: float = 0.8, max_tokens: int = 4096, image_format: str = "png",
-                 prefix: str = "reward"):
+                 prefix: str = "reward", reward_name: str = "ocr"):
         from ddpo_tpu.rewards.base import RewardError
 
         if image_format not in IMAGE_FORMATS:
-            raise RewardError("ocr", f"{prefix}.image_format={image_format!r}: must be one of {list(IMAGE_FORMATS)}")
+            raise RewardError(reward_name, f"{prefix}.image_format={image_format!r}: must be one of "
+                              f"{list(IMAGE_FORMATS)}")
         self.client = ChatClient(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
                                  max_concurrency=max_concurrency, api_key_env=api_key_env,
-                                 error=lambda message: RewardError("ocr", message),
+                                 error=lambda message: RewardError(reward_name, message),
                                  should_stop=lambda: self.should_stop(), prefix=prefix)
         self.model, self.image_format = model, image_format
         self.sampling = {"temperature": float(temperature), "top_p": float(top_p), "max_tokens": int(max_tokens)}
