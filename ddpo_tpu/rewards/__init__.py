@@ -19,6 +19,7 @@ from ddpo_tpu.rewards import aesthetic, clip_score, frame_consistency, pickscore
 # a feature model in the same registry (GRPO's diversity_features), not a score
 from ddpo_tpu.rewards import clip_features  # noqa: E402,F401
 from ddpo_tpu.rewards import digits  # noqa: E402,F401 -- the digits demo's classifier (torch on first use)
+from ddpo_tpu.rewards import vlm_judge  # noqa: E402,F401 -- VLM judges over a chat endpoint (stdlib + PIL)
 
 __all__ = ["REWARDS", "Reward", "RewardError", "make_reward", "register_reward", "to_uint8_images",
            "JpegCompressibility", "JpegIncompressibility"]
