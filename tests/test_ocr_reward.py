@@ -143,3 +143,31 @@ def test_easyocr_reads_a_rendered_word_back():
     values = reward(images, ['a sign that says "hello"', 'a sign that says "hello"'])
     assert values[0] == 1.0 and 0 < values[1] < 1.0  # "helo": one deletion, 1 - 1/5
     assert values[1] == pytest.approx(0.8)
+
+
+def test_vlm_recogniser_transcribes_through_the_chat_endpoint_and_is_scored():
+    # verl-omni's GenRM-OCR transcription (rewards/vlm_judge.py VlmTranscriber, tested in test_vlm_judge.py) as the
+    # recogniser: its replies are scored by flow_grpo's rule; one request per image, the served model as set
+    from tests.test_vlm_judge import _completion, stub_server
+
+    replies = ["Hello World", "Helo Wrld"]
+    with stub_server(lambda body, n: (200, _completion(replies[n]))) as stub:
+        reward = make_reward("ocr", recognizer="vlm", url=stub.url, model="qwen-vl", timeout_s=10,
+                             max_concurrency=1)
+        values = reward(np.zeros((2, 16, 16, 3), np.uint8), ['a sign "hello world"'] * 2)
+    np.testing.assert_allclose(values, [1.0, 0.8], atol=1e-7)
+    assert [r["body"]["model"] for r in stub.requests] == ["qwen-vl", "qwen-vl"]
+    stop = lambda: True  # noqa: E731 -- the trainer's flag reaches the chat client
+    reward.should_stop = stop
+    assert reward.recognize.should_stop is stop
+    with pytest.raises(RewardError, match="reward.url=null"):
+        make_reward("ocr", recognizer="vlm")
+
+
+def test_vlm_recogniser_needs_its_url_at_compose_time(tmp_path):
+    ok = _quoted_prompts(tmp_path, ['a sign that says "OPEN"'])
+    (p,) = _refusal(["+experiment=smoke", "reward=ocr", "reward.recognizer=vlm", *ok])
+    assert p.key == "reward.url" and "/v1" in str(p.fix)
+    v = compose_and_validate(["+experiment=smoke", "reward=ocr", "reward.recognizer=vlm",
+                              "reward.url=http://127.0.0.1:8000/v1", *ok])
+    assert v.cfg.reward.url == "http://127.0.0.1:8000/v1"

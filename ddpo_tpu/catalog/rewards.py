@@ -121,6 +121,29 @@ class RemoteKeys(Keys):
     headers: dict[str, str] | None = None
 
 
+class VlmJudgeKeys(Keys):
+    """A VLM judge behind an OpenAI-compatible chat endpoint (ddpo_tpu/rewards/vlm_judge.py; serving: docs/rewards.md
+    'VLM judges'). null: the preset's value."""
+
+    name: Literal["vlm_judge"]
+    url: str                                           # the API base, http(s)://HOST:PORT/v1 (checked below)
+    preset: Literal["unifiedreward_v1_5", "unifiedreward_v2", "yes_no"] = "unifiedreward_v1_5"
+    model: str | None = Field(default=None, min_length=1)  # the served model name (vLLM: --served-model-name)
+    timeout_s: float = Field(default=120.0, gt=0)      # per request (connect and each read)
+    retries: int = Field(default=3, ge=0, le=20)       # connection errors, timeouts, 5xx and 429
+    backoff_s: float = Field(default=1.0, ge=0)        # first wait; doubles each retry
+    max_concurrency: int = Field(default=16, ge=1, le=1024)  # requests in flight (one image each)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    max_tokens: int | None = Field(default=None, ge=1)  # the reply's token limit
+    api_key_env: str | None = None                     # NAME of the environment variable holding the API key
+    image_format: Literal["png", "jpeg"] | None = None
+    image_size: int | None = Field(default=None, ge=0, le=4096)  # resize to a square first; 0: as generated
+    prompt_template: str | None = Field(default=None, min_length=1)  # the question; {prompt}: the image's prompt
+    top_logprobs: int = Field(default=20, ge=1, le=20)  # yes_no: how many first-token alternatives to read
+    canonicalize: bool = False                         # yes_no: sum every case/space variant of Yes and No
+    unparsed: Literal["zero", "nan"] = "zero"          # a reply with no score: 0 as the references, or NaN
+
+
 # the digit a prompt names for digit_classifier's target=null: its last digit ("a handwritten digit 7" -> 7); read by
 # the reward (rewards/digits.py) and by the front end, which refuses prompts that name none (config/inputs.py)
 PROMPTED_DIGIT = re.compile(r"(\d)\D*$")
@@ -138,6 +161,14 @@ class OcrKeys(Keys):
     # (a function (list of uint8 HxWx3 RGB images) -> list[str]); ddpo_tpu/rewards/ocr.py
     recognizer: str = Field(default="paddle", min_length=1)
     use_gpu: bool = False  # paddle / easyocr on the GPU (the reference's OcrScorer() default: False)
+    # recognizer=vlm (verl-omni's GenRM-OCR through a chat endpoint, rewards/vlm_judge.py VlmTranscriber): the API
+    # base http(s)://HOST:PORT/v1, the served model (null: Qwen/Qwen2.5-VL-7B-Instruct), the NAME of the environment
+    # variable holding an API key, the per-request timeout and the requests in flight
+    url: str | None = None
+    model: str | None = Field(default=None, min_length=1)
+    api_key_env: str | None = None
+    timeout_s: float = Field(default=120.0, gt=0)
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
 
 
 class GenevalKeys(Keys):
@@ -192,17 +223,24 @@ def backend_problems(reward: str, key: str, spec: str, registered: tuple[str, ..
     return None if found else f"module {module!r} of {key} not found"
 
 
-# ddpo_tpu/rewards/ocr.py RECOGNIZERS; the VLM transcription client joins as "vlm" here and in ocr.py's _LAZY
-OCR_RECOGNIZERS = ("paddle", "easyocr")
+OCR_RECOGNIZERS = ("paddle", "easyocr", "vlm")  # ddpo_tpu/rewards/ocr.py RECOGNIZERS and _LAZY
 GENEVAL_DETECTORS = ("mmdet", "transformers")  # ddpo_tpu/rewards/geneval.py DETECTORS
 GENEVAL_COLORS = ("clip", "open_clip")
 
 
 def _ocr_problems(r: OcrKeys, prefix: str) -> list[Problem]:
+    if r.recognizer == "vlm":
+        found = url_problems(f"{prefix}.url", r.url)
+        if r.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.api_key_env):
+            found.append(Problem(f"{prefix}.api_key_env", "<hidden>", "must be the NAME of an environment variable "
+                                 "holding the key, never the key (it would be saved in config.yaml)",
+                                 f"export VLM_API_KEY=... and set {prefix}.api_key_env=VLM_API_KEY"))
+        return [Problem(p.key, p.value, p.reason, f"set {prefix}.url=http://HOST:PORT/v1 (the chat endpoint's API "
+                        "base, e.g. vLLM serving Qwen2.5-VL)") if p.key.endswith(".url") else p for p in found]
     if _in_own_process(r):
         return []
     why = backend_problems("ocr", f"{prefix}.recognizer", r.recognizer, OCR_RECOGNIZERS)
-    return [Problem(f"{prefix}.recognizer", r.recognizer, why, "or choose another recognizer (easyocr or "
+    return [Problem(f"{prefix}.recognizer", r.recognizer, why, "or choose another recognizer (easyocr, vlm or "
                     "module:function)")] if why else []
 
 
@@ -320,6 +358,32 @@ REWARDS.register(RewardSpec("clip_features", "CLIP image features (a feature mod
                             "ddpo_tpu.rewards.clip_features", torch=True, features=True))
 REWARDS.register(RewardSpec("remote", "a reward server over HTTP", RemoteKeys, "ddpo_tpu.rewards.remote",
                             problems=lambda r, prefix: url_problems(f"{prefix}.url", r.url)))
+def _vlm_judge_problems(r: VlmJudgeKeys, prefix: str) -> list[Problem]:
+    """The API base (the client adds /chat/completions); an API key's variable name, never the key; a token limit
+    the preset's reply fits in."""
+    found = url_problems(f"{prefix}.url", r.url)
+    if found:
+        example = "http://127.0.0.1:8000/v1"
+        return [Problem(p.key, p.value, p.reason, f"set {prefix}.url=http://HOST:PORT/v1, e.g. {example}")
+                for p in found]
+    path = urllib.parse.urlsplit(r.url).path.rstrip("/")
+    if path.endswith("/chat/completions"):
+        base = r.url.rstrip("/")[: -len("/chat/completions")]
+        found.append(Problem(f"{prefix}.url", r.url, "the client adds /chat/completions itself: give the API base",
+                             Fix.of({f"{prefix}.url": base})))
+    if r.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.api_key_env):
+        found.append(Problem(f"{prefix}.api_key_env", "<hidden>", "must be the NAME of an environment variable "
+                             "holding the key, never the key (it would be saved in config.yaml)",
+                             f"export VLM_API_KEY=... and set {prefix}.api_key_env=VLM_API_KEY"))
+    # the reply must reach its score: "Final Score: 4" is ~6 tokens, 2.0's three "X Score (1-5): n" lines ~24
+    least = {"unifiedreward_v1_5": 8, "unifiedreward_v2": 24, "yes_no": 1}[r.preset]
+    if r.max_tokens is not None and r.max_tokens < least:
+        found.append(Problem(f"{prefix}.max_tokens", r.max_tokens, f"too few for preset {r.preset}'s reply to reach "
+                             "its score (every image would score as unparsed)",
+                             Fix.of({f"{prefix}.max_tokens": None}, note="(the preset's)")))
+    return found
+
+
 def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, evals: list[str]) -> list[Problem]:
     """target=null scores the digit each prompt names: a prompt that names none would stop the run at its first
     reward, after the run dir is written. One names no digit when every word list has a word without one."""
@@ -345,6 +409,8 @@ REWARDS.register(RewardSpec("ocr", "text between the prompt's quotes read back b
 REWARDS.register(RewardSpec("geneval", "GenEval object, count, colour and position rules on detections",
                             GenevalKeys, "ddpo_tpu.rewards.geneval", torch=True, problems=_geneval_problems,
                             source_problems=_geneval_source_problems))
+REWARDS.register(RewardSpec("vlm_judge", "a VLM judge over an OpenAI-compatible chat endpoint (vLLM, sglang)",
+                            VlmJudgeKeys, "ddpo_tpu.rewards.vlm_judge", problems=_vlm_judge_problems))
 # reward=weighted: a weighted sum of the others; its keys are built by the schema from the components above
 REWARDS.register(RewardSpec("weighted", "a weighted sum of rewards", Keys, "ddpo_tpu.rewards.weighted",
                             composite=True))

