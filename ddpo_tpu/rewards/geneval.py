@@ -88,7 +88,7 @@ CLASSNAMES = (
 # other spellings of the same COCO classes (detectron2 / transformers' id2label) -> GenEval's
 _ALIASES = {"mouse": "computer mouse", "remote": "tv remote", "keyboard": "computer keyboard", "hair dryer": "hair drier",
             "motorbike": "motorcycle", "aeroplane": "airplane", "sofa": "couch", "pottedplant": "potted plant",
-            "diningtable": "dining table", "tvmonitor": "tv", "donut": "donut", "doughnut": "donut"}
+            "diningtable": "dining table", "tvmonitor": "tv", "doughnut": "donut"}
 
 Detection = tuple  # (box xyxy (4,), score, mask bool (H, W) or None)
 Detector = Callable[[Sequence[np.ndarray]], list[Mapping[str, Sequence[Detection]]]]
