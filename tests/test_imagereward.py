@@ -38,7 +38,7 @@ from ddpo_tpu.config.schema import RewardConfig
 from ddpo_tpu.rewards import REWARDS, RewardError, make_reward
 from ddpo_tpu.rewards.from_config import reward_from_config, reward_kwargs
 from ddpo_tpu.rewards.imagereward import ImageRewardReward
-from ddpo_tpu.rewards.tiny_imagereward import build_tiny_imagereward, ensure_tiny_imagereward
+from ddpo_tpu.rewards.tiny_imagereward import ensure_tiny_imagereward, tiny_reference_state_dict
 
 PROMPTS = ["a cat", "a red bicycle on the moon", "two dogs playing chess", 'a sign that says "hello"',
            # longer than 35 tokens once spelt in word pieces: truncated as the reference truncates
@@ -179,7 +179,7 @@ def _reference_scores(tiny, images, prompts):
             text = tok(prompt, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
             image_embeds = _reference_vit(sd, _reference_pixels(image, n_px), heads)
             h = _reference_text_cls(sd, med, text.input_ids, text.attention_mask, image_embeds).float()
-            for i, index in enumerate((0, 2, 4, 6, 7)):   # MLP.layers: Dropouts at 1, 3, 5 are identities in eval
+            for index in (0, 2, 4, 6, 7):   # MLP.layers: the Dropouts at 1, 3, 5 are identities in eval
                 h = _linear(sd, f"mlp.layers.{index}", h)
             out.append(((h - 0.16717362830052426) / 1.0333394966054072).squeeze().item())
     return np.asarray(out, dtype=np.float64)
@@ -206,6 +206,12 @@ def test_registered_and_the_tiny_build_has_the_released_layout(tiny, reward, cac
     # loaded through the real path: the med_config beside the checkpoint, the BERT tokenizer from its directory
     assert reward.med_config == str(med_config) and reward.image_size == 32
     assert reward.model.training is False and reward.device == torch.device("cpu")
+
+
+def test_build_is_seeded():
+    a, b, c = (tiny_reference_state_dict(50, seed=s) for s in (0, 0, 1))
+    key = "blip.text_encoder.encoder.layer.0.crossattention.self.query.weight"
+    assert torch.equal(a[key], b[key]) and not torch.equal(a[key], c[key])
 
 
 def test_layers_are_transformers_blip_classes_with_the_references_structure(reward):
