@@ -100,6 +100,14 @@ class PickScoreKeys(Keys):
     batch_size: int | None = Field(default=None, ge=1)
 
 
+class ImageRewardKeys(Keys):
+    name: Literal["imagereward"]
+    checkpoint: str | None = None     # ImageReward.pt (THUDM/ImageReward) or `tiny`; required
+    med_config: str | None = None     # its med_config.json (null: the one beside checkpoint) or `tiny`
+    tokenizer: str = Field(default="bert-base-uncased", min_length=1)  # BertTokenizer: hub id, local dir or `tiny`
+    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass, the last padded (null: the batch)
+
+
 class ClipFeaturesKeys(Keys):
     name: Literal["clip_features"]
     clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
@@ -175,6 +183,35 @@ def _aesthetic_problems(r: AestheticKeys, prefix: str) -> list[Problem]:
     return _tiny_pair("clip_model", "mlp_path")(r, prefix)
 
 
+IMAGEREWARD_FILES = "hf download THUDM/ImageReward ImageReward.pt med_config.json --local-dir DIR"
+
+
+def _imagereward_problems(r: ImageRewardKeys, prefix: str) -> list[Problem]:
+    """ImageReward.pt and med_config.json must be files here (the reward loads them when the run starts, after the
+    run dir is written); `tiny` (the stand-in: checkpoint, med_config and tokenizer together) is built locally."""
+    fix = f"{IMAGEREWARD_FILES}, then set {prefix}.checkpoint=DIR/ImageReward.pt"
+    ckpt = r.checkpoint
+    if ckpt == TINY or r.tokenizer == TINY or r.med_config == TINY:
+        odd = [k for k in ("checkpoint", "tokenizer") if getattr(r, k) != TINY]
+        odd += ["med_config"] if r.med_config not in (None, TINY) else []
+        if odd:
+            return [Problem(f"{prefix}.{odd[0]}", getattr(r, odd[0]), "the tiny ImageReward stand-in is a checkpoint, "
+                            "med_config and tokenizer together", Fix.of({f"{prefix}.{odd[0]}": TINY},
+                                                                        note="or set all three to real ones"))]
+        return []
+    if not ckpt:
+        return [Problem(f"{prefix}.checkpoint", ckpt, "ImageReward needs its checkpoint, ImageReward.pt", fix)]
+    path = os.path.expanduser(ckpt)
+    if not os.path.isfile(path):
+        return [Problem(f"{prefix}.checkpoint", ckpt, "file not found", fix)]
+    med = os.path.expanduser(r.med_config) if r.med_config else os.path.join(os.path.dirname(path), "med_config.json")
+    if not os.path.isfile(med):
+        key, why = f"{prefix}.med_config", ("file not found" if r.med_config else
+                                             f"null reads med_config.json beside the checkpoint: {med} not found")
+        return [Problem(key, r.med_config, why, f"{IMAGEREWARD_FILES} (beside ImageReward.pt), or set {key}=PATH")]
+    return []
+
+
 def url_problems(key: str, url: Any) -> list[Problem]:
     """An http(s) URL with a host and a valid port."""
     fix = f"set {key}=http://HOST:PORT/PATH, e.g. http://127.0.0.1:8765/score"
@@ -202,6 +239,8 @@ REWARDS.register(RewardSpec("frame_consistency", "frame-to-frame consistency of 
                             FrameConsistencyKeys, "ddpo_tpu.rewards.frame_consistency", torch=True, takes="videos"))
 REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScoreKeys, "ddpo_tpu.rewards.pickscore",
                             torch=True, problems=_tiny_pair("clip_model", "processor")))
+REWARDS.register(RewardSpec("imagereward", "ImageReward v1.0 preference model (BLIP)", ImageRewardKeys,
+                            "ddpo_tpu.rewards.imagereward", torch=True, problems=_imagereward_problems))
 # GARDO's feature model (its code: DINOv3), for algorithm.diversity_features; CLIP's image embedding stands in
 REWARDS.register(RewardSpec("clip_features", "CLIP image features (a feature model, not a score)", ClipFeaturesKeys,
                             "ddpo_tpu.rewards.clip_features", torch=True, features=True))
