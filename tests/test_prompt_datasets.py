@@ -203,7 +203,7 @@ SMALL = ["+experiment=flow_grpo_smoke", "num_epochs=1", "sample.batch_size=8", "
          "prompts=dataset", f"prompts.path={GENEVAL}"]
 
 
-@pytest.mark.parametrize("host_workers", [0, 2])
+@pytest.mark.parametrize("host_workers", [0, 2])  # inline, and in the thread pool while the next batch samples
 def test_the_loop_hands_each_image_its_prompts_metadata_and_logs_extras(tmp_path, model_cache, host_workers):
     from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
@@ -211,21 +211,23 @@ def test_the_loop_hands_each_image_its_prompts_metadata_and_logs_extras(tmp_path
     from tests.helpers import read_metrics
     from tests.helpers.metadata_reward import MetadataRecorder
 
-    evals = ["a photo of two wine glasses", "a photo of a bowl"]  # the eval prompts: looked up in the dataset too
+    # evaluation prompts are looked up in the dataset too: a train row (counting), and one of the test split only ({})
+    evals = ["a photo of four stop signs", "a photo of a bowl"]
     v = compose_and_validate([*SMALL, f"model.cache_dir={model_cache}", f"reward.host_workers={host_workers}",
                               "evaluation.every_n_epochs=1", f"evaluation.prompts=[{','.join(evals)}]"])
     tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
     tr.reward = recorder = MetadataRecorder()
     tr.fit()
 
-    every = {**dict(reference_rows(GENEVAL / "train_metadata.jsonl")), **dict(reference_rows(GENEVAL /
-                                                                                              "test_metadata.jsonl"))}
+    every = dict(reference_rows(GENEVAL / "train_metadata.jsonl"))  # prompts.split=train
+    assert evals[0] in every and evals[1] not in every
     assert len(recorder.calls) == 1 + 2 + 1  # evaluation before training, 2 sampling batches, evaluation after
     for prompts, metadata, _ in recorder.calls:
         assert metadata == [every.get(p, {}) for p in prompts]  # image i's metadata is its prompt's row
     train = [c for c in recorder.calls if set(c[0]) - set(evals)]
     assert len(train) == 2 and all(m for c in train for m in c[1])  # every training row carries its metadata
-    assert recorder.calls[0][1] == [every[p] for p in recorder.calls[0][0]]
+    before = dict(zip(*recorder.calls[0][:2]))  # the evaluation before training: its prompts' rows, or {}
+    assert before == {evals[0]: every[evals[0]], evals[1]: {}}
 
     epoch = read_metrics(tmp_path, "epoch")[0]
     values = np.concatenate([c[2] for c in train]).astype(np.float64)
@@ -239,7 +241,27 @@ def test_the_loop_hands_each_image_its_prompts_metadata_and_logs_extras(tmp_path
         assert extras["counting_brightness"] is None
     assert extras["never"] is None  # applied to no image: null, not NaN
     last = read_metrics(tmp_path, "eval")[-1]
-    assert last["reward_extras"]["counting_brightness"] is not None  # "two wine glasses" is a counting prompt
+    assert last["reward_extras"]["counting_brightness"] is not None  # "four stop signs" is a counting prompt
     done = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
             if '"epoch_done"' in line]
     assert done[-1]["extras"] == extras
+
+
+@pytest.mark.slow  # the real launcher: a process of its own (~40 s on 2 busy cores)
+def test_the_launcher_trains_on_an_ocr_dataset_and_logs_a_weighted_rewards_components(tmp_path, model_cache):
+    """`+experiment=flow_grpo_smoke prompts=dataset prompts.path=<flow_grpo's ocr folder>` end to end with
+    reward=weighted: each component's unweighted epoch mean is logged (issue 38 item 4) and they make up the
+    weighted mean."""
+    from tests.helpers import read_metrics, run_train
+
+    components = "reward.components=[{name:jpeg_compressibility,weight:0.5},{name:jpeg_incompressibility,weight:2.0}]"
+    proc = run_train([*SMALL[:-1], f"prompts.path={OCR}", "reward=weighted", components,
+                      f"model.cache_dir={model_cache}"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    epoch = read_metrics(tmp_path / "outputs" / "flow_grpo_smoke", "epoch")[0]
+    extras = epoch["reward_extras"]
+    assert set(extras) == {"jpeg_compressibility", "jpeg_incompressibility"}
+    want = 0.5 * extras["jpeg_compressibility"] + 2.0 * extras["jpeg_incompressibility"]
+    assert math.isclose(epoch["reward_mean"], want, rel_tol=1e-5), (epoch["reward_mean"], want)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("[epoch 0] done:"))
+    assert f"(jpeg_compressibility {extras['jpeg_compressibility']:.4f}, jpeg_incompressibility " in line
