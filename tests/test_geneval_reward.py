@@ -237,6 +237,33 @@ def test_compose_time_refusals():
     assert p.key == "reward.colors" and "not found" in p.reason
 
 
+def test_compose_accepts_a_geneval_dataset_and_refuses_rows_without_metadata(tmp_path):
+    import json
+
+    rows = [{"tag": "counting", "include": [{"class": "wine glass", "count": 2}],
+             "exclude": [{"class": "wine glass", "count": 3}], "prompt": "a photo of two wine glasses"},
+            {"tag": "single_object", "include": [{"class": "bowl", "count": 1}], "prompt": "a photo of a bowl"}]
+    folder = tmp_path / "geneval"
+    folder.mkdir()
+    (folder / "train_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["+experiment=smoke", "reward=geneval", f"reward.detector={DETECT}", f"reward.colors={COLOURS}",
+            "prompts=dataset", f"prompts.path={folder}"]
+    assert compose_and_validate(base).cfg.reward.detector == DETECT
+    # an OCR-style text file carries no metadata: refused naming prompts.path and the prompt
+    (tmp_path / "ocr.txt").write_text('a sign that says "OPEN"\n')
+    (p,) = _problems(base[:-1] + [f"prompts.path={tmp_path / 'ocr.txt'}"])
+    assert p.key == "prompts.path" and "no GenEval metadata" in p.reason and "OPEN" in p.reason
+    # a row whose clause has no count
+    bad = {"tag": "single_object", "include": [{"class": "bowl"}], "prompt": "a bowl"}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    (p,) = _problems(base[:-1] + [f"prompts.path={tmp_path / 'bad.jsonl'}"])
+    assert p.key == "prompts.path" and "count >= 1" in p.reason
+    # evaluation prompts the dataset does not hold have no metadata either
+    (p,) = _problems(base + ["evaluation.every_n_epochs=1", "evaluation.prompts=[a photo of a cat]"])
+    assert p.key == "evaluation.prompts" and "a photo of a cat" in p.reason
+    compose_and_validate(base + ["evaluation.every_n_epochs=1", "evaluation.prompts=[a photo of a bowl]"])
+
+
 # -- the in-process backends on tiny random-weight models (loaded through from_pretrained) --------------------------
 
 

@@ -104,6 +104,12 @@ def test_compose_time_refusals(tmp_path):
     assert "empty" in p.reason and "'an empty \"\" one'" in p.reason
     (p,) = _refusal(base + ok + ["evaluation.every_n_epochs=1", "evaluation.prompts=[a dog]"])
     assert "evaluation.prompts" in p.reason
+    # a dataset text file (flow_grpo's dataset/ocr layout) is checked the same way
+    folder = tmp_path / "ocr"
+    folder.mkdir()
+    (folder / "train.txt").write_text('A mug that says "Coffee"\nA plain mug\n')
+    (p,) = _refusal(base + ["prompts=dataset", f"prompts.path={folder}"])
+    assert p.key == "reward.name" and "'A plain mug'" in p.reason
     # a weighted component is checked too
     (p,) = _refusal(["+experiment=smoke", "reward=weighted", "reward.components=[{name: ocr, weight: 1.0, "
                      f"recognizer: '{STUB}'}}]"])

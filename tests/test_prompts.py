@@ -31,7 +31,7 @@ def read_asset(name: str) -> list[str]:
 
 
 def test_prompt_sets_constant():
-    assert PROMPT_SETS == ("imagenet_animals", "simple_animals", "nouns_activities", "from_file")
+    assert PROMPT_SETS == ("imagenet_animals", "simple_animals", "nouns_activities", "from_file", "dataset")
 
 
 def test_imagenet_classes_asset():

@@ -46,9 +46,11 @@ class RewardSpec:
     # what it needs of the prompts: (keys, dotted prefix, the prompt source's word lists (a prompt is one word of
     # each), the evaluation prompts) -> problems (config/inputs.py calls it for the run's reward and each component)
     prompt_problems: Callable[[Any, str, Any, list[str]], list[Problem]] = lambda keys, prefix, parts, evals: []
-    # what it needs of the prompt source itself: (keys, dotted prefix, the `prompts` config) -> problems (GenEval needs
-    # per-prompt metadata, which only prompts=dataset carries; config/inputs.py calls it beside prompt_problems)
-    source_problems: Callable[[Any, str, Any], list[Problem]] = lambda keys, prefix, prompts: []
+    # what it needs of the prompt source itself: (keys, dotted prefix, the `prompts` config, the built source, the
+    # evaluation prompts) -> problems (GenEval needs each prompt's metadata, which only prompts=dataset carries;
+    # config/inputs.py calls it beside prompt_problems)
+    source_problems: Callable[[Any, str, Any, Any, list[str]], list[Problem]] = \
+        lambda keys, prefix, prompts, source, evals: []
 
 
 REWARDS: Registry[RewardSpec] = Registry("reward")
@@ -102,6 +104,14 @@ class PickScoreKeys(Keys):
     clip_model: str = Field(default="yuvalkirstain/PickScore_v1", min_length=1)  # CLIPModel: hub id, dir or `tiny`
     processor: str = Field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", min_length=1)  # CLIPProcessor or `tiny`
     batch_size: int | None = Field(default=None, ge=1)
+
+
+class ImageRewardKeys(Keys):
+    name: Literal["imagereward"]
+    checkpoint: str | None = None     # ImageReward.pt (THUDM/ImageReward) or `tiny`; required
+    med_config: str | None = None     # its med_config.json (null: the one beside checkpoint) or `tiny`
+    tokenizer: str = Field(default="bert-base-uncased", min_length=1)  # BertTokenizer: hub id, local dir or `tiny`
+    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass, the last padded (null: the batch)
 
 
 class ClipFeaturesKeys(Keys):
@@ -290,16 +300,36 @@ def _geneval_problems(r: GenevalKeys, prefix: str) -> list[Problem]:
     return problems
 
 
-def _geneval_source_problems(r: GenevalKeys, prefix: str, prompts: Any) -> list[Problem]:
-    """GenEval scores each image against its prompt's metadata (tag, include, exclude): only prompts=dataset (a
-    GenEval metadata JSONL) carries it."""
+def _geneval_row_problem(row: Any) -> str | None:
+    """What makes a metadata row unusable by GenEval's rules (rewards/geneval.py reads tag, include, exclude)."""
+    if not isinstance(row.get("tag"), str) or not isinstance(row.get("include", []), list):
+        return "has no GenEval metadata (a `tag` and an `include` list)"
+    for req in [*row.get("include", []), *row.get("exclude", [])]:
+        if not isinstance(req, dict) or not isinstance(req.get("class"), str) or type(req.get("count")) is not int \
+                or req["count"] < 1:
+            return f"has a clause {req!r} without a class and a count >= 1"
+    return None
+
+
+def _geneval_source_problems(r: GenevalKeys, prefix: str, prompts: Any, source: Any, evals: list[str]
+                             ) -> list[Problem]:
+    """GenEval scores each image against its prompt's metadata (tag, include, exclude): only prompts=dataset on a
+    GenEval metadata JSONL carries it, for every training prompt and every evaluation prompt."""
     name = getattr(prompts, "name", None)
-    if name == "dataset":
-        return []
-    return [Problem("prompts", name, f"{prefix}=geneval scores each image against its prompt's metadata (tag, "
-                    "include, exclude) and these prompts carry none",
-                    "set prompts=dataset prompts.path=.../geneval (a folder with train_metadata.jsonl / "
-                    "test_metadata.jsonl) prompts.split=train")]
+    fix = "set prompts=dataset prompts.path=.../geneval (a folder with train_metadata.jsonl / test_metadata.jsonl)"
+    if name != "dataset":
+        return [Problem("prompts", name, f"{prefix}=geneval scores each image against its prompt's metadata (tag, "
+                        "include, exclude) and these prompts carry none", fix)]
+    texts = list(source.parts[0]) if getattr(source, "parts", None) else []
+    for where, batch in (("prompts.path", texts), ("evaluation.prompts", list(evals))):
+        for prompt, row in zip(batch, source.metadata(batch)):
+            why = _geneval_row_problem(row)
+            if why:
+                value = getattr(prompts, "path", None) if where == "prompts.path" else f"[{prompt}, ...]"
+                return [Problem(where, value, f"{prefix}=geneval: the prompt {prompt!r} {why}",
+                                fix if where == "prompts.path" else "use prompts of the GenEval dataset, or "
+                                "evaluation.every_n_epochs=0")]
+    return []
 
 
 def _tiny_pair(a: str, b: str) -> Callable[[Any, str], list[Problem]]:
@@ -324,6 +354,35 @@ def _aesthetic_problems(r: AestheticKeys, prefix: str) -> list[Problem]:
     if r.mlp_path != TINY and not os.path.isfile(os.path.expanduser(r.mlp_path)):
         return [Problem(f"{prefix}.mlp_path", r.mlp_path, "file not found", "give the path of the MLP weights")]
     return _tiny_pair("clip_model", "mlp_path")(r, prefix)
+
+
+IMAGEREWARD_FILES = "hf download THUDM/ImageReward ImageReward.pt med_config.json --local-dir DIR"
+
+
+def _imagereward_problems(r: ImageRewardKeys, prefix: str) -> list[Problem]:
+    """ImageReward.pt and med_config.json must be files here (the reward loads them when the run starts, after the
+    run dir is written); `tiny` (the stand-in: checkpoint, med_config and tokenizer together) is built locally."""
+    fix = f"{IMAGEREWARD_FILES}, then set {prefix}.checkpoint=DIR/ImageReward.pt"
+    ckpt = r.checkpoint
+    if ckpt == TINY or r.tokenizer == TINY or r.med_config == TINY:
+        odd = [k for k in ("checkpoint", "tokenizer") if getattr(r, k) != TINY]
+        odd += ["med_config"] if r.med_config not in (None, TINY) else []
+        if odd:
+            return [Problem(f"{prefix}.{odd[0]}", getattr(r, odd[0]), "the tiny ImageReward stand-in is a checkpoint, "
+                            "med_config and tokenizer together", Fix.of({f"{prefix}.{odd[0]}": TINY},
+                                                                        note="or set all three to real ones"))]
+        return []
+    if not ckpt:
+        return [Problem(f"{prefix}.checkpoint", ckpt, "ImageReward needs its checkpoint, ImageReward.pt", fix)]
+    path = os.path.expanduser(ckpt)
+    if not os.path.isfile(path):
+        return [Problem(f"{prefix}.checkpoint", ckpt, "file not found", fix)]
+    med = os.path.expanduser(r.med_config) if r.med_config else os.path.join(os.path.dirname(path), "med_config.json")
+    if not os.path.isfile(med):
+        key, why = f"{prefix}.med_config", ("file not found" if r.med_config else
+                                             f"null reads med_config.json beside the checkpoint: {med} not found")
+        return [Problem(key, r.med_config, why, f"{IMAGEREWARD_FILES} (beside ImageReward.pt), or set {key}=PATH")]
+    return []
 
 
 def url_problems(key: str, url: Any) -> list[Problem]:
@@ -353,6 +412,8 @@ REWARDS.register(RewardSpec("frame_consistency", "frame-to-frame consistency of 
                             FrameConsistencyKeys, "ddpo_tpu.rewards.frame_consistency", torch=True, takes="videos"))
 REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScoreKeys, "ddpo_tpu.rewards.pickscore",
                             torch=True, problems=_tiny_pair("clip_model", "processor")))
+REWARDS.register(RewardSpec("imagereward", "ImageReward v1.0 preference model (BLIP)", ImageRewardKeys,
+                            "ddpo_tpu.rewards.imagereward", torch=True, problems=_imagereward_problems))
 # GARDO's feature model (its code: DINOv3), for algorithm.diversity_features; CLIP's image embedding stands in
 REWARDS.register(RewardSpec("clip_features", "CLIP image features (a feature model, not a score)", ClipFeaturesKeys,
                             "ddpo_tpu.rewards.clip_features", torch=True, features=True))

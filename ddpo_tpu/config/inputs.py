@@ -54,14 +54,16 @@ def resume_problems(resume: str) -> list[Problem]:
 
 
 def prompt_problems(cfg: RunConfig) -> list[Problem]:
-    """Build the prompt source as the training process will (same reader): missing, binary or empty files."""
-    from ddpo_tpu.prompts import PromptError, make_prompt_source
+    """Build the prompt source as the training process will (same reader): missing, binary or empty files; a
+    dataset's missing folder or split file, invalid JSON rows (file:line), rows without a prompt, one prompt text with
+    two metadata (prompts/datasets.py)."""
+    from ddpo_tpu.prompts import PromptError, source_from_config
 
     p = cfg.prompts
     if p.name == "from_file" and not p.file:
         return [Problem("prompts.file", p.file, "prompts=from_file needs a file", "set prompts.file=PATH")]
     try:
-        source = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file)
+        source = source_from_config(p)
     except PromptError as e:
         return [Problem(e.key, e.value, e.reason, e.fix)]
     return _reward_prompt_problems(cfg, source)
@@ -77,7 +79,7 @@ def _reward_prompt_problems(cfg: RunConfig, source) -> list[Problem]:
     evals = cfg.evaluation.prompts if cfg.evaluation.every_n_epochs > 0 else []
     return [p for prefix, reward in rewards
             for p in [*REWARDS.get(reward.name).prompt_problems(reward, prefix, source.parts, evals),
-                      *REWARDS.get(reward.name).source_problems(reward, prefix, cfg.prompts)]]
+                      *REWARDS.get(reward.name).source_problems(reward, prefix, cfg.prompts, source, evals)]]
 
 
 def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:

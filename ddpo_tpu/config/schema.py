@@ -180,10 +180,14 @@ class EvaluationConfig(_Strict):
 
 
 class PromptsConfig(_Strict):
-    name: Literal["imagenet_animals", "simple_animals", "nouns_activities", "from_file"]
+    name: Literal["imagenet_animals", "simple_animals", "nouns_activities", "from_file", "dataset"]
     file: str | None
     nouns_file: str | None
     activities_file: str | None
+    # name=dataset: a flow_grpo / DiffusionNFT dataset folder or a .txt / .jsonl file (ddpo_tpu/prompts/datasets.py),
+    # and which of the folder's splits to read
+    path: str | None = None
+    split: Literal["train", "test"] = "train"
 
 
 class MeshConfig(_Strict):

@@ -18,6 +18,9 @@ The prompt sets follow the reference DDPO implementation (kvablack/ddpo-pytorch,
     ``prompts.activities_file`` override them.
 ``from_file``
     One prompt per non-empty line of ``prompts.file``.
+``dataset``
+    flow_grpo's / DiffusionNFT's ``dataset/<name>/`` folders (``prompts.path``, ``prompts.split``), each prompt
+    with its row's metadata (``datasets.py``).
 
 Sampling is uniform with replacement and driven only by the
 ``numpy.random.Generator`` passed in, so it is reproducible from a seed.
@@ -42,11 +45,12 @@ __all__ = [
     "PromptError",
     "PromptSource",
     "make_prompt_source",
+    "source_from_config",
     "asset_path",
     "with_indefinite_article",
 ]
 
-PROMPT_SETS: tuple[str, ...] = ("imagenet_animals", "simple_animals", "nouns_activities", "from_file")
+PROMPT_SETS: tuple[str, ...] = ("imagenet_animals", "simple_animals", "nouns_activities", "from_file", "dataset")
 
 # Shipped word lists (ddpo_tpu/prompts/assets).
 IMAGENET_CLASSES_FILE = "imagenet_classes.txt"
@@ -239,6 +243,10 @@ class PromptSource:
             out.append(" ".join(reversed(words)))
         return out
 
+    def metadata(self, prompts: Sequence[str]) -> list[dict]:
+        """Each prompt's metadata for the reward: {} for a word list (a dataset's rows carry theirs)."""
+        return [{} for _ in prompts]
+
     @property
     def vocabulary(self) -> list[str]:
         """Every distinct prompt this source can produce, in a stable order."""
@@ -261,7 +269,7 @@ class PromptSource:
 def _reject_unused(name: str, **unused: str | None) -> None:
     for key, value in unused.items():
         if value is not None:
-            users = "from_file" if key == "file" else "nouns_activities"
+            users = {"file": "from_file", "path": "dataset"}.get(key, "nouns_activities")
             raise PromptError(f"prompts.{key}", value, f"only used with prompts.name={users}, but "
                               f"prompts.name={name}", f"drop prompts.{key} or set it to null")
 
@@ -271,15 +279,25 @@ def make_prompt_source(
     file: str | None = None,
     nouns_file: str | None = None,
     activities_file: str | None = None,
+    path: str | None = None,
+    split: str = "train",
 ) -> PromptSource:
     """Build the prompt source named ``name`` (one of :data:`PROMPT_SETS`).
 
     ``file`` (``prompts.file``) is required for ``from_file``; ``nouns_file`` and
-    ``activities_file`` are optional for ``nouns_activities``.  Giving an option
+    ``activities_file`` are optional for ``nouns_activities``; ``path`` (a dataset folder or file) is required for
+    ``dataset``, whose folder's file ``split`` chooses.  Giving an option
     that the chosen source does not use is an error.  Raises :class:`PromptError`.
     """
     if name not in PROMPT_SETS:
         raise PromptError("prompts.name", repr(name), "unknown prompt set", f"use one of {', '.join(PROMPT_SETS)}")
+    if name != "dataset":
+        _reject_unused(name, path=path)
+    if name == "dataset":
+        from ddpo_tpu.prompts.datasets import read_dataset
+
+        _reject_unused(name, file=file, nouns_file=nouns_file, activities_file=activities_file)
+        return read_dataset(path, split, name)
     if name == "imagenet_animals":
         _reject_unused(name, file=file, nouns_file=nouns_file, activities_file=activities_file)
         classes = _load_asset(IMAGENET_CLASSES_FILE)
@@ -306,3 +324,10 @@ def make_prompt_source(
         raise PromptError("prompts.file", None, "required when prompts.name=from_file",
                           "prompts.file=/path/to/prompts.txt")
     return PromptSource(name, [_load_user_file("file", file, "prompt")])
+
+
+def source_from_config(p) -> PromptSource:
+    """The prompt source of the typed `prompts` config (config/schema.py PromptsConfig): the same reader at compose
+    time (config/inputs.py) and in the training process."""
+    return make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file, activities_file=p.activities_file,
+                              path=p.path, split=p.split)

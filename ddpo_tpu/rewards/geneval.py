@@ -337,14 +337,15 @@ class GenevalReward(Reward):
         n = len(images)
         values = np.zeros(n, np.float32)
         strict = np.zeros(n, np.float32)
-        tags = list(dict.fromkeys([*TAGS, *(row["tag"] for row in metadata)]))
-        per_tag = {t: np.full(n, math.nan, np.float32) for t in tags}
+        # the same extras every call (the processes gather them by name): the six tags; another tag counts in strict
+        per_tag = {t: np.full(n, math.nan, np.float32) for t in TAGS}
         lenient = np.zeros(n, np.float32)
         for i, (image, dets, row) in enumerate(zip(images, raw, metadata)):
             objects = keep_detections(dets, row["tag"])
             ok, values[i] = evaluate_reward(image, objects, row, self.classify)
             strict[i] = float(ok)
-            per_tag[row["tag"]][i] = float(ok)
+            if row["tag"] in per_tag:
+                per_tag[row["tag"]][i] = float(ok)
             if self.lenient_accuracy:
                 lenient[i] = float(evaluate(image, objects, row, self.classify))
         extras = {"geneval/strict": strict, **{f"geneval/{t}": v for t, v in per_tag.items()}}

@@ -275,6 +275,9 @@ class CheckpointSaved(Event, kind="checkpoint", text="[epoch {epoch}] checkpoint
     path: str
 
 
+EXTRAS_SHOWN = 3  # reward extras on an epoch's console line (weighted: its first components); metrics.jsonl has all
+
+
 class EpochDone(Event, kind="epoch_done"):
     epoch: int
     reward_mean: float
@@ -283,13 +286,23 @@ class EpochDone(Event, kind="epoch_done"):
     clipfrac: float
     updates: int
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    # each reward extra's epoch mean (None: applied to no image); the line shows the first EXTRAS_SHOWN
+    extras: dict[str, float | None] = field(default_factory=dict)
 
     def text(self) -> str:
         phases = ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
                            + (f"+{v['replicate_compilations']}r" if "replicate_compilations" in v else "")
                            for k, v in self.phases.items())
-        return (f"[epoch {self.epoch}] done: reward {self.reward_mean:.4f} +- {self.reward_std:.4f}, approx_kl "
-                f"{self.approx_kl:.2e}, clipfrac {self.clipfrac:.3f}, {self.updates} updates, {phases}")
+        return (f"[epoch {self.epoch}] done: reward {self.reward_mean:.4f} +- {self.reward_std:.4f}{self._extras()}, "
+                f"approx_kl {self.approx_kl:.2e}, clipfrac {self.clipfrac:.3f}, {self.updates} updates, {phases}")
+
+    def _extras(self) -> str:
+        """" (pickscore 0.2210, aesthetic 5.1034, +2 more)": the first few extras (metrics.jsonl has them all)."""
+        if not self.extras:
+            return ""
+        shown = [f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in list(self.extras.items())[:EXTRAS_SHOWN]]
+        more = len(self.extras) - len(shown)
+        return " (" + ", ".join(shown + ([f"+{more} more"] if more else [])) + ")"
 
 
 # --- writing and reading ---------------------------------------------------------------------------------------------

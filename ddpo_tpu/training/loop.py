@@ -36,6 +36,7 @@ from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.diffusion.window import sde_window_at
 from ddpo_tpu.families import Cond, load_family
+from ddpo_tpu.rewards.base import RewardScores
 from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir.files import RunDir
 from ddpo_tpu.runtime import Runtime
@@ -58,6 +59,40 @@ class SampledEpoch:
     pending_rewards: list        # per batch: a Future or an array
     first_images: np.ndarray     # the first batch's uint8 images, or a video family's videos (the samples' files)
     scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
+    extras: dict | None = None   # the reward's extras (RewardScores.extras), gathered: name -> (N,), NaN = n/a
+
+
+def score_images(reward, images: np.ndarray, prompts: list[str], metadata) -> RewardScores:
+    """`reward.score(images, prompts, metadata=)` (rewards/base.py); a plain callable (images, prompts) -> values
+    in its place (tests swap one in) scores without metadata and reports no extras."""
+    if hasattr(reward, "score"):
+        return reward.score(images, prompts, metadata=metadata)
+    return RewardScores(np.asarray(reward(images, prompts)))
+
+
+def gather_extras(rt: Runtime, scored: list[RewardScores]) -> dict[str, np.ndarray]:
+    """The extras of an epoch's reward calls (this process's rows, batch by batch), each gathered over the processes
+    like the rewards: name -> (N,) float, NaN where it does not apply. A name missing from a batch is NaN there.
+    Every process gathers the same names in the same (sorted) order: a reward reports the same extras on every call
+    (rewards/base.py), so the processes agree."""
+    names = sorted({k for s in scored for k in s.extras})
+    if not names:
+        return {}
+    # one gather per batch: its extras side by side, (local rows, names) -> (global rows, names)
+    nan = lambda s: np.full(len(s.values), np.nan)
+    table = np.concatenate([rt.gather_rows(np.stack([np.asarray(s.extras.get(k, nan(s)), dtype=np.float64)
+                                                     for k in names], axis=1)) for s in scored])
+    return {k: table[:, j] for j, k in enumerate(names)}
+
+
+def extras_means(extras: dict[str, np.ndarray] | None) -> dict[str, float | None]:
+    """Each extra's mean over the images it applies to (finite values: NaN = does not apply); None where it applies
+    to none (metrics.jsonl stays valid JSON)."""
+    out = {}
+    for k, v in (extras or {}).items():
+        ok = np.isfinite(v)
+        out[k] = float(v[ok].mean()) if ok.any() else None
+    return out
 
 
 def make_algorithm(cfg):
@@ -116,7 +151,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir, tree: dict | None = None,
                  stop: StopRequest | None = None, events: ev.EventLog | None = None):
-        from ddpo_tpu.prompts import make_prompt_source
+        from ddpo_tpu.prompts import source_from_config
         from ddpo_tpu.rewards.from_config import reward_from_config
 
         self.cfg, self.rt, self.out = cfg, rt, out
@@ -131,9 +166,7 @@ class Trainer:
         self.family.denoiser = rt.prepare_model(self.family.model)  # DDP's wrapper, or FSDP2 in place
         self.state = TrainState(self.family.model, cfg.train, rt)
         self.algorithm = make_algorithm(cfg)
-        p = cfg.prompts
-        self.prompts = make_prompt_source(p.name, file=p.file, nouns_file=p.nouns_file,
-                                          activities_file=p.activities_file)
+        self.prompts = source_from_config(cfg.prompts)  # a dataset's rows carry metadata for the reward
         # a video family scores every frame with the (image) reward and reduces over frames
         self.reward = self.family.wrap_reward(reward_from_config(cfg.reward, model_cache_dir=cfg.model.cache_dir,
                                                                  device=rt.device,
@@ -245,21 +278,25 @@ class Trainer:
         saving = self.checkpoints.due(epoch) or stopping
         with clock.measure("checkpoint"):  # the copy to the host and the writes; the commit comes last
             pending = self.checkpoints.save(epoch) if saving else None
+        extras = extras_means(sampled.extras)
         self.report.epoch(epoch, self.global_step, sampled.first_images, sampled.prompts, rewards, steps, clock,
-                          self.algorithm.epoch_metrics)
+                          self.algorithm.epoch_metrics, extras)
         if saving:  # after every output of the epoch: a kill before this line redoes the epoch
             self.checkpoints.commit(epoch, pending)
         elif self.rt.is_main:
             self.out.publish()  # bucket copy of the epoch's files (a checkpoint epoch publishes in its commit)
-        self.report.epoch_done(epoch, rewards, steps, clock)
+        self.report.epoch_done(epoch, rewards, steps, clock, extras)
         self.checkpoints.stop_if_requested(epoch, stopping)
 
     # --- sampling and rewards ---------------------------------------------------------------------------------
-    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | np.ndarray | tuple:
-        fn = self.reward
+    def _score(self, images: np.ndarray, prompts: list[str]) -> Future | RewardScores | tuple:
+        """The reward's RewardScores of these images (each with its prompt's metadata), or (RewardScores, the
+        algorithm's scores); a Future of it with reward.host_workers (scored while the next batch samples)."""
+        metadata = self.prompts.metadata(prompts)  # looked up here: the thread gets its own rows
+        fn = lambda i, p, m: score_images(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
-            fn = lambda i, p: (self.reward(i, p), self.image_scores(i, p))
-        return fn(images, prompts) if self.pool is None else self.pool.submit(fn, images, prompts)
+            fn = lambda i, p, m: (score_images(self.reward, i, p, m), self.image_scores(i, p))
+        return fn(images, prompts, metadata) if self.pool is None else self.pool.submit(fn, images, prompts, metadata)
 
     def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False,
                       sde_window: tuple[int, int] | None = None
@@ -314,7 +351,8 @@ class Trainer:
                 sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
                                   for k in done[0][1]}
                 done = [d[0] for d in done]
-            rewards = np.concatenate([self.rt.gather_rows(np.asarray(d)) for d in done])
+            rewards = np.concatenate([self.rt.gather_rows(np.asarray(d.values)) for d in done])
+            sampled.extras = gather_extras(self.rt, done)
         except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
             self.checkpoints.stop_if_requested(epoch - 1)
             raise
@@ -366,10 +404,13 @@ class Trainer:
         with self.state.ema_weights():
             _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed), evaluation=True)
         local = prompts[self.rt.local_rows(len(prompts))]  # the rows this process sampled
-        rewards = self.rt.gather_rows(np.asarray(self.reward(images, local), dtype=np.float64))
+        scored = score_images(self.reward, images, local, self.prompts.metadata(local))
+        rewards = self.rt.gather_rows(np.asarray(scored.values, dtype=np.float64))
+        extras = extras_means(gather_extras(self.rt, [scored]))
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
         rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()), "per_prompt": per_prompt,
+               **({"reward_extras": extras} if extras else {}),
                **({"before_training": True} if epoch == ev.BEFORE_TRAINING else {})}
         self.report.evaluation(rec, images, prompts, rewards)
         return rec

@@ -97,8 +97,11 @@ class Reporter:
         self.events.emit(ev.Evaluated(rec["epoch"], rec["reward_mean"], rec["reward_std"]))
 
     def epoch(self, epoch: int, global_step: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
-              steps: list[dict], clock: PhaseClock, algorithm_metrics: dict) -> None:
-        """The epoch's outputs: its sample grid and its metrics line (written before the checkpoint's commit)."""
+              steps: list[dict], clock: PhaseClock, algorithm_metrics: dict,
+              extras: dict[str, float | None] | None = None) -> None:
+        """The epoch's outputs: its sample grid and its metrics line (written before the checkpoint's commit).
+        `extras`: each reward extra's mean over the images it applies to (reward=weighted: its components'
+        unweighted values), logged as the record's `reward_extras`."""
         rt = self.rt
         reward_mean, reward_std = float(np.nanmean(rewards)), float(np.nanstd(rewards))
         self._ran.append((epoch, reward_mean))
@@ -116,6 +119,7 @@ class Reporter:
                       "reward_max": float(np.nanmax(rewards)), "num_samples": int(rewards.size),
                       **{k: _mean(steps, k) for k in self.stat_names},
                       **algorithm_metrics,  # GRPO: kept_fraction, actual_batch_size, zero_std_ratio
+                      **({"reward_extras": extras} if extras else {}),
                       "host_seconds": round(clock.total("host_seconds"), 4),
                       "host_peak_rss_gib": round(peak_rss_gib(), 3),
                       "device_peak_gib": rt.device_peak_gib(),
@@ -123,6 +127,7 @@ class Reporter:
                       "new_replicate_compilations": int(clock.total("replicate_compilations")),
                       "phases": clock.phases})
         self.tracker.log({"epoch": epoch, "reward_mean": reward_mean, "reward_std": reward_std,
+                          **{f"reward_extras/{k}": v for k, v in (extras or {}).items() if v is not None},
                           "phases": clock.phases}, step=global_step)
 
     def _save(self, epoch: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray, name: str = "epoch"):
@@ -133,11 +138,13 @@ class Reporter:
         self.out.save_image_grid(epoch, images, prompts, rewards, name=name)
         return None
 
-    def epoch_done(self, epoch: int, rewards: np.ndarray, steps: list[dict], clock: PhaseClock) -> None:
+    def epoch_done(self, epoch: int, rewards: np.ndarray, steps: list[dict], clock: PhaseClock,
+                   extras: dict[str, float | None] | None = None) -> None:
         """The event that ends an epoch (after its commit)."""
         nan_mean = lambda k: _mean(steps, k) if steps and k in steps[0] else float("nan")  # (NFT has no ratio)
         self.events.emit(ev.EpochDone(epoch, float(np.nanmean(rewards)), float(np.nanstd(rewards)),
-                                      nan_mean("approx_kl"), nan_mean("clipfrac"), len(steps), clock.phases))
+                                      nan_mean("approx_kl"), nan_mean("clipfrac"), len(steps), clock.phases,
+                                      dict(extras or {})))
 
     def finish(self, global_step: int) -> None:
         self.tracker.finish()
