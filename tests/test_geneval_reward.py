@@ -323,3 +323,60 @@ def test_clip_colours_are_the_zero_shot_argmax_of_the_three_templates(tiny_model
     assert got == [COLORS[i] for i in (img @ w.T).argmax(1).tolist()]
     assert len(set(got)) >= 1 and all(g in COLORS for g in got)
     assert isinstance(model, CLIPModel)
+
+
+# -- in a training run ----------------------------------------------------------------------------------------------
+
+# tests/data/flow_grpo/geneval/train_metadata.jsonl's prompts, scored by hand under detect_everything + all_brown
+# (each class found once, whole-image boxes, every colour brown): counting 4 -> 1 - 3/4; counting 3 -> 1 - 2/3;
+# position: identical boxes hold no relation -> (1, 1, 0.0, 1.0); colour_attr yellow / pink -> (1, 0, 1, 0)
+BY_HAND = {"a photo of four stop signs": (0.25, 0), "a photo of three oranges": (1 / 3, 0),
+           "a photo of a fork": (1.0, 1), "a photo of a chair left of a zebra": (0.75, 0),
+           "a photo of a broccoli and a vase": (1.0, 1), "a photo of a brown chair": (1.0, 1),
+           "a photo of a yellow dining table and a pink dog": (0.5, 0), "a photo of a frisbee and an apple": (1.0, 1)}
+
+
+@pytest.mark.slow  # a tiny SD3 epoch in-process: 54 s on 2 busy cores, most of it the model build a session shares
+def test_a_geneval_run_trains_on_the_partial_credit_and_logs_strict_and_per_tag_accuracy(tmp_path, model_cache):
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import loop
+    from tests.helpers import read_metrics
+
+    data = Path(__file__).parent / "data" / "flow_grpo" / "geneval"
+    rows = [json.loads(line) for line in (data / "train_metadata.jsonl").read_text().splitlines()]
+    assert {r["prompt"] for r in rows} == set(BY_HAND)
+    v = compose_and_validate([
+        "+experiment=flow_grpo_smoke", "num_epochs=1", "sample.batch_size=8", "sample.num_batches_per_epoch=1",
+        "train.batch_size=8", "train.gradient_accumulation_steps=1", "algorithm.group_size=4", "sample.num_steps=2",
+        "prompts=dataset",
+        f"prompts.path={data}", "reward=geneval", "reward.detector=tests.helpers.reward_stubs:detect_everything",
+        "reward.colors=tests.helpers.reward_stubs:all_brown", "reward.host_workers=0",
+        f"model.cache_dir={model_cache}"])
+    tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    calls = []
+    score = tr.reward.score
+
+    def recording(images, prompts, metadata=None):
+        out = score(images, prompts, metadata=metadata)
+        calls.append((list(prompts), out))
+        return out
+
+    tr.reward.score = recording
+    tr.fit()
+    (prompts, out), = calls
+    np.testing.assert_allclose(out.values, [BY_HAND[p][0] for p in prompts], rtol=1e-6)
+    strict = np.array([BY_HAND[p][1] for p in prompts], float)
+    np.testing.assert_array_equal(out.extras["geneval/strict"], strict)
+    epoch = read_metrics(tmp_path, "epoch")[0]
+    assert epoch["reward_mean"] == pytest.approx(out.values.mean(), rel=1e-6)
+    extras = epoch["reward_extras"]
+    assert extras["geneval/strict"] == pytest.approx(strict.mean())
+    tags = {r["prompt"]: r["tag"] for r in rows}
+    for tag in TAGS:  # per-tag strict accuracy over that tag's images; null where the epoch drew none
+        mine = [BY_HAND[p][1] for p in prompts if tags[p] == tag]
+        assert extras[f"geneval/{tag}"] == (pytest.approx(np.mean(mine)) if mine else None), tag
