@@ -226,15 +226,44 @@ def test_compose_time_refusals():
     # word-list prompts carry no metadata: refused, naming prompts and the dataset fix
     (p,) = _problems(base)
     assert p.key == "prompts" and p.value == "simple_animals" and "prompts=dataset prompts.path=" in str(p.fix)
-    probs = _problems(base[:2])  # the group's default detector: mmdet (absent here), and no checkpoint
+    # the reference's backends (conf/reward/geneval.yaml's defaults; the tiny model's reward_local swaps in stand-ins)
+    probs = _problems(base[:2] + ["reward.detector=mmdet", "reward.detector_model=null", "reward.colors=open_clip"])
     keys = {q.key for q in probs}
     assert "reward.detector_model" in keys and "prompts" in keys
     import importlib.util
     if importlib.util.find_spec("mmdet") is None:
         (d,) = [q for q in probs if q.key == "reward.detector"]
         assert d.value == "mmdet" and "scripts/reward_envs/geneval_mmdet.sh" in d.reason
+    if importlib.util.find_spec("open_clip") is None:
+        (c,) = [q for q in probs if q.key == "reward.colors"]
+        assert c.value == "open_clip" and c.suggested() == ["reward.colors=clip"]
     (p, *_) = [q for q in _problems(base + ["reward.colors=no_such_module_y:f"]) if q.key != "prompts"]
     assert p.key == "reward.colors" and "not found" in p.reason
+    (p, *_) = [q for q in _problems(base[:2] + ["reward.detector=mmdet"]) if q.key == "reward.detector_model"]
+    assert p.value == "tiny" and p.suggested() == ["reward.detector=transformers"]
+
+
+def test_the_tiny_models_stand_ins_run_geneval_in_process(tmp_path):
+    """conf/reward_local/geneval_tiny*.yaml: with a tiny model, the transformers detector on a tiny Mask2Former and
+    CLIP colours on the tiny CLIP, built in the model cache and resolved by reward_kwargs (rewards/from_config.py)."""
+    from ddpo_tpu.rewards.from_config import reward_kwargs
+
+    import json
+
+    folder = tmp_path / "geneval"
+    folder.mkdir()
+    row = {"tag": "single_object", "include": [{"class": "computer mouse", "count": 1}], "prompt": "a mouse"}
+    (folder / "train_metadata.jsonl").write_text(json.dumps(row) + "\n")
+    for experiment in ("smoke", "flow_grpo_smoke"):  # model=tiny, model=tiny_sd3
+        v = compose_and_validate([f"+experiment={experiment}", "reward=geneval", "prompts=dataset",
+                                  f"prompts.path={folder}"])
+        c = v.cfg.reward
+        assert (c.detector, c.detector_model, c.colors, c.clip_model) == ("transformers", "tiny", "clip", "tiny")
+    kwargs = reward_kwargs(c, tmp_path, "cpu")
+    assert "tiny-mask2former" in kwargs["detector_model"] and kwargs["clip_model"].endswith("clip")
+    reward = make_reward("geneval", **kwargs)
+    out = reward.score(np.zeros((2, 40, 56, 3), np.uint8), ["a mouse"] * 2, [row, row])
+    assert out.values.shape == (2,) and set(out.extras) >= {"geneval/strict", "geneval/single_object"}
 
 
 def test_compose_accepts_a_geneval_dataset_and_refuses_rows_without_metadata(tmp_path):
@@ -270,10 +299,10 @@ def test_compose_accepts_a_geneval_dataset_and_refuses_rows_without_metadata(tmp
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
-    from tests.helpers.tiny_mask2former import build_tiny_mask2former
+    from ddpo_tpu.rewards.tiny_mask2former import ensure_tiny_mask2former
 
     root = tmp_path_factory.mktemp("geneval_models")
-    return build_tiny_mask2former(root / "m2f"), ensure_tiny_aesthetic(root / "clip")[0]
+    return ensure_tiny_mask2former(root), ensure_tiny_aesthetic(root)[0]
 
 
 def test_transformers_detector_maps_coco_labels_and_feeds_the_rules(tiny_models):

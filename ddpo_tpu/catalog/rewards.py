@@ -187,13 +187,13 @@ class GenevalKeys(Keys):
     # approximation), or module:function (images -> per image {class: [(box xyxy, score, mask or None), ...]})
     detector: str = Field(default="mmdet", min_length=1)
     # mmdet: the checkpoint .pth (required); transformers: a Mask2Former/DETR hub id or dir (null: Mask2Former Swin-S
-    # COCO instance, facebook/mask2former-swin-small-coco-instance)
+    # COCO instance, facebook/mask2former-swin-small-coco-instance), or `tiny` (rewards/tiny_mask2former.py)
     detector_model: str | None = None
     detector_config: str | None = None  # mmdet only: the config .py (null: mmdet's own Mask2Former Swin-S COCO config)
     # colour classifier: open_clip (the reference's open_clip ViT-L-14 `openai`), clip (the same weights through
     # transformers' CLIPModel: clip_model), or module:function ((crops, classname) -> colour names)
     colors: str = Field(default="open_clip", min_length=1)
-    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # colors=clip: CLIP ViT-L/14 (openai)
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # colors=clip: hub id, dir or `tiny`
     lenient_accuracy: bool = False  # also log geneval/accuracy (the reference's `evaluate`: >= counts, exclude clauses)
 
 
@@ -293,7 +293,11 @@ def _geneval_problems(r: GenevalKeys, prefix: str) -> list[Problem]:
         if why:
             problems.append(Problem(f"{prefix}.colors", r.colors, why, Fix.of({f"{prefix}.colors": "clip"},
                                                                              note="(transformers' CLIP)")))
-    if r.detector == "mmdet" and not r.detector_model:
+    if r.detector == "mmdet" and r.detector_model == TINY:  # conf/reward_local's stand-in is not an mmdet checkpoint
+        problems.append(Problem(f"{prefix}.detector_model", TINY, "the tiny stand-in is a transformers Mask2Former",
+                                Fix.of({f"{prefix}.detector": "transformers"},
+                                       note=f"or set {prefix}.detector_model to the mmdet checkpoint")))
+    elif r.detector == "mmdet" and not r.detector_model:
         problems.append(Problem(f"{prefix}.detector_model", None, "detector=mmdet needs the Mask2Former checkpoint",
                                 f"set {prefix}.detector_model=PATH/mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth "
                                 "(scripts/reward_envs/geneval_mmdet.sh downloads it)"))
