@@ -51,9 +51,9 @@ def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
 
 def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
     """`tiny` as clip_model, mlp_path or processor, imagereward's checkpoint, med_config and tokenizer, or geneval's
-    detector_model (conf/reward_local, paired with model=tiny / tiny_sd3): tiny random-weight models built once in the model cache
-    and loaded through the same code as the real ones. The only place that value is read (the catalog's problems
-    hooks check that the tiny keys of a reward come together)."""
+    detector_model (conf/reward_local, paired with model=tiny / tiny_sd3): tiny random-weight models built once in the
+    model cache and loaded through the same code as the real ones. The only place that value is read (the catalog's
+    problems hooks check that the tiny keys of a reward come together)."""
     if cfg.name == "geneval":  # the transformers detector's tiny Mask2Former and the colour classifier's tiny CLIP
         paths = {}
         if getattr(cfg, "detector_model", None) == TINY:

@@ -86,7 +86,8 @@ CLASSNAMES = (
     "sink", "refrigerator", "book", "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
 )
 # other spellings of the same COCO classes (detectron2 / transformers' id2label) -> GenEval's
-_ALIASES = {"mouse": "computer mouse", "remote": "tv remote", "keyboard": "computer keyboard", "hair dryer": "hair drier",
+_ALIASES = {"mouse": "computer mouse", "remote": "tv remote", "keyboard": "computer keyboard",
+            "hair dryer": "hair drier",
             "motorbike": "motorcycle", "aeroplane": "airplane", "sofa": "couch", "pottedplant": "potted plant",
             "diningtable": "dining table", "tvmonitor": "tv", "doughnut": "donut"}
 

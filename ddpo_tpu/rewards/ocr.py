@@ -37,7 +37,6 @@ Images are handed over as the reference hands them: RGB uint8 arrays (flow_grpo 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from typing import Any, Callable, Sequence
 

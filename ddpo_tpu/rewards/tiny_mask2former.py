@@ -1,6 +1,7 @@
 """A tiny random-weight Mask2Former (Swin backbone) + its image processor: GenEval's `transformers` detector stand-in
 for tests and CPU smoke runs (``reward.detector_model=tiny``, conf/reward_local/geneval_tiny*.yaml), saved with
-``save_pretrained`` and loaded through the same ``from_pretrained`` code as facebook/mask2former-swin-small-coco-instance.
+``save_pretrained`` and loaded through the same ``from_pretrained`` code as
+facebook/mask2former-swin-small-coco-instance.
 
 Its id2label spells three COCO classes the detectron2 way (mouse, remote, keyboard) as the hub checkpoint does, so
 the label mapping runs; the class head is biased towards ``mouse`` so that detections clear GenEval's 0.3 threshold

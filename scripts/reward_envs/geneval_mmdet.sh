@@ -9,7 +9,8 @@
 # Needs the network (PyPI, download.pytorch.org, download.openmmlab.com, GitHub, open_clip's weights); not run in CI.
 # mmcv-full 1.x has no prebuilt wheel for every torch/CUDA pair: where none exists, mim compiles it (tens of minutes,
 # needs nvcc). Usage:
-#   bash scripts/reward_envs/geneval_mmdet.sh [VENV_DIR] [WEIGHTS_DIR]    # defaults .venv-geneval, ~/.cache/ddpo_tpu/geneval
+#   bash scripts/reward_envs/geneval_mmdet.sh [VENV_DIR] [WEIGHTS_DIR]
+#   (defaults: .venv-geneval and ~/.cache/ddpo_tpu/geneval)
 # then:  python -m ddpo_tpu.train ... prompts=dataset prompts.path=.../geneval reward=geneval \
 #          reward.detector_model=WEIGHTS_DIR/mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth \
 #          reward.process.python=VENV_DIR/bin/python
@@ -50,4 +51,5 @@ detect = DETECTORS["mmdet"](model=sys.argv[1], device="cpu")
 found = detect([np.zeros((256, 256, 3), np.uint8)])[0]
 print("mmdet Mask2Former ready:", sum(len(v) for v in found.values()), "raw detections on a black image")
 PY
-echo "built $VENV: reward.detector=mmdet reward.detector_model=$WEIGHTS/$CKPT.pth reward.process.python=$VENV/bin/python"
+echo "built $VENV: reward.detector=mmdet reward.detector_model=$WEIGHTS/$CKPT.pth" \
+  "reward.process.python=$VENV/bin/python"

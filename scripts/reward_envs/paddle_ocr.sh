@@ -36,6 +36,7 @@ import numpy as np
 ocr = PaddleOCR(use_angle_cls=False, lang="en", use_gpu=False, show_log=False)
 print("paddleocr ready:", ocr.ocr(np.full((64, 256, 3), 255, np.uint8), cls=False))
 from ddpo_tpu.rewards.ocr import resolve_recognizer
-print("ddpo_tpu recognizer=paddle:", resolve_recognizer("paddle", use_gpu=False)([np.full((64, 256, 3), 255, np.uint8)]))
+blank = np.full((64, 256, 3), 255, np.uint8)
+print("ddpo_tpu recognizer=paddle:", resolve_recognizer("paddle", use_gpu=False)([blank]))
 PY
 echo "built $VENV: reward.recognizer=paddle reward.process.python=$VENV/bin/python"
