@@ -219,7 +219,11 @@ def test_reward_process_keys_compose_and_are_checked(tmp_path):
     plain = tmp_path / "python"
     plain.write_text("#!/bin/sh\n")
     assert ": not executable (" in _problems(f"reward.process.python={plain}")["reward.process.python"]
-    assert "not a device" in _problems("reward.process.device=gpu1")["reward.process.device"]
+    assert "not a device" in _problems(f"reward.process.python={sys.executable}",
+                                       "reward.process.device=gpu1")["reward.process.device"]
+    # its settings without its interpreter: not read, refused
+    ignored = _problems("reward.process.device=cuda:1")["reward.process.device"]
+    assert "not read" in ignored and "reward.process.python=null" in ignored
     # a component has no process block: the weighted reward runs where the run's reward runs
     assert "reward.components.0.process" in " ".join(_problems(
         "reward=weighted", "reward.components=[{name: jpeg_compressibility, process: {python: x}}]"))
