@@ -77,8 +77,8 @@ class RewardProcessConfig(_Strict):
     their own environment"): the trainer starts `python -m ddpo_tpu.rewards.serve` with this interpreter and scores
     over loopback. A run-level block: the components of reward=weighted run where the weighted reward runs."""
 
-    python: str | None = None        # that environment's interpreter, e.g. /opt/geneval-env/bin/python (null: in-process)
-    device: str | None = None        # where it runs the reward: cpu, cuda, cuda:1 (null: the run's CUDA device, else cpu)
+    python: str | None = None        # that environment's interpreter, e.g. /opt/env/bin/python (null: in-process)
+    device: str | None = None        # where it runs the reward: cpu, cuda, cuda:1 (null: the run's CUDA device or cpu)
     port: int | None = Field(default=None, ge=1, le=65535)  # on 127.0.0.1 (null: a free port)
     startup_timeout_s: float = Field(default=600, gt=0, le=86400)  # to build the reward and listen (model loading)
     request_timeout_s: float = Field(default=600, gt=0, le=86400)  # one request's wait for its scores

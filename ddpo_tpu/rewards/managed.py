@@ -195,7 +195,8 @@ class ManagedReward(Reward):
                     chunk = os.read(proc.stdout.fileno(), 4096)
                     if not chunk:
                         proc.wait(timeout=_TERM_GRACE_S)
-                        raise self._startup_failure(proc, f"ended before it was ready ({describe_exit(proc.returncode)})")
+                        raise self._startup_failure(
+                            proc, f"ended before it was ready ({describe_exit(proc.returncode)})")
                     line += chunk
         proc.stdout.close()
         from ddpo_tpu.rewards.serve import READY_PREFIX
