@@ -229,6 +229,18 @@ def test_reward_process_keys_compose_and_are_checked(tmp_path):
         "reward=weighted", "reward.components=[{name: jpeg_compressibility, process: {python: x}}]"))
 
 
+def test_where_the_reward_runs_is_no_change_for_a_resume():
+    """A checkpoint trained in-process resumes with the reward in a process, and the reverse (resume.py compares what
+    is trained, not where the reward runs)."""
+    from ddpo_tpu.config.resume import changed_keys, resume_relevant
+
+    inproc = compose_and_validate(["+experiment=smoke"]).tree
+    managed = compose_and_validate(["+experiment=smoke", f"reward.process.python={sys.executable}",
+                                    "reward.process.device=cpu"]).tree
+    assert changed_keys(resume_relevant(inproc), resume_relevant(managed)) == []
+    assert not any(k.startswith("reward.process") for k in resume_relevant(managed))
+
+
 def test_pod_leaves_the_interpreter_path_to_the_workers(tmp_path):
     from ddpo_tpu.launch.sweep import is_worker_path_problem
 
@@ -256,3 +268,56 @@ def test_smoke_run_with_its_reward_in_a_process_equals_the_in_process_run(tmp_pa
     assert not (runs["inproc"] / "reward_process.log").exists()
     pid = int(log.split("(pid ", 1)[1].split(")", 1)[0])
     assert "SIGTERM: stopping after" in log and not _running(pid)  # stopped by the run, not left behind
+
+
+def _served_pids(run_dir: Path) -> list[int]:
+    """The pids of the reward processes of a run that became ready, in order, from its reward_process.log."""
+    try:
+        text = (run_dir / "reward_process.log").read_text()
+    except OSError:
+        return []
+    return [int(line.rsplit("(pid ", 1)[1].rstrip(")")) for line in text.splitlines()
+            if line.startswith("reward ") and "; serving 127.0.0.1:" in line]
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_process_dies_twice_stops_resumable(tmp_path, model_cache):
+    """Killed once mid-run: restarted, the run goes on. Killed again: one error line naming it, exit 1, no process
+    left; the same command resumes from the last checkpoint and finishes."""
+    from ddpo_tpu.rundir import events as ev
+    from tests.helpers import wait_for_event
+
+    args = ["+experiment=smoke", "num_epochs=6", "sample.num_batches_per_epoch=1", "save_freq=1",
+            f"model.cache_dir={model_cache}", f"reward.process.python={sys.executable}", "run_name=dies"]
+    run_dir = tmp_path / "outputs" / "dies"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_event(run_dir, "epoch_done", proc, timeout=600, epoch=0)
+        first = _served_pids(run_dir)[-1]
+        os.kill(first, signal.SIGKILL)
+        end = time.monotonic() + 300
+        while len(_served_pids(run_dir)) < 2:  # started again at the next reward call
+            assert proc.poll() is None and time.monotonic() < end, "no restart"
+            time.sleep(0.1)
+        time.sleep(2)  # past its health check: a kill now is a death, not a failed start
+        os.kill(_served_pids(run_dir)[-1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out[-3000:]
+    errors = [r["message"] for r in ev.read_events(run_dir) if r["event"] == "error"]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert "reward process (pid" in errors[0] and "died again (killed by SIGKILL) after its one restart" in errors[0]
+    assert f"its log: {run_dir / 'reward_process.log'}" in errors[0]
+    assert (run_dir / "train.log").read_text().count("died (killed by SIGKILL); restarting it once") == 1
+    assert len(_served_pids(run_dir)) == 2 and not any(_running(p) for p in _served_pids(run_dir))
+    done = [r["epoch"] for r in read_metrics(run_dir, "epoch")]
+    assert done and done[0] == 0
+    again = run_train(args, tmp_path)  # the same command
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-2000:]
+    resumed = [r for r in ev.read_events(run_dir) if r["event"] == "resumed"]
+    assert resumed and [r["epoch"] for r in read_metrics(run_dir, "epoch")][-1] == 5
+    assert not any(_running(p) for p in _served_pids(run_dir))
