@@ -169,6 +169,26 @@ def test_dies_during_a_request_is_restarted_and_the_request_scored(tmp_path):
     assert time.monotonic() - start >= 1.3  # the first try was cut off, the second one slept its second in full
 
 
+@pytest.mark.slow  # 64 s on 2 busy cores: transformers imported and the tiny CLIP built and loaded twice
+def test_a_model_reward_built_from_the_run_config_scores_as_in_the_trainer(tmp_path):
+    """reward=pickscore on the tiny model (conf/reward_local/pickscore_tiny.yaml: `tiny` stand-ins, built in the
+    process from the model cache) through rewards/from_config.py, in-process and in a process: the same scores."""
+    import torch
+
+    from ddpo_tpu.rewards.from_config import reward_from_config
+
+    base = ["+experiment=smoke", "reward=pickscore"]
+    inproc = compose_and_validate(base).cfg.reward
+    managed_cfg = compose_and_validate([*base, f"reward.process.python={sys.executable}"]).cfg.reward
+    images, cache = _images(n=3, size=32), tmp_path / "models"
+    want = reward_from_config(inproc, model_cache_dir=str(cache), device=torch.device("cpu"))(images, PROMPTS)
+    reward = reward_from_config(managed_cfg, model_cache_dir=str(cache), device=torch.device("cpu"),
+                                log_dir=tmp_path, should_stop=lambda: False)
+    assert isinstance(reward, ManagedReward) and reward.name == "pickscore"
+    np.testing.assert_array_equal(reward(images, PROMPTS), want)
+    assert (tmp_path / "reward_process.log").is_file()
+
+
 def test_trainer_killed_with_sigkill_leaves_no_reward_process(tmp_path):
     """The trainer's SIGKILL runs no finally, no atexit: the process sees its parent gone and exits."""
     script = (f"import sys, time\nfrom ddpo_tpu.rewards.managed import ManagedReward\n"
