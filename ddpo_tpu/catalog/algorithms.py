@@ -193,7 +193,7 @@ def _gardo_problems(cfg: Any) -> list[Problem]:
         problems.append(Problem("algorithm.kl_gate_rewards", [e.name for e in a.kl_gate_rewards], "GARDO's gate picks "
                                 "the samples that carry the KL; with algorithm.kl_beta=0 there is no KL term",
                                 Fix.of({"algorithm.kl_beta": 0.04}, {"algorithm.kl_gate_rewards": []})))
-    trained = cfg.reward.model_dump(exclude={"host_workers", "frame_reduction"})  # the run's own keys
+    trained = cfg.reward.model_dump(exclude={"host_workers", "frame_reduction", "process"})  # the run's own keys
     for i, e in enumerate(a.kl_gate_rewards):
         key = f"algorithm.kl_gate_rewards.{i}"
         if e.model_dump() == trained:
