@@ -319,7 +319,17 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
             events.emit(ev.Failed(f"{', '.join(d for d, _ in lost)} went away mid-job (a collective with it failed: "
                                   f"{first}); the job stopped; the same command resumes from the last checkpoint"))
         _exit_without_teardown(out)
+    finally:
+        stop_reward_processes()
     return 0
+
+
+def stop_reward_processes() -> None:
+    """The run's reward processes (reward.process.python, rewards/managed.py) end with it, however it ends; one
+    that outlives a SIGKILLed trainer sees its parent gone and exits by itself (rewards/serve.py)."""
+    managed = sys.modules.get("ddpo_tpu.rewards.managed")
+    if managed is not None:
+        managed.close_all()
 
 
 def _exit_without_teardown(out) -> None:
@@ -329,6 +339,7 @@ def _exit_without_teardown(out) -> None:
     from ddpo_tpu.rundir import storage
     from ddpo_tpu.launch.process import EXIT_FAILED
 
+    stop_reward_processes()
     try:
         out.close()
     except storage.StorageError:

@@ -17,7 +17,9 @@ Stdout (flushed): ``listening on HOST:PORT`` once bound (``--port 0`` picks a fr
 request (``POST /score -> 200 (3 images)``), and ``served N requests`` when it stops.  It stops after
 ``--max-requests N`` requests, after ``--idle-timeout S`` seconds without a request, or on SIGINT/SIGTERM.
 
-Replies: 200 ``{"rewards": [...]}``; 400/404/405/411/413 ``{"error": "..."}`` for bad requests; 503 (flaky) and
+Requests may carry the optional ``"metadata"`` list (one object per image); it is passed to the reward
+(``reward.score(images, prompts, metadata=...)``). Replies: 200 ``{"rewards": [...]}``, with ``"extras"`` when the
+reward reports any; 400/404/405/411/413 ``{"error": "..."}`` for bad requests; 503 (flaky) and
 500 (the reward raised) for server-side failures.
 """
 
@@ -39,7 +41,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from ddpo_tpu.rewards import make_reward  # noqa: E402  (registers jpeg_* and aesthetic)
-from ddpo_tpu.rewards.remote import decode_image  # noqa: E402
+from ddpo_tpu.rewards.base import RewardScores  # noqa: E402
+from ddpo_tpu.rewards.remote import decode_request, encode_reply  # noqa: E402
+from ddpo_tpu.rewards.serve import score_images  # noqa: E402
 
 KINDS = ("jpeg", "constant", "slow", "flaky")
 
@@ -55,46 +59,24 @@ class _Reject(Exception):
         self.message = message
 
 
-def parse_request(body: bytes) -> tuple[list[np.ndarray], list[str]]:
-    """Decode a wire-format request into images and prompts; raises _Reject(400) when malformed."""
+def parse_request(body: bytes) -> tuple[list[np.ndarray], list[str], list[dict] | None]:
+    """Decode a wire-format request into images, prompts and metadata (None when the client sent none); raises
+    _Reject(400) when malformed."""
     try:
-        request = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _Reject(400, f"the body is not JSON: {exc}") from None
-    if not isinstance(request, dict):
-        raise _Reject(400, 'the body must be a JSON object {"images": [...], "prompts": [...]}')
-    version = request.get("version", 1)
-    if version != 1:
-        raise _Reject(400, f"unsupported wire format version {version!r}; this server speaks version 1")
-    images, prompts = request.get("images"), request.get("prompts")
-    if not isinstance(images, list) or not isinstance(prompts, list):
-        raise _Reject(400, '"images" and "prompts" must both be lists')
-    if len(images) != len(prompts):
-        raise _Reject(400, f"got {len(images)} images but {len(prompts)} prompts")
-    if not all(isinstance(p, str) for p in prompts):
-        raise _Reject(400, '"prompts" must be strings')
-    decoded = []
-    for i, obj in enumerate(images):
-        try:
-            decoded.append(decode_image(obj))
-        except ValueError as exc:
-            raise _Reject(400, f"images[{i}]: {exc}") from None
-    return decoded, prompts
+        return decode_request(body)
+    except ValueError as exc:
+        raise _Reject(400, str(exc)) from None
 
 
-def make_scorer(kind: str, reward_name: str, value: float) -> Callable[[list[np.ndarray], list[str]], np.ndarray]:
+Scorer = Callable[[list[np.ndarray], list[str], "list[dict] | None"], RewardScores]
+
+
+def make_scorer(kind: str, reward_name: str, value: float) -> Scorer:
+    """(images, prompts, metadata) -> RewardScores: the reward's values and extras; metadata is passed on."""
     if kind == "constant":
-        return lambda images, prompts: np.full(len(images), value, dtype=np.float32)
+        return lambda images, prompts, metadata: RewardScores(np.full(len(images), value, dtype=np.float32))
     reward = make_reward(reward_name)
-
-    def score(images: list[np.ndarray], prompts: list[str]) -> np.ndarray:
-        if not images:
-            return np.empty(0, dtype=np.float32)
-        if all(im.shape == images[0].shape for im in images):
-            return np.asarray(reward(np.stack(images), prompts), dtype=np.float32)
-        return np.concatenate([reward(im[None], [p]) for im, p in zip(images, prompts)]).astype(np.float32)
-
-    return score
+    return lambda images, prompts, metadata: score_images(reward, images, prompts, metadata)
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -141,7 +123,9 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def _reply(self, status: int, obj: dict, note: str = "") -> None:
-        data = json.dumps(obj).encode("utf-8")
+        self._send(status, json.dumps(obj).encode("utf-8"), note)
+
+    def _send(self, status: int, data: bytes, note: str = "") -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -172,18 +156,18 @@ class Handler(BaseHTTPRequestHandler):
             self._reply(503, {"error": "flaky server: failing every other request, try again"})
             return
         try:
-            images, prompts = parse_request(body)
+            images, prompts, metadata = parse_request(body)
         except _Reject as exc:
             self._reply(exc.status, {"error": exc.message})
             return
         if args.kind == "slow":
             time.sleep(args.delay)
         try:
-            rewards = self.server.scorer(images, prompts)
+            scored = self.server.scorer(images, prompts, metadata)
         except Exception as exc:  # the reward failed: a server-side error
             self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
             return
-        self._reply(200, {"rewards": [float(r) for r in rewards]}, note=f"{len(images)} images")
+        self._send(200, encode_reply(scored.values, scored.extras), note=f"{len(images)} images")
 
 
 def serve(args: argparse.Namespace) -> int:

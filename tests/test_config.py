@@ -299,7 +299,7 @@ RULES = [
       ", remote, digit_classifier, weighted"]),
     ("reward_name_missing", ["~reward.name"], "reward.name", ["required key is missing", "jpeg_compressibility"]),
     ("reward_key_of_another_reward", ["reward=remote", "+reward.mlp_path=/x.pth"], "reward.mlp_path",
-     ["unknown key", "valid keys here: backoff_s, batch_size, frame_reduction, headers, host_workers, image_format, name, retries"]),
+     ["unknown key", "valid keys here: backoff_s, batch_size, frame_reduction, headers, host_workers, image_format, name, process, retries"]),
     ("reward_wrong_type", ["reward=remote", "reward.retries=many"], "reward.retries", ["valid integer"]),
     ("weighted_component_wrong_type", ["reward=weighted", "reward.components=[{name:remote,url:'http://h:1/s',"
                                        "timeout_s:-1}]"], "reward.components.0.timeout_s", ["greater than 0"]),

@@ -52,3 +52,42 @@ def test_bad_inputs_name_the_reward():
         gdpo_advantages({"a": A}, {}, GROUPS)
     with pytest.raises(ValueError, match="reward 'a'"):
         gdpo_advantages({"a": A[:3]}, {"a": 1.0}, GROUPS)
+
+
+# --- in the loop: reward=weighted's components reach the advantages --------------------------------------------------
+
+GDPO_RUN = ["+experiment=flow_grpo_smoke", "num_epochs=1", "sample.batch_size=8", "sample.num_batches_per_epoch=2",
+            "train.batch_size=8", "train.gradient_accumulation_steps=2", "algorithm.group_size=4",
+            "sample.num_steps=3", "reward=weighted", "algorithm.advantage_aggregation=gdpo",
+            "reward.components=[{name: jpeg_compressibility, weight: 1.0}, {name: jpeg_incompressibility, weight: 0.5}]"]
+
+
+def test_the_loops_advantages_are_gdpo_of_the_weighted_rewards_components(tmp_path, model_cache):
+    from types import SimpleNamespace
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import loop
+
+    v = compose_and_validate([*GDPO_RUN, f"model.cache_dir={model_cache}", "reward.host_workers=0"])
+    tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    sampled = tr.sample_epoch(0)
+    rewards = tr.gather_rewards(0, sampled)
+    samples = tr.epoch_samples(0, sampled, rewards)
+    comp, incomp = sampled.extras["jpeg_compressibility"], sampled.extras["jpeg_incompressibility"]
+    np.testing.assert_allclose(rewards, comp + 0.5 * incomp, rtol=1e-5)  # the run trains on the weighted sum's groups
+    keys = tr.family.prompt_keys(sampled.prompts, tr.algorithm.key_tokens)
+    want = gdpo_advantages({"a": comp, "b": incomp}, {"a": 1.0, "b": 0.5}, keys)
+    np.testing.assert_allclose(samples.advantages.cpu().numpy(), want, rtol=1e-5, atol=1e-6)
+    # and not GRPO's on the sum: the two differ on these rewards
+    assert np.abs(want - group_advantages(rewards, keys, global_std=True)).max() > 1e-2
+
+
+def test_gdpo_is_refused_without_a_weighted_reward():
+    from ddpo_tpu.config.compose import ConfigError, compose_and_validate
+
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm.advantage_aggregation=gdpo"])
+    lines = [p.key for p in e.value.problems]
+    assert lines == ["algorithm.advantage_aggregation"]

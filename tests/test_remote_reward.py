@@ -25,7 +25,7 @@ import pytest
 import ddpo_tpu.rewards.remote  # noqa: F401  (registers "remote")
 import ddpo_tpu.rewards.weighted  # noqa: F401  (registers "weighted")
 from ddpo_tpu.rewards import REWARDS, RewardError, make_reward
-from ddpo_tpu.rewards.remote import RemoteReward, decode_image, encode_image
+from ddpo_tpu.rewards.remote import RemoteReward, decode_image, encode_image, encode_reply, parse_reply
 from ddpo_tpu.rewards.weighted import WeightedReward
 
 from tests.helpers import REPO, clean_env
@@ -259,6 +259,122 @@ def test_5xx_is_retried_then_raises():
         with pytest.raises(RewardError, match=r"server error after 2 retries \(HTTP 500: internal trouble\)"):
             RemoteReward(url, timeout_s=5, retries=2, backoff_s=0.01)(_images(1), PROMPTS7[:1])
     assert count[0] == 3
+
+
+# --- metadata in, extras out (wire version 1's optional fields) ----------------------------------------------------
+
+
+@contextlib.contextmanager
+def recording_server(reply) -> Iterator[tuple[str, list[dict]]]:
+    """In-process server answering each POST with reply(request_json, index) (a JSON-able object); yields (url, the
+    decoded requests)."""
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def do_POST(self):  # noqa: N802
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(request)
+            data = json.dumps(reply(request, len(seen) - 1)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/score", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _metadata_reply(request: dict, index: int) -> dict:
+    """rewards: each prompt's length; extras (with metadata only): its row's "n" (null without one), and "first"
+    in the first request's reply only."""
+    reply = {"rewards": [float(len(p)) for p in request["prompts"]]}
+    if "metadata" in request:
+        reply["extras"] = {"n": [m.get("n") for m in request["metadata"]]}
+        if index == 0:
+            reply["extras"]["first"] = [1] * len(request["prompts"])
+    return reply
+
+
+def test_metadata_is_sent_only_when_given_and_extras_come_back():
+    prompts = ["a", "bb", "ccc"]
+    metadata = [{"n": 2, "tag": "counting", "include": [{"class": "cat", "count": 2}]}, {"tag": "colors"}, {"n": 0.5}]
+    with recording_server(_metadata_reply) as (url, seen):
+        reward = RemoteReward(url, timeout_s=5, retries=0, batch_size=2)
+        plain = reward.score(_images(3), prompts)
+        assert [set(r) for r in seen] == [{"version", "images", "prompts"}] * 2  # no metadata key at all
+        assert plain.extras == {} and plain.values.tolist() == [1, 2, 3]
+        seen.clear()
+        scored = reward.score(_images(3), prompts, metadata=metadata)
+    assert [r["version"] for r in seen] == [1, 1]
+    assert [r["metadata"] for r in seen] == [metadata[:2], metadata[2:]]  # each chunk its own rows, in order
+    assert scored.values.tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(scored.extras["n"], np.asarray([2, np.nan, 0.5], np.float32))  # null -> NaN
+    np.testing.assert_array_equal(scored.extras["first"], np.asarray([1, 1, np.nan], np.float32))  # absent -> NaN
+    assert all(v.dtype == np.float32 and v.shape == (3,) for v in scored.extras.values())
+
+
+def test_an_old_server_reply_without_extras_still_scores():
+    with canned_server(200, b'{"rewards": [1.5, 2.5], "other": 1}') as (url, _):
+        scored = RemoteReward(url, timeout_s=5, retries=0).score(_images(2), PROMPTS7[:2], metadata=[{}, {"a": 1}])
+    assert scored.values.tolist() == [1.5, 2.5] and scored.extras == {}
+
+
+@pytest.mark.parametrize("extras, match", [
+    ('{"n": [1]}', r'"extras.n" must be a list of 2 numbers or nulls'),
+    ('{"n": [1, "x"]}', r'"extras.n" must hold numbers or nulls'),
+    ('{"n": [1, true]}', r'"extras.n" must hold numbers or nulls'),
+    ('[1, 2]', r'"extras" must be an object of lists'),
+])
+def test_malformed_extras_raise_without_retry(extras, match):
+    with canned_server(200, f'{{"rewards": [1, 2], "extras": {extras}}}'.encode()) as (url, count):
+        with pytest.raises(RewardError, match=match):
+            RemoteReward(url, timeout_s=5, retries=3, backoff_s=0.01).score(_images(2), PROMPTS7[:2])
+    assert count[0] == 1
+
+
+def test_metadata_that_is_not_json_is_refused_before_sending():
+    reward = RemoteReward(f"http://127.0.0.1:{_closed_port()}/score", retries=0)
+    with pytest.raises(RewardError, match=r"could not encode images 0..1: .*metadata must be JSON"):
+        reward(_images(2), PROMPTS7[:2], metadata=[{"x": object()}, {}])
+    with pytest.raises(RewardError, match=r"got 1 metadata rows for 2 prompts"):
+        reward(_images(2), PROMPTS7[:2], metadata=[{}])
+
+
+def test_reply_encoding_round_trips_nan_as_null():
+    body = encode_reply(np.asarray([1.0, np.nan], np.float32), {"x": np.asarray([np.nan, 3.0])})
+    assert json.loads(body.replace(b"NaN", b"null"))["extras"] == {"x": [None, 3.0]}
+    scored = parse_reply(body, 2)
+    assert scored.values[0] == 1 and np.isnan(scored.values[1])  # a non-finite reward reaches the trainer as NaN
+    assert np.isnan(scored.extras["x"][0]) and scored.extras["x"][1] == 3
+
+
+def test_reference_server_accepts_metadata():
+    images, prompts = _images(3), PROMPTS7[:3]
+    expected = make_reward("jpeg_compressibility")(images, prompts)
+    with reward_server("--kind", "jpeg") as server:
+        scored = RemoteReward(server.url, timeout_s=10, retries=0).score(images, prompts,
+                                                                          metadata=[{"tag": "ocr"}, {}, {"n": 1}])
+        np.testing.assert_array_equal(scored.values, expected)
+        assert scored.extras == {}
+        body = json.dumps({"images": [], "prompts": [], "metadata": {"tag": "x"}}).encode()
+        request = urllib.request.Request(server.url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10)
+        assert info.value.code == 400
+        assert json.loads(info.value.read())["error"] == '"metadata" must be a list of JSON objects, one per image'
+        info.value.close()
 
 
 # --- weighted ------------------------------------------------------------------------------------------------------

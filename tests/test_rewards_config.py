@@ -25,7 +25,8 @@ from ddpo_tpu.rewards.from_config import reward_from_config, reward_kwargs
 REPO = Path(__file__).resolve().parents[1]
 REWARD_CONFIGS = {m.model_fields["name"].annotation.__args__[0]: m for m in get_args(get_args(RewardConfig)[0])}
 COMPONENTS = {m.model_fields["name"].annotation.__args__[0]: m for m in get_args(get_args(RewardComponent)[0])}
-NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "frame_reduction"}  # frame_reduction: rewards/video.py
+NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "frame_reduction",  # frame_reduction: rewards/video.py
+                        "process"}  # process: where the run's reward runs (rewards/managed.py)
 
 # the reward group of configs saved before the typed union (the YAML of conf/reward/ then): no reward.quality,
 # reward.batch_size for aesthetic or reward.headers; a resume must accept them and see no change

@@ -40,6 +40,7 @@ from torch import Tensor
 from ddpo_tpu.algorithms.base import TrainPlan
 from ddpo_tpu.algorithms.guards import (AdaptiveReference, ImageScores, UncertaintyGate, diversity_advantages,
                                        rank_uncertainty)
+from ddpo_tpu.algorithms.multi_reward import group_or_gdpo
 from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
 from ddpo_tpu.families.base import StepScore
 
@@ -280,11 +281,13 @@ class GRPO:
             out.append([distinct[i // g] for i in order])
         return out
 
-    def advantages(self, keys: list[str], rewards: np.ndarray, scores: dict | None = None) -> np.ndarray:
-        """scores: what image_scores gave these samples (GARDO's features)."""
+    def advantages(self, keys: list[str], rewards: np.ndarray, scores: dict | None = None,
+                   components: dict | None = None) -> np.ndarray:
+        """scores: what image_scores gave these samples (GARDO's features); components: reward=weighted's unweighted
+        components (algorithm.advantage_aggregation=gdpo)."""
         if self.diversity:
             return diversity_advantages(rewards, keys, scores["features"])
-        return group_advantages(rewards, keys, global_std=self.cfg.algorithm.global_std)
+        return group_or_gdpo(self.cfg, keys, rewards, components, group_advantages)
 
     def image_scores(self, trainer) -> ImageScores | None:
         """What GARDO scores per image besides the reward (its auxiliary rewards, its features), or None."""

@@ -19,7 +19,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["GDPO_STD_FLOOR", "AGGREGATIONS", "gdpo_advantages"]
+from ddpo_tpu.rewards.weighted import component_keys
+
+__all__ = ["GDPO_STD_FLOOR", "AGGREGATIONS", "gdpo_advantages", "component_weights", "group_or_gdpo"]
 
 GDPO_STD_FLOOR = 1e-6  # Flow-Factory's max(std, 1e-6), per group and for the batch normalisation
 AGGREGATIONS = ("sum", "gdpo")  # sum: GRPO on the weighted sum (flow_grpo, DiffusionNFT); gdpo: per-reward first
@@ -52,3 +54,20 @@ def gdpo_advantages(components: Mapping[str, np.ndarray | Sequence[float]], weig
     if n == 0:
         return combined.astype(np.float32)
     return ((combined - combined.mean()) / max(float(combined.std()), GDPO_STD_FLOOR)).astype(np.float32)
+
+
+def component_weights(reward_cfg) -> dict[str, float]:
+    """reward=weighted's components as the reward reports them in its extras (rewards/weighted.py) -> their weights."""
+    comps = reward_cfg.components
+    return dict(zip(component_keys([c.name for c in comps]), (float(c.weight) for c in comps)))
+
+
+def group_or_gdpo(cfg, keys: Sequence, rewards: np.ndarray, components: Mapping[str, np.ndarray] | None,
+                  group_advantages) -> np.ndarray:
+    """The group algorithms' advantages (GRPO, NFT, AWM): GDPO on the components when
+    algorithm.advantage_aggregation=gdpo (compose time made sure the reward is weighted), else `group_advantages`
+    (GRPO's, on the weighted sum)."""
+    if cfg.algorithm.advantage_aggregation == "gdpo":
+        weights = component_weights(cfg.reward)
+        return gdpo_advantages({k: components[k] for k in weights}, weights, keys)
+    return group_advantages(rewards, keys, global_std=cfg.algorithm.global_std)

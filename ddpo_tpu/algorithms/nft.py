@@ -109,10 +109,12 @@ class NFT:
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
         return self._groups(self, source, batches, batch_size, rng)
 
-    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
+    def advantages(self, keys: list[str], rewards: np.ndarray, components: dict | None = None) -> np.ndarray:
+        """components: reward=weighted's unweighted components (algorithm.advantage_aggregation=gdpo)."""
         from ddpo_tpu.algorithms.grpo import group_advantages
+        from ddpo_tpu.algorithms.multi_reward import group_or_gdpo
 
-        return group_advantages(rewards, keys, global_std=self.cfg.algorithm.global_std)
+        return group_or_gdpo(self.cfg, keys, rewards, components, group_advantages)
 
     def rekey(self, key_of) -> None:
         pass

@@ -53,6 +53,9 @@ class GrpoKeys(Keys):
     kl_beta: float = Field(default=0.0, ge=0)      # weight of the KL penalty to the reference policy
     global_std: bool = False                       # divide by the std of the whole epoch, not the group's
     drop_zero_advantage: bool = True               # train only samples with advantage (flow_grpo's mask)
+    # reward=weighted: sum (GRPO on the weighted sum, as flow_grpo and DiffusionNFT) or gdpo (each reward normalised
+    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation; algorithms/multi_reward.py)
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     # GARDO's adaptive reference (flow_grpo scripts/train_sd3_gardo.py): the KL's reference is a copy of the policy,
     # reset to the current weights after sampling when an update of the previous epoch had a KL above this (kl_thres)
     # or more than reference_reset_every epochs passed (reset_freq); null: the adapter-off base model (train_sd3.py)
@@ -77,6 +80,9 @@ class NftKeys(Keys):
     name: Literal["nft"]
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch, not the group's
+    # reward=weighted: sum (GRPO on the weighted sum, as flow_grpo and DiffusionNFT) or gdpo (each reward normalised
+    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation; algorithms/multi_reward.py)
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     # NFT's own beta (official `config.beta`, 1; 0.1 in sd3_ocr and sd3_multi_reward): the implicit policies' step,
     # v+- = v_old +- beta (v - v_old). Not the KL weight below.
     beta: float = Field(default=1.0, gt=0)
@@ -103,6 +109,9 @@ class AwmKeys(Keys):
     name: Literal["awm"]
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch (sample.global_std)
+    # reward=weighted: sum (GRPO on the weighted sum, as flow_grpo and DiffusionNFT) or gdpo (each reward normalised
+    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation; algorithms/multi_reward.py)
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     train_timesteps: int = Field(default=6, ge=1)       # training times per sample, one per stratum
     time_type: Literal["discrete", "discrete_wo_init"] = "discrete"  # strata of steps [0 or 1, int(T x fraction)]
     weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber"  # of the matching error (lp = -w(mse))
@@ -123,9 +132,20 @@ def _divisor_near(n: int, want: int) -> int | None:
 
 
 def _group_problems(cfg: Any, tot: Any) -> list[Problem]:
-    """Groups of group_size split the epoch and each sampling batch (GRPO's and NFT's prompts)."""
+    """Groups of group_size split the epoch and each sampling batch (GRPO's and NFT's prompts); GDPO needs rewards
+    to normalise one by one."""
     a, n = cfg.algorithm, tot.samples_per_epoch
     problems: list[Problem] = []
+    if a.advantage_aggregation == "gdpo" and cfg.reward.name != "weighted":
+        problems.append(Problem("algorithm.advantage_aggregation", "gdpo", f"GDPO normalises each reward of a "
+                                f"weighted sum on its own; reward={cfg.reward.name} is one reward",
+                                Fix.of({"algorithm.advantage_aggregation": "sum"}, note="or reward=weighted with "
+                                       "its components")))
+    if a.advantage_aggregation == "gdpo" and getattr(a, "diversity_features", None) is not None:
+        problems.append(Problem("algorithm.advantage_aggregation", "gdpo", "GARDO's diversity-aware advantages "
+                                "(algorithm.diversity_features) replace GRPO's; they do not combine with GDPO",
+                                Fix.of({"algorithm.advantage_aggregation": "sum"}, {"algorithm.diversity_features":
+                                                                                    None})))
     batch = cfg.sample.batch_size * tot.replicas
     if n % a.group_size:
         near = _divisor_near(n, a.group_size)
@@ -193,7 +213,7 @@ def _gardo_problems(cfg: Any) -> list[Problem]:
         problems.append(Problem("algorithm.kl_gate_rewards", [e.name for e in a.kl_gate_rewards], "GARDO's gate picks "
                                 "the samples that carry the KL; with algorithm.kl_beta=0 there is no KL term",
                                 Fix.of({"algorithm.kl_beta": 0.04}, {"algorithm.kl_gate_rewards": []})))
-    trained = cfg.reward.model_dump(exclude={"host_workers", "frame_reduction"})  # the run's own keys
+    trained = cfg.reward.model_dump(exclude={"host_workers", "frame_reduction", "process"})  # the run's own keys
     for i, e in enumerate(a.kl_gate_rewards):
         key = f"algorithm.kl_gate_rewards.{i}"
         if e.model_dump() == trained:

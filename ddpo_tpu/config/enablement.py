@@ -51,6 +51,11 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("xla.flags", "xla.libtpu_init_args", "xla.step_compiler", "xla.compilation_cache_dir",
                "xla.profile_steps", "xla.debug_level", "xla.gather", "xla.sync_before_reward_gather"), _XLA,
               "the topology does not run torch_xla", "use an XLA topology (tpu_topology=cpu, v6e-8, ...)"),
+    # the reward's own process (rewards/managed.py): its settings mean nothing while the reward runs in the trainer
+    Dependent(("reward.process.device", "reward.process.port", "reward.process.startup_timeout_s",
+               "reward.process.request_timeout_s"), lambda c: c.reward.process.python is not None,
+              "reward.process.python=null (the reward runs in the trainer)",
+              "set reward.process.python=/path/to/env/bin/python"),
     Dependent(("sample.sde_window.placement", "sample.sde_window.start", "sample.sde_window.range",
                "sample.sde_window.shift_every", "sample.sde_window.stride"),
               lambda c: c.sample.sde_window.size is not None, "sample.sde_window.size=null (no window)",

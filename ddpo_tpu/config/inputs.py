@@ -34,7 +34,39 @@ def input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
                                        verb="did you mean")))
     problems.extend(resume_problems(cfg.resume))
     problems.extend(prompt_problems(cfg))
+    problems.extend(reward_process_problems(cfg))
     problems.extend(_xla_problems(cfg, tot))
+    return problems
+
+
+_REWARD_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def reward_process_problems(cfg: RunConfig) -> list[Problem]:
+    """reward.process (rewards/managed.py): an interpreter that exists and runs, a device it can name. On a pod the
+    path is the workers' (launch/sweep.py WORKER_PATH_KEYS): they check it."""
+    import os
+    import shutil
+
+    p = cfg.reward.process
+    problems: list[Problem] = []
+    if p.device is not None and not _REWARD_DEVICE.fullmatch(p.device):
+        problems.append(Problem("reward.process.device", p.device, "not a device the reward process can use",
+                                "use cpu, cuda or cuda:N, or null (the run's CUDA device, else cpu)"))
+    if p.python is None:
+        return problems
+    fix = ("point it at the interpreter of the reward's environment, e.g. /opt/reward-env/bin/python "
+           "(scripts/reward_envs/ builds one), or set reward.process.python=null to score in the trainer")
+    if not p.python.strip():
+        return problems + [Problem("reward.process.python", repr(p.python), "empty path", fix)]
+    path = Path(p.python).expanduser()
+    if os.sep not in p.python and shutil.which(p.python):  # a bare name found on PATH
+        return problems
+    if not path.exists():
+        problems.append(Problem("reward.process.python", p.python, "no such file", fix))
+    elif path.is_dir() or not os.access(path, os.X_OK):
+        problems.append(Problem("reward.process.python", p.python,
+                                "a directory, not an interpreter" if path.is_dir() else "not executable", fix))
     return problems
 
 

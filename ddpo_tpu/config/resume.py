@@ -14,6 +14,7 @@ from ddpo_tpu.config.schema import MULTI_DEVICE
 TRAINED_KEYS = ("seed", "sample.", "train.", "algorithm.", "stat_tracking.", "model.", "reward.", "prompts.",
                 "parity.")
 RUN_CONTROL_KEYS = ("train.timesteps_per_micro_step", "train.activation_checkpointing", "reward.host_workers",
+                    "reward.process.",  # where the reward runs, not what it scores (rewards/managed.py)
                     "model.cache_dir", "model.local_files_only", "model.pretrained")
 # what is trained does not depend on how the global batch is split: these per-replica keys are compared as their
 # global values (x the topology's replicas), and the topology itself not at all, so a run resumes on any runtime and

@@ -72,8 +72,21 @@ class ModelConfig(_Strict):
 # `host_workers`: the run's reward has them).
 
 
+class RewardProcessConfig(_Strict):
+    """The run's reward in a Python environment of its own (ddpo_tpu/rewards/managed.py, docs/rewards.md "Rewards in
+    their own environment"): the trainer starts `python -m ddpo_tpu.rewards.serve` with this interpreter and scores
+    over loopback. A run-level block: the components of reward=weighted run where the weighted reward runs."""
+
+    python: str | None = None        # that environment's interpreter, e.g. /opt/env/bin/python (null: in-process)
+    device: str | None = None        # where it runs the reward: cpu, cuda, cuda:1 (null: the run's CUDA device or cpu)
+    port: int | None = Field(default=None, ge=1, le=65535)  # on 127.0.0.1 (null: a free port)
+    startup_timeout_s: float = Field(default=600, gt=0, le=86400)  # to build the reward and listen (model loading)
+    request_timeout_s: float = Field(default=600, gt=0, le=86400)  # one request's wait for its scores
+
+
 class _RunReward(_Strict):
     host_workers: int = Field(ge=0, le=64)  # threads scoring a batch while the next one samples (0: inline)
+    process: RewardProcessConfig = RewardProcessConfig()
 
 
 class _Component(_Strict):

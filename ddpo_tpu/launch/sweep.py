@@ -28,6 +28,7 @@ WORKER_PATH_KEYS = (
     re.compile(r"model\.pretrained"),                                   # a local diffusers dir (a hub id is no path)
     re.compile(r"prompts\.(file|nouns_file|activities_file)"),          # prompt lists
     re.compile(r"reward(\.components\.\d+)?\.mlp_path"),                # the aesthetic MLP's weights
+    re.compile(r"reward\.process\.python"),                               # the reward environment's interpreter
     re.compile(r"resume"),                                              # resume=PATH: a checkpoint
     re.compile(r"xla\.compilation_cache_dir"),                          # a directory, created if missing
 )

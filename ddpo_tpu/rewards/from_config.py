@@ -11,16 +11,26 @@ from ddpo_tpu.catalog import REWARDS, TINY, RewardSpec
 from ddpo_tpu.rewards.base import REWARDS as IMPLEMENTATIONS
 from ddpo_tpu.rewards.base import Reward, make_reward
 # frame_reduction: how a video family reduces an image reward's frames (rewards/video.py), not the reward's own
-_NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "components", "frame_reduction"}
+# process: where the reward runs (rewards/managed.py), not one of its settings
+_NOT_CONSTRUCTOR_KEYS = {"name", "host_workers", "weight", "components", "frame_reduction", "process"}
 
 
-def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callable[[], bool] | None = None
-                       ) -> Reward:
+def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callable[[], bool] | None = None,
+                       log_dir: str | Path | None = None) -> Reward:
     """The reward a typed reward config describes (the run's reward, or with reward=weighted, its components).
 
     Torch rewards stay on a CUDA device; on XLA and the CPU they run on the host CPU (an XLA device would compile
     their graphs beside the training ones). Remote rewards get `should_stop`, so a SIGTERM ends a hanging request
-    within a second."""
+    within a second.
+
+    With `reward.process.python` set the reward runs in that interpreter's process (rewards/managed.py), started
+    here and logging to `log_dir` (default: the run dir of this training process)."""
+    process = getattr(cfg, "process", None)
+    if process is not None and process.python is not None:
+        reward = _managed(cfg, model_cache_dir, device, log_dir)
+        if should_stop is not None:
+            reward.should_stop = should_stop
+        return reward
     for spec in _specs(cfg):  # importing a reward's module registers its implementation
         if spec.name not in IMPLEMENTATIONS:
             importlib.import_module(spec.module)
@@ -30,6 +40,24 @@ def reward_from_config(cfg, *, model_cache_dir: str, device, should_stop: Callab
             if hasattr(r, "should_stop"):
                 r.should_stop = should_stop
     return reward
+
+
+def _managed(cfg, model_cache_dir: str, device, log_dir: str | Path | None) -> Reward:
+    """The reward in its own process: its config with the process block cleared (the process builds it in-process),
+    on reward.process.device, or the run's CUDA device for a torch reward, else the CPU."""
+    from ddpo_tpu.env import run_dir_from_environment
+    from ddpo_tpu.rewards.managed import ManagedReward, log_path_for
+
+    p = cfg.process
+    config = cfg.model_dump()
+    config["process"] = {}
+    where = p.device
+    if where is None and any(s.torch for s in _specs(cfg)) and getattr(device, "type", None) == "cuda":
+        where = str(device)
+    run_dir = Path(log_dir) if log_dir is not None else run_dir_from_environment()
+    return ManagedReward(config, python=p.python, log_path=log_path_for(run_dir), device=where, port=p.port,
+                         cache_dir=Path(model_cache_dir).expanduser(), startup_timeout_s=p.startup_timeout_s,
+                         request_timeout_s=p.request_timeout_s)
 
 
 def _specs(cfg) -> list[RewardSpec]:

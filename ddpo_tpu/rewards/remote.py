@@ -16,8 +16,13 @@ The client sends one ``POST`` to ``url`` per chunk of at most ``batch_size`` ima
     {
       "version": 1,
       "images": [IMAGE, ...],          # one per sample, in order
-      "prompts": ["a cat", ...]        # same length as "images"
+      "prompts": ["a cat", ...],       # same length as "images"
+      "metadata": [{...}, ...]         # optional: one JSON object per image (see below)
     }
+
+``metadata`` (optional, still version 1) is sent only when the prompts carry metadata (a prompt dataset's rows:
+GenEval's ``tag``/``include``/``exclude``, an OCR target; ddpo_tpu/rewards/base.py): one object per image, in the
+order of ``images``, ``{}`` for a prompt without any.  A server that does not know the field ignores it.
 
 where each IMAGE is an object, by ``image_format``:
 
@@ -37,9 +42,15 @@ A successful reply is HTTP 2xx with a JSON object holding one number per image, 
 
     {"rewards": [0.25, -1.5, ...]}
 
-Other keys are ignored.  Each reward must be a JSON number (``true``/``false``, strings and ``null`` are
-rejected); Python's ``NaN``/``Infinity`` literals are accepted and reach the trainer as non-finite rewards
-(handled by ``on_nonfinite_reward``).
+Each reward must be a JSON number (``true``/``false``, strings and ``null`` are rejected); Python's
+``NaN``/``Infinity`` literals are accepted and reach the trainer as non-finite rewards (handled by
+``on_nonfinite_reward``).  A reply may also carry optional per-image values to log beside the reward::
+
+    {"rewards": [0.25, -1.5], "extras": {"strict_accuracy": [1, null], "counting": [null, 0.5]}}
+
+each a list of one number or ``null`` per image (``null``: the value does not apply to that image; it becomes NaN),
+returned by ``RemoteReward.score()`` as the ``extras`` of its RewardScores.  Other keys are ignored, so an old
+server (no extras) and an old client (extras ignored) keep working.
 
 Errors: reply 4xx for a request the server will never accept (bad input); the body should be
 ``{"error": "what is wrong"}`` (plain text also works) and the client raises at once with that text, except 429
@@ -75,7 +86,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import Metadata, Reward, register_reward
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardScores, register_reward
 
 __all__ = [
     "WIRE_VERSION",
@@ -84,6 +95,9 @@ __all__ = [
     "encode_image",
     "decode_image",
     "encode_request",
+    "decode_request",
+    "encode_reply",
+    "parse_reply",
     "parse_rewards",
 ]
 
@@ -151,18 +165,69 @@ def decode_image(obj: Any) -> np.ndarray:
     raise ValueError(f"unknown image format {fmt!r}; expected one of {list(IMAGE_FORMATS)}")
 
 
-def encode_request(images: np.ndarray, prompts: Sequence[str], image_format: str = "png") -> bytes:
-    """The JSON body of one request (wire format version 1)."""
-    body = {
+def encode_request(images: np.ndarray, prompts: Sequence[str], image_format: str = "png",
+                   metadata: Metadata = None) -> bytes:
+    """The JSON body of one request (wire format version 1); ``metadata`` (one mapping per image) only when given.
+    Raises TypeError/ValueError when a metadata value is not JSON (the caller names the setting)."""
+    body: dict[str, Any] = {
         "version": WIRE_VERSION,
         "images": [encode_image(image, image_format) for image in images],
         "prompts": [str(p) for p in prompts],
     }
-    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+    if metadata is not None:
+        if len(metadata) != len(body["prompts"]):
+            raise ValueError(f"{len(metadata)} metadata rows for {len(body['prompts'])} prompts")
+        body["metadata"] = [dict(m) for m in metadata]
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def parse_rewards(payload: bytes, expected: int) -> np.ndarray:
-    """Validate a reply body and return its rewards as float32 (expected,). Raises ValueError when malformed."""
+def decode_request(body: bytes) -> tuple[list[np.ndarray], list[str], list[dict[str, Any]] | None]:
+    """A request body back to (images, prompts, metadata or None), for servers. Raises ValueError (a 400) when
+    malformed; the message says what is wrong."""
+    try:
+        request = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the body is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise ValueError('the body must be a JSON object {"images": [...], "prompts": [...]}')
+    version = request.get("version", WIRE_VERSION)
+    if version != WIRE_VERSION:
+        raise ValueError(f"unsupported wire format version {version!r}; this server speaks version {WIRE_VERSION}")
+    images, prompts = request.get("images"), request.get("prompts")
+    if not isinstance(images, list) or not isinstance(prompts, list):
+        raise ValueError('"images" and "prompts" must both be lists')
+    if len(images) != len(prompts):
+        raise ValueError(f"got {len(images)} images but {len(prompts)} prompts")
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError('"prompts" must be strings')
+    metadata = request.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+            raise ValueError('"metadata" must be a list of JSON objects, one per image')
+        if len(metadata) != len(images):
+            raise ValueError(f"got {len(metadata)} metadata objects for {len(images)} images")
+    decoded = []
+    for i, obj in enumerate(images):
+        try:
+            decoded.append(decode_image(obj))
+        except ValueError as exc:
+            raise ValueError(f"images[{i}]: {exc}") from None
+    return decoded, prompts, metadata
+
+
+def encode_reply(values: Sequence[float], extras: Mapping[str, Sequence[float]] | None = None) -> bytes:
+    """A reply body for servers: the rewards (non-finite ones as Python's NaN/Infinity literals, which the client
+    reads back) and the extras (NaN as null: the value does not apply to that image)."""
+    reply: dict[str, Any] = {"rewards": [float(v) for v in values]}
+    if extras:
+        reply["extras"] = {str(k): [float(x) if math.isfinite(float(x)) else None for x in v]
+                           for k, v in extras.items()}
+    return json.dumps(reply).encode("utf-8")
+
+
+def parse_reply(payload: bytes, expected: int) -> RewardScores:
+    """Validate a reply body: its rewards as float32 (expected,) and its extras (name -> float32 (expected,), null
+    as NaN). Raises ValueError when malformed."""
     try:
         reply = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -181,7 +246,23 @@ def parse_rewards(payload: bytes, expected: int) -> np.ndarray:
             f'"rewards" must hold numbers; rewards[{i}] is {rewards[i]!r}'
             + (f" ({len(bad)} non-numbers in all)" if len(bad) > 1 else "")
         )
-    return np.asarray([float(r) for r in rewards], dtype=np.float32)
+    values = np.asarray([float(r) for r in rewards], dtype=np.float32)
+    extras = reply.get("extras") or {}
+    if not isinstance(extras, dict):
+        raise ValueError(f'"extras" must be an object of lists, got {type(extras).__name__}')
+    out: dict[str, np.ndarray] = {}
+    for name, column in extras.items():
+        if not isinstance(column, list) or len(column) != expected:
+            raise ValueError(f'"extras.{name}" must be a list of {expected} numbers or nulls')
+        if any(x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))) for x in column):
+            raise ValueError(f'"extras.{name}" must hold numbers or nulls')
+        out[name] = np.asarray([np.nan if x is None else float(x) for x in column], dtype=np.float32)
+    return RewardScores(values, out)
+
+
+def parse_rewards(payload: bytes, expected: int) -> np.ndarray:
+    """Validate a reply body and return its rewards as float32 (expected,). Raises ValueError when malformed."""
+    return parse_reply(payload, expected).values
 
 
 def _excerpt(payload: bytes | str, limit: int = _TEXT_LIMIT) -> str:
@@ -339,20 +420,34 @@ class RemoteReward(Reward):
     # -- scoring ---------------------------------------------------------------
 
     def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
+        return self.score(images, prompts, metadata=metadata).values
+
+    def score(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> RewardScores:
+        """The server's rewards and extras, one request per chunk of ``batch_size`` images; an extra that one chunk's
+        reply lacks is NaN for that chunk's images."""
         images = self._check_host_images(images, prompts)
         prompts = list(prompts)
-        out = np.empty(images.shape[0], dtype=np.float32)
-        for start in range(0, images.shape[0], self.batch_size):
-            stop = min(start + self.batch_size, images.shape[0])
+        if metadata is not None and len(metadata) != len(prompts):
+            raise self._error(f"got {len(metadata)} metadata rows for {len(prompts)} prompts")
+        n = images.shape[0]
+        out = np.empty(n, dtype=np.float32)
+        extras: dict[str, np.ndarray] = {}
+        for start in range(0, n, self.batch_size):
+            stop = min(start + self.batch_size, n)
             try:
-                body = encode_request(images[start:stop], prompts[start:stop], self.image_format)
+                body = encode_request(images[start:stop], prompts[start:stop], self.image_format,
+                                      None if metadata is None else list(metadata[start:stop]))
             except Exception as exc:
                 raise self._error(
                     f"reward.url={self._shown_url}: could not encode images {start}..{stop - 1}: "
                     f"{type(exc).__name__}: {exc}"
+                    + (" (metadata must be JSON: strings, numbers, lists, objects)" if metadata is not None else "")
                 ) from exc
-            out[start:stop] = self._score_chunk(body, stop - start, start)
-        return out
+            chunk = self._score_chunk(body, stop - start, start)
+            out[start:stop] = chunk.values
+            for name, column in chunk.extras.items():
+                extras.setdefault(name, np.full(n, np.nan, dtype=np.float32))[start:stop] = column
+        return RewardScores(out, extras)
 
     # set by the trainer: a request (or a backoff) that is waiting gives up within ~0.2 s once this returns True,
     # so a SIGTERM during a hanging server stops the run in seconds, not after timeouts x retries
@@ -387,7 +482,7 @@ class RemoteReward(Reward):
             raise box["error"]
         return box["payload"]
 
-    def _score_chunk(self, body: bytes, count: int, start: int) -> np.ndarray:
+    def _score_chunk(self, body: bytes, count: int, start: int) -> RewardScores:
         last: _Transient | None = None
         for attempt in range(self.retries + 1):
             if attempt:
@@ -398,7 +493,7 @@ class RemoteReward(Reward):
                 last = exc
                 continue
             try:
-                return parse_rewards(payload, count)
+                return parse_reply(payload, count)
             except ValueError as exc:
                 raise self._error(
                     f"reward.url={self._shown_url}: malformed reply for images {start}..{start + count - 1}: "

@@ -31,9 +31,15 @@ import numpy as np
 
 from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, RewardScores, make_reward, register_reward
 
-__all__ = ["WeightedReward"]
+__all__ = ["WeightedReward", "component_keys"]
 
 _NAME = "weighted"
+
+
+def component_keys(names: Sequence[str]) -> tuple[str, ...]:
+    """Each component's name in extras and logs: the reward's name, `name#i` when two components share it."""
+    counts = Counter(names)
+    return tuple(n if counts[n] == 1 else f"{n}#{i}" for i, n in enumerate(names))
 
 
 @register_reward(_NAME)
@@ -73,10 +79,7 @@ class WeightedReward(Reward):
             weights.append(float(weight))
             rewards.append(reward)
 
-        counts = Counter(names)
-        self.component_keys: tuple[str, ...] = tuple(
-            n if counts[n] == 1 else f"{n}#{i}" for i, n in enumerate(names)
-        )
+        self.component_keys: tuple[str, ...] = component_keys(names)
         self.weights: tuple[float, ...] = tuple(weights)
         self.components: tuple[Reward, ...] = tuple(rewards)
         #: Unweighted per-component rewards (float32 (B,)) of the most recent call, by component key.

@@ -28,6 +28,7 @@ from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
+from ddpo_tpu.algorithms.multi_reward import component_weights
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
 from ddpo_tpu.training.epoch_data import (EpochSamples, batch_mean_weights, drawn_rows, epoch_samples,
                                           train_batches)
@@ -373,8 +374,11 @@ class Trainer:
         keys = key_of(sampled.prompts)
         keep = np.isfinite(rewards)
         adv = np.zeros_like(rewards, dtype=np.float32)
-        scores = sampled.scores
-        kept = lambda m: {"scores": {k: v[m] for k, v in scores.items()}} if scores is not None else {}
+        scores, parts = sampled.scores, None
+        if getattr(self.cfg.algorithm, "advantage_aggregation", "sum") == "gdpo":  # each reward normalised alone
+            parts = {k: sampled.extras[k] for k in component_weights(self.cfg.reward)}
+        kept = lambda m: {**({"scores": {k: v[m] for k, v in scores.items()}} if scores is not None else {}),
+                          **({"components": {k: v[m] for k, v in parts.items()}} if parts is not None else {})}
         if keep.all():
             adv = self.algorithm.advantages(keys, rewards, **kept(keep))
         else:
