@@ -177,3 +177,12 @@ def test_vlm_recogniser_needs_its_url_at_compose_time(tmp_path):
     v = compose_and_validate(["+experiment=smoke", "reward=ocr", "reward.recognizer=vlm",
                               "reward.url=http://127.0.0.1:8000/v1", *ok])
     assert v.cfg.reward.url == "http://127.0.0.1:8000/v1"
+
+
+def test_a_reward_in_its_own_environment_is_not_refused_for_what_this_one_lacks(tmp_path):
+    # reward.process.python: the managed reward process imports paddleocr in that environment, not here
+    import sys
+
+    ok = _quoted_prompts(tmp_path, ['a sign that says "OPEN"'])
+    v = compose_and_validate(["+experiment=smoke", "reward=ocr", f"reward.process.python={sys.executable}", *ok])
+    assert v.cfg.reward.recognizer == "paddle" and v.cfg.reward.process.python == sys.executable
