@@ -29,7 +29,7 @@ from pydantic import TypeAdapter
 
 from ddpo_tpu.config.schema import RewardConfig
 from ddpo_tpu.rewards import REWARDS, RewardError, make_reward
-from ddpo_tpu.rewards.from_config import reward_from_config
+from ddpo_tpu.rewards.from_config import reward_from_config, reward_kwargs
 from ddpo_tpu.rewards.hpsv2 import HPSv2Reward, hpsv2_pixels
 from ddpo_tpu.rewards.open_clip_convert import (VIT_H_14, OpenClipConversionError, clip_config_from_open_clip,
                                                 convert_state_dict)
@@ -209,17 +209,20 @@ def test_tiny_checkpoint_has_the_released_key_layout(tiny):
 def test_converter_maps_vit_h_14_sizes_onto_clipmodel_exactly():
     """The released architecture's shapes (ViT-H-14: 32 x 1280 image blocks, 16 heads, 257 positions; 24 x 1024
     text blocks) on meta tensors: every key converted, and the result is exactly CLIPModel's state dict."""
-    from transformers import CLIPModel, CLIPTokenizer  # noqa: F401
+    from transformers import CLIPModel
+    try:
+        from transformers.initialization import no_init_weights    # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights     # 4.x
 
     oc = VIT_H_14
-    v, t, e = oc["vision_cfg"], oc["text_cfg"], oc["embed_dim"]
-    with torch.device("meta"):
-        sd = tiny_open_clip_state_dict({**oc, "vision_cfg": v, "text_cfg": t, "embed_dim": e})
+    sd = tiny_open_clip_state_dict(oc, meta=True)   # the tiny builder's layout at the released sizes, no 4 GB
+    assert sd["visual.conv1.weight"].is_meta and sd["visual.proj"].shape == (1280, 1024)
     config = clip_config_from_open_clip(oc, bos_token_id=49406, eos_token_id=49407, pad_token_id=0)
     assert config.vision_config.num_attention_heads == 16 and config.text_config.num_attention_heads == 16
     assert config.vision_config.hidden_act == config.text_config.hidden_act == "gelu"
     converted = convert_state_dict(sd, config)
-    with torch.device("meta"):
+    with torch.device("meta"), no_init_weights():
         model = CLIPModel(config)
     want = {k: tuple(p.shape) for k, p in model.state_dict().items() if not k.endswith("position_ids")}
     assert {k: tuple(p.shape) for k, p in converted.items()} == want
@@ -369,6 +372,11 @@ def test_tiny_from_config_and_reward_local(cache, tiny, tmp_path, monkeypatch):
         {"name": "hpsv2", "host_workers": 1, "checkpoint": "tiny", "architecture": "tiny", "tokenizer": "tiny"})
     built = reward_from_config(cfg, model_cache_dir=str(cache), device=torch.device("cpu"))
     assert isinstance(built, HPSv2Reward) and built.checkpoint == str(tiny[0])
+    # on a GPU the reward gets the run's CUDA device; on XLA and the CPU it stays on the host CPU
+    cuda, xla = (type("D", (), {"type": t, "__str__": lambda self: f"{self.type}:0"})() for t in ("cuda", "xla"))
+    kwargs = reward_kwargs(cfg, cache, cuda)
+    assert kwargs["device"] == "cuda:0" and kwargs["architecture"] == str(tiny[1])
+    assert "device" not in reward_kwargs(cfg, cache, xla)
     # model=tiny_sd3 / tiny pick conf/reward_local/hpsv2_tiny*.yaml; a real model keeps the real keys, and without the
     # checkpoint in the cache the compose-time check names it
     for model in ("tiny_sd3", "tiny"):

@@ -41,9 +41,10 @@ def tiny_open_clip_config() -> dict[str, Any]:
 
 
 
-def tiny_open_clip_state_dict(oc_config: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+def tiny_open_clip_state_dict(oc_config: dict[str, Any], seed: int = 0, meta: bool = False) -> dict[str, Any]:
     """Random tensors under open_clip's CLIP names and shapes (tgxs002/HPSv2@866735e hpsv2/src/open_clip model.py
-    ``CLIP.__init__``, transformer.py ``VisionTransformer`` / ``ResidualAttentionBlock``), float32, seeded."""
+    ``CLIP.__init__``, transformer.py ``VisionTransformer`` / ``ResidualAttentionBlock``), float32, seeded.
+    ``meta``: shapes only, on the meta device (the released sizes, for checking a conversion without 4 GB)."""
     import math
 
     import torch
@@ -52,7 +53,7 @@ def tiny_open_clip_state_dict(oc_config: dict[str, Any], seed: int = 0) -> dict[
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, std=0.1, mean=0.0):
-        return torch.randn(*shape, generator=g) * std + mean
+        return torch.empty(shape, device="meta") if meta else torch.randn(*shape, generator=g) * std + mean
 
     def blocks(prefix: str, width: int, layers: int) -> dict[str, Any]:
         out = {}
@@ -82,7 +83,7 @@ def tiny_open_clip_state_dict(oc_config: dict[str, Any], seed: int = 0) -> dict[
         "visual.ln_post.weight": rnd(vw, mean=1.0), "visual.ln_post.bias": rnd(vw),
         "positional_embedding": rnd(t["context_length"], tw, std=0.1),
         "text_projection": rnd(tw, embed, std=tw ** -0.5),
-        "logit_scale": torch.tensor(math.log(1 / 0.07)),
+        "logit_scale": torch.tensor(math.log(1 / 0.07), device="meta" if meta else "cpu"),
         "token_embedding.weight": rnd(t["vocab_size"], tw, std=0.5),
         **blocks("", tw, t["layers"]),
         "ln_final.weight": rnd(tw, mean=1.0), "ln_final.bias": rnd(tw),
