@@ -348,7 +348,7 @@ def test_compose_time_problems(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     lines = [str(p) for p in _hpsv2_problems(HPSv2Keys(name="hpsv2"), "reward")]
     assert lines == ["reward.checkpoint=null: HPS_v2.1_compressed.pt is not in the Hugging Face cache (download it "
-                     "once (hf download xswu/HPSv2 HPS_v2.1_compressed.pt), or set reward.checkpoint=PATH)"]
+                     "once: hf download xswu/HPSv2 HPS_v2.1_compressed.pt; or set reward.checkpoint=PATH)"]
     gone = _hpsv2_problems(HPSv2Keys(name="hpsv2", checkpoint=str(tmp_path / "x.pt")), "reward")
     assert [(p.key, p.reason) for p in gone] == [("reward.checkpoint", "file not found")]
     v20 = tmp_path / "HPS_v2_compressed.pt"

@@ -258,11 +258,11 @@ def _hpsv2_problems(r: HPSv2Keys, prefix: str) -> list[Problem]:
     if r.checkpoint is None:
         if _hf_cached("xswu/HPSv2", wanted) is None:
             problems.append(Problem(f"{prefix}.checkpoint", None, f"{wanted} is not in the Hugging Face cache",
-                                    f"download it once ({download}), or set {prefix}.checkpoint=PATH"))
+                                    f"download it once: {download}; or set {prefix}.checkpoint=PATH"))
     elif not os.path.isfile(os.path.expanduser(r.checkpoint)):
         problems.append(Problem(f"{prefix}.checkpoint", r.checkpoint, "file not found",
-                                f"give the path of {wanted} ({download}), or {prefix}.checkpoint=null to use "
-                                "the Hugging Face cache"))
+                                f"give the path of {wanted} (from: {download}), or {prefix}.checkpoint=null for "
+                                "the Hugging Face cache's"))
     else:
         other = next((v for v, f in HPSV2_FILES.items() if f == os.path.basename(r.checkpoint) and v != r.version),
                      None)
