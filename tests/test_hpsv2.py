@@ -36,6 +36,7 @@ from ddpo_tpu.rewards.open_clip_convert import (VIT_H_14, OpenClipConversionErro
 from ddpo_tpu.rewards.tiny_hpsv2 import ensure_tiny_hpsv2, tiny_open_clip_state_dict
 
 PROMPTS = ["a cat", "a red bicycle on the moon", "two dogs playing chess", 'a sign that says "hello"']
+ENTITY = "salt &amp;amp; pepper &#128104"   # open_clip un-escapes twice: "salt & pepper" + one character
 LONG = " ".join(["a very long prompt about many small things"] * 12)   # > 77 tokens: cut, eot kept last
 MEAN = torch.tensor((0.48145466, 0.4578275, 0.40821073)).view(3, 1, 1)   # open_clip constants.py OPENAI_DATASET_*
 STD = torch.tensor((0.26862954, 0.26130258, 0.27577711)).view(3, 1, 1)
@@ -82,12 +83,16 @@ def _reference_preprocess(image: np.ndarray, size: int) -> torch.Tensor:
 
 
 def _reference_tokens(reward, prompts, context_length=77) -> torch.Tensor:
-    """open_clip ``tokenize``: [sot] + BPE + [eot], truncated with eot last, zero padded."""
+    """open_clip ``tokenize``: [sot] + BPE of basic_clean'd text (html.unescape twice, strip; ftfy.fix_text is
+    the identity on these prompts) + [eot], truncated with eot last, zero padded."""
+    import html
+
     tok = reward.tokenizer
     sot, eot = tok.bos_token_id, tok.eos_token_id
     result = torch.zeros(len(prompts), context_length, dtype=torch.long)
     for i, p in enumerate(prompts):
-        tokens = [sot] + tok(p, add_special_tokens=False)["input_ids"] + [eot]
+        text = html.unescape(html.unescape(p)).strip()
+        tokens = [sot] + tok(text, add_special_tokens=False)["input_ids"] + [eot]
         if len(tokens) > context_length:
             tokens = tokens[:context_length]
             tokens[-1] = eot
@@ -251,12 +256,12 @@ def test_converter_refuses_what_it_does_not_map(tiny):
 
 def test_scores_equal_open_clip_forward_to_float32_rounding(tiny, reward):
     sd, oc = _loaded(tiny)
-    prompts = PROMPTS + [LONG]
-    images = _images(5, 40, 56, seed=7)
+    prompts = PROMPTS + [LONG, ENTITY]
+    images = _images(6, 40, 56, seed=7)
     pixels = torch.stack([_reference_preprocess(im, 32) for im in images])
     want = _reference_scores(sd, oc, pixels, _reference_tokens(reward, prompts))
     got = reward(images, prompts)
-    assert got.dtype == np.float32 and got.shape == (5,)
+    assert got.dtype == np.float32 and got.shape == (6,)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert np.all(np.abs(got) <= 1 + 1e-6) and np.ptp(got) > 0.05   # cosines, not all alike
     # reversing the prompts pairs each image with another prompt: the reference's diagonal follows
@@ -264,11 +269,13 @@ def test_scores_equal_open_clip_forward_to_float32_rounding(tiny, reward):
     np.testing.assert_allclose(reward(images, prompts[::-1]), rev, rtol=1e-5, atol=1e-6)
     # the tokens are open_clip's but for the padding id: same ids up to and including eot, 77 long
     ours, ref = reward.tokens(prompts), _reference_tokens(reward, prompts)
-    assert ours.shape == ref.shape == (5, 77)
+    assert ours.shape == ref.shape == (6, 77)
     for a, b in zip(ours, ref):
         end = int(b.argmax()) + 1
         assert torch.equal(a[:end], b[:end])
-    assert int(ref[-1, 76]) == reward.tokenizer.eos_token_id        # the long prompt: cut, eot last
+    assert int(ref[4, 76]) == reward.tokenizer.eos_token_id         # the long prompt: cut, eot last
+    raw = reward.tokenizer(ENTITY)["input_ids"]                       # the entity is cleaned, not tokenised as is
+    assert len(raw) > int(ref[5].argmax()) + 1
 
 
 def test_loaded_through_from_pretrained_in_float32_and_built_once(tiny, reward, cache):

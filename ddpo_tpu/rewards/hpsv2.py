@@ -27,8 +27,11 @@ open_clip's forward written out from HPSv2@866735e's code.
 
 Tokens: ``CLIPTokenizer`` (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``: the OpenAI BPE vocabulary open_clip's
 ``SimpleTokenizer`` uses), <start> + BPE + <end>, cut to 77 with <end> kept last and padded to 77 as the reference's
-``tokenize``; the padding id differs (0 there) and cannot matter (causal attention; features taken at <end>).
-Text cleaning may differ on unusual text (open_clip also un-escapes HTML entities).
+``tokenize``; the padding id differs (0 there) and cannot matter (causal attention; features taken at <end>). HTML
+entities are unescaped as open_clip's ``basic_clean`` does; its ``ftfy.fix_text`` (mojibake repair) is not applied.
+Checked once (not in CI: the BPE file is HPSv2's): a CLIPTokenizer built from HPSv2@866735e's
+bpe_simple_vocab_16e6.txt.gz gives open_clip's ids for all 1981 ASCII prompts of flow_grpo's
+dataset/pickscore/test.txt (79 of them cut at 77; without the unescaping one, "&#128104, emoji style...", differed).
 
 Precision: float32, as DiffusionNFT (flow_grpo wraps the forward in CUDA fp16 autocast; its scores differ from
 float32 ones by fp16 rounding). Runs on ``device`` (the host CPU by default, a CUDA device when the run has one) in
@@ -44,6 +47,7 @@ checkpoint in the same layout stands in (``ddpo_tpu/rewards/tiny_hpsv2.py``), lo
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
@@ -173,8 +177,10 @@ class HPSv2Reward(Reward):
     # -- pieces ----------------------------------------------------------------------------------------
 
     def tokens(self, prompts: list[str]):
-        """(B, 77) int64: <start> + BPE + <end>, cut to 77 with <end> last, padded to 77 (the reference's shape)."""
-        return self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=CONTEXT_LENGTH,
+        """(B, 77) int64: <start> + BPE + <end>, cut to 77 with <end> last, padded to 77 (the reference's shape).
+        HTML entities are unescaped twice first, as open_clip's ``basic_clean`` does ("&#128104" is one character)."""
+        cleaned = [html.unescape(html.unescape(p)).strip() for p in prompts]
+        return self.tokenizer(cleaned, padding="max_length", truncation=True, max_length=CONTEXT_LENGTH,
                               return_tensors="pt")["input_ids"]
 
     def image_embeddings(self, images: np.ndarray):
