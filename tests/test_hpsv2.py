@@ -373,6 +373,7 @@ def test_compose_time_problems(tmp_path, monkeypatch):
 def test_tiny_from_config_and_reward_local(cache, tiny, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
+    from ddpo_tpu.config.components import reward_problems
     from ddpo_tpu.config.compose import compose
 
     cfg = TypeAdapter(RewardConfig).validate_python(
@@ -392,8 +393,5 @@ def test_tiny_from_config_and_reward_local(cache, tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     real = compose(["model=sd35_medium", "reward=hpsv2"]).reward
     assert (real.checkpoint, real.architecture, real.version) == (None, "ViT-H-14", "v2.1")
-    from ddpo_tpu.config.components import reward_problems
-    from ddpo_tpu.config.schema import RewardConfig as RC
-
-    typed = TypeAdapter(RC).validate_python(dict(real))
+    typed = TypeAdapter(RewardConfig).validate_python(dict(real))
     assert [p.key for p in reward_problems(typed)] == ["reward.checkpoint"]
