@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from pydantic import TypeAdapter
 
 from ddpo_tpu.config.schema import RewardConfig
@@ -393,5 +394,5 @@ def test_tiny_from_config_and_reward_local(cache, tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     real = compose(["model=sd35_medium", "reward=hpsv2"]).reward
     assert (real.checkpoint, real.architecture, real.version) == (None, "ViT-H-14", "v2.1")
-    typed = TypeAdapter(RewardConfig).validate_python(dict(real))
+    typed = TypeAdapter(RewardConfig).validate_python(OmegaConf.to_container(real, resolve=True))
     assert [p.key for p in reward_problems(typed)] == ["reward.checkpoint"]
