@@ -78,10 +78,10 @@ def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
 
 
 def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
-    """`tiny` as clip_model, mlp_path or processor, or imagereward's checkpoint, med_config and tokenizer
-    (conf/reward_local, paired with model=tiny / tiny_sd3): tiny random-weight models built once in the model cache
-    and loaded through the same code as the real ones. The only place that value is read (the catalog's problems
-    hooks check that the tiny keys of a reward come together)."""
+    """`tiny` as clip_model, mlp_path or processor, or imagereward's checkpoint, med_config and tokenizer, or hpsv2's
+    checkpoint, architecture and tokenizer (conf/reward_local, paired with model=tiny / tiny_sd3): tiny random-weight
+    models built once in the model cache and loaded through the same code as the real ones. The only place that
+    value is read (the catalog's problems hooks check that the tiny keys of a reward come together)."""
     if cfg.name == "imagereward":  # its tiny checkpoint in the released layout, med_config.json and tokenizer
         tiny = [k for k in ("checkpoint", "med_config", "tokenizer") if getattr(cfg, k, None) == TINY]
         if not tiny:
@@ -89,6 +89,14 @@ def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
         from ddpo_tpu.rewards.tiny_imagereward import ensure_tiny_imagereward
 
         paths = dict(zip(("checkpoint", "med_config", "tokenizer"), ensure_tiny_imagereward(cache_dir)))
+        return {k: str(paths[k]) for k in tiny}
+    if cfg.name == "hpsv2":  # its tiny open_clip-layout checkpoint, open_clip config and tokenizer
+        tiny = [k for k in ("checkpoint", "architecture", "tokenizer") if getattr(cfg, k, None) == TINY]
+        if not tiny:
+            return {}
+        from ddpo_tpu.rewards.tiny_hpsv2 import ensure_tiny_hpsv2
+
+        paths = dict(zip(("checkpoint", "architecture", "tokenizer"), ensure_tiny_hpsv2(cache_dir)))
         return {k: str(paths[k]) for k in tiny}
     tiny = [k for k in ("clip_model", "mlp_path", "processor") if getattr(cfg, k, None) == TINY]
     if not tiny:
