@@ -114,6 +114,16 @@ class ImageRewardKeys(Keys):
     batch_size: int | None = Field(default=None, ge=1)  # images per forward pass, the last padded (null: the batch)
 
 
+class HPSv2Keys(Keys):
+    name: Literal["hpsv2"]
+    version: Literal["v2.1", "v2.0"] = "v2.1"    # which release: HPS_v2.1_compressed.pt or HPS_v2_compressed.pt
+    # the checkpoint file; null: the version's file in the Hugging Face cache (hf download xswu/HPSv2 FILE); `tiny`
+    checkpoint: str | None = None
+    architecture: str = Field(default="ViT-H-14", min_length=1)  # open_clip architecture, a config JSON, or `tiny`
+    tokenizer: str = Field(default="laion/CLIP-ViT-H-14-laion2B-s32B-b79K", min_length=1)  # CLIPTokenizer or `tiny`
+    batch_size: int | None = Field(default=None, ge=1)  # images per forward pass, every pass this size (null: all)
+
+
 class ClipFeaturesKeys(Keys):
     name: Literal["clip_features"]
     clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # hub id, local dir or `tiny`
@@ -404,6 +414,53 @@ def url_problems(key: str, url: Any) -> list[Problem]:
     return []
 
 
+# the released HPSv2 checkpoints (flow_grpo@94e23ee flow_grpo/hpsv2_scorer.py hps_version_map; hub repo xswu/HPSv2)
+HPSV2_FILES = {"v2.1": "HPS_v2.1_compressed.pt", "v2.0": "HPS_v2_compressed.pt"}
+
+
+def _hpsv2_problems(r: HPSv2Keys, prefix: str) -> list[Problem]:
+    """The checkpoint must be there before the run starts (a 2 GB file the reward would otherwise only miss after the
+    model loaded); its file name must not be the other version's; the tiny stand-in's three keys go together."""
+    tiny = {k: getattr(r, k) == TINY for k in ("checkpoint", "architecture", "tokenizer")}
+    if any(tiny.values()) and not all(tiny.values()):
+        fix = Fix.of({f"{prefix}.{k}": TINY for k in tiny}, note="(the tiny checkpoint, its config and tokenizer "
+                                                                   "only go together)")
+        key = next(k for k, t in tiny.items() if not t)
+        return [Problem(f"{prefix}.{key}", getattr(r, key), "the tiny HPSv2 stand-in is set on other keys", fix)]
+    if all(tiny.values()):
+        return []
+    wanted = HPSV2_FILES[r.version]
+    download = f"hf download xswu/HPSv2 {wanted}"
+    problems = []
+    if r.checkpoint is None:
+        if _hf_cached("xswu/HPSv2", wanted) is None:
+            problems.append(Problem(f"{prefix}.checkpoint", None, f"{wanted} is not in the Hugging Face cache",
+                                    f"download it once: {download}; or set {prefix}.checkpoint=PATH"))
+    elif not os.path.isfile(os.path.expanduser(r.checkpoint)):
+        problems.append(Problem(f"{prefix}.checkpoint", r.checkpoint, "file not found",
+                                f"give the path of {wanted} (from: {download}), or {prefix}.checkpoint=null for "
+                                "the Hugging Face cache's"))
+    else:
+        other = next((v for v, f in HPSV2_FILES.items() if f == os.path.basename(r.checkpoint) and v != r.version),
+                     None)
+        if other is not None:
+            problems.append(Problem(f"{prefix}.version", r.version, f"{prefix}.checkpoint is {other}'s file "
+                                    f"({os.path.basename(r.checkpoint)})", Fix.of({f"{prefix}.version": other},
+                                                                                    note=f"or point it at {wanted}")))
+    if r.architecture != "ViT-H-14" and not os.path.isfile(os.path.expanduser(r.architecture)):
+        problems.append(Problem(f"{prefix}.architecture", r.architecture, "neither ViT-H-14 (HPSv2's) nor an "
+                                "open_clip model-config JSON file", Fix.of({f"{prefix}.architecture": "ViT-H-14"})))
+    return problems
+
+
+def _hf_cached(repo: str, filename: str) -> str | None:
+    """The file's path in the Hugging Face hub cache, or None (a lookup on disk; no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, filename)
+    return found if isinstance(found, str) and os.path.isfile(found) else None
+
+
 REWARDS.register(RewardSpec("jpeg_compressibility", "smaller JPEG files", JpegCompressibilityKeys,
                             "ddpo_tpu.rewards.jpeg"))
 REWARDS.register(RewardSpec("jpeg_incompressibility", "larger JPEG files", JpegIncompressibilityKeys,
@@ -418,6 +475,8 @@ REWARDS.register(RewardSpec("pickscore", "PickScore preference model", PickScore
                             torch=True, problems=_tiny_pair("clip_model", "processor")))
 REWARDS.register(RewardSpec("imagereward", "ImageReward v1.0 preference model (BLIP)", ImageRewardKeys,
                             "ddpo_tpu.rewards.imagereward", torch=True, problems=_imagereward_problems))
+REWARDS.register(RewardSpec("hpsv2", "HPSv2 human preference score (open_clip ViT-H/14, a cosine)", HPSv2Keys,
+                            "ddpo_tpu.rewards.hpsv2", torch=True, problems=_hpsv2_problems))
 # GARDO's feature model (its code: DINOv3), for algorithm.diversity_features; CLIP's image embedding stands in
 REWARDS.register(RewardSpec("clip_features", "CLIP image features (a feature model, not a score)", ClipFeaturesKeys,
                             "ddpo_tpu.rewards.clip_features", torch=True, features=True))

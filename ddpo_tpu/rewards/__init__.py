@@ -17,6 +17,7 @@ from ddpo_tpu.rewards.base import REWARDS, Reward, RewardError, make_reward, reg
 from ddpo_tpu.rewards.jpeg import JpegCompressibility, JpegIncompressibility  # noqa: E402
 from ddpo_tpu.rewards import aesthetic, clip_score, frame_consistency, pickscore, remote, weighted  # noqa: E402,F401
 from ddpo_tpu.rewards import imagereward  # noqa: E402,F401 -- BLIP + MLP head (torch, transformers when built)
+from ddpo_tpu.rewards import hpsv2  # noqa: E402,F401 -- HPSv2 on transformers' CLIP (torch on first use)
 # a feature model in the same registry (GRPO's diversity_features), not a score
 from ddpo_tpu.rewards import clip_features  # noqa: E402,F401
 from ddpo_tpu.rewards import digits  # noqa: E402,F401 -- the digits demo's classifier (torch on first use)

@@ -78,10 +78,11 @@ def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
 
 
 def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
-    """`tiny` as clip_model, mlp_path or processor, imagereward's checkpoint, med_config and tokenizer, or geneval's
-    detector_model (conf/reward_local, paired with model=tiny / tiny_sd3): tiny random-weight models built once in the
-    model cache and loaded through the same code as the real ones. The only place that value is read (the catalog's
-    problems hooks check that the tiny keys of a reward come together)."""
+    """`tiny` as clip_model, mlp_path or processor, imagereward's checkpoint, med_config and tokenizer, hpsv2's
+    checkpoint, architecture and tokenizer, or geneval's detector_model (conf/reward_local, paired with model=tiny /
+    tiny_sd3): tiny random-weight models built once in the model cache and loaded through the same code as the real
+    ones. The only place that value is read (the catalog's problems hooks check that the tiny keys of a reward come
+    together)."""
     if cfg.name == "geneval":  # the transformers detector's tiny Mask2Former and the colour classifier's tiny CLIP
         paths = {}
         if getattr(cfg, "detector_model", None) == TINY:
@@ -100,6 +101,14 @@ def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
         from ddpo_tpu.rewards.tiny_imagereward import ensure_tiny_imagereward
 
         paths = dict(zip(("checkpoint", "med_config", "tokenizer"), ensure_tiny_imagereward(cache_dir)))
+        return {k: str(paths[k]) for k in tiny}
+    if cfg.name == "hpsv2":  # its tiny open_clip-layout checkpoint, open_clip config and tokenizer
+        tiny = [k for k in ("checkpoint", "architecture", "tokenizer") if getattr(cfg, k, None) == TINY]
+        if not tiny:
+            return {}
+        from ddpo_tpu.rewards.tiny_hpsv2 import ensure_tiny_hpsv2
+
+        paths = dict(zip(("checkpoint", "architecture", "tokenizer"), ensure_tiny_hpsv2(cache_dir)))
         return {k: str(paths[k]) for k in tiny}
     tiny = [k for k in ("clip_model", "mlp_path", "processor") if getattr(cfg, k, None) == TINY]
     if not tiny:
