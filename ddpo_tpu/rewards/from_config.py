@@ -78,10 +78,22 @@ def reward_kwargs(cfg, cache_dir: Path, device) -> dict[str, Any]:
 
 
 def _stand_ins(cfg, cache_dir: Path) -> dict[str, str]:
-    """`tiny` as clip_model, mlp_path or processor, or imagereward's checkpoint, med_config and tokenizer, or hpsv2's
-    checkpoint, architecture and tokenizer (conf/reward_local, paired with model=tiny / tiny_sd3): tiny random-weight
-    models built once in the model cache and loaded through the same code as the real ones. The only place that
-    value is read (the catalog's problems hooks check that the tiny keys of a reward come together)."""
+    """`tiny` as clip_model, mlp_path or processor, imagereward's checkpoint, med_config and tokenizer, hpsv2's
+    checkpoint, architecture and tokenizer, or geneval's detector_model (conf/reward_local, paired with model=tiny /
+    tiny_sd3): tiny random-weight models built once in the model cache and loaded through the same code as the real
+    ones. The only place that value is read (the catalog's problems hooks check that the tiny keys of a reward come
+    together)."""
+    if cfg.name == "geneval":  # the transformers detector's tiny Mask2Former and the colour classifier's tiny CLIP
+        paths = {}
+        if getattr(cfg, "detector_model", None) == TINY:
+            from ddpo_tpu.rewards.tiny_mask2former import ensure_tiny_mask2former
+
+            paths["detector_model"] = str(ensure_tiny_mask2former(cache_dir))
+        if getattr(cfg, "clip_model", None) == TINY:
+            from ddpo_tpu.rewards.tiny_clip import ensure_tiny_aesthetic
+
+            paths["clip_model"] = str(ensure_tiny_aesthetic(cache_dir)[0])
+        return paths
     if cfg.name == "imagereward":  # its tiny checkpoint in the released layout, med_config.json and tokenizer
         tiny = [k for k in ("checkpoint", "med_config", "tokenizer") if getattr(cfg, k, None) == TINY]
         if not tiny:
