@@ -248,8 +248,9 @@ def test_an_export_is_written_whole_or_not_at_all(tmp_path):
 
 # --- the command ------------------------------------------------------------------------------------------------------
 
-def _run_dir(tmp_path: Path, model_cache: Path, overrides: list[str], epochs=(0, 1)) -> tuple[Path, dict]:
-    """A run dir as the trainer leaves it: config.yaml and weights/epoch_NNNN.safetensors."""
+def _run_dir(tmp_path: Path, model_cache: Path, overrides: list[str], epochs=(0, 1), trained: bool = True):
+    """A run dir as the trainer leaves it: config.yaml and weights/epoch_NNNN.safetensors (the family's adapter, times
+    epoch + 1; `trained` false: a placeholder tensor, for refusals that never read it). Returns (dir, state)."""
     from omegaconf import OmegaConf
 
     from ddpo_tpu.config.compose import compose_and_validate
@@ -259,8 +260,11 @@ def _run_dir(tmp_path: Path, model_cache: Path, overrides: list[str], epochs=(0,
     run = tmp_path / "run"
     run.mkdir()
     OmegaConf.save(OmegaConf.create(v.tree), run / "config.yaml")
-    fam = family_with_trained_adapter([*overrides, f"model.cache_dir={model_cache}"])
-    state = {k: v.cpu() for k, v in fam.trainable_state().items()}
+    if trained:
+        fam = family_with_trained_adapter([*overrides, f"model.cache_dir={model_cache}"])
+        state = {k: v.cpu() for k, v in fam.trainable_state().items()}
+    else:
+        state = {"placeholder": torch.zeros(1)}
     for e in epochs:
         RunDir(run).save_weights(f"epoch_{e:04d}", {k: t * (e + 1) for k, t in state.items()})
     return run, state
@@ -292,8 +296,7 @@ def test_the_command_exports_the_newest_epoch_or_the_named_one(model_cache, tmp_
 def test_the_command_refuses_bad_input_in_one_line(case, args, message, model_cache, tmp_path, capsys):
     from ddpo_tpu.export import main
 
-    run, _ = _run_dir(tmp_path, model_cache, CONFIGS["sd1"], epochs=(0,))
-    capsys.readouterr()  # the model loading's progress lines
+    run, _ = _run_dir(tmp_path, model_cache, CONFIGS["sd1"], epochs=(0,), trained=False)
     assert main(args(run)) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
@@ -331,7 +334,7 @@ def test_a_smoke_run_exports_its_final_lora_and_the_readme_snippet_generates_wit
     source, _, _ = checkpoint_source(cfg.model)
     code = readme_snippet()
     assert "load_lora_weights" in code and len(code.strip().splitlines()) <= 5
-    for old, new in [('"CompVis/stable-diffusion-v1-4"', repr(source)),
+    for old, new in [('"CompVis/stable-diffusion-v1-4"', repr(str(source))),
                      ('"outputs/ddpo/weights/final_diffusers"', repr(str(weights / "final_diffusers"))),
                      ('"cat.png"', repr(str(tmp_path / "cat.png"))),
                      ('pipe("a photo of a cat")', 'pipe("a photo of a cat", num_inference_steps=2)')]:
