@@ -30,6 +30,8 @@ CONFIGS = {
     "sd1": ["+experiment=smoke", "sample.num_steps=3", "model.lora.enabled=true"],
     "sd3": ["+experiment=flow_grpo_smoke", "sample.num_steps=3"],
     "flux": ["+experiment=flux_grpo_smoke", "sample.num_steps=3"],
+    "wan": ["+experiment=wan_grpo_smoke", "sample.num_steps=3"],
+    "qwen_image": ["+experiment=qwen_image_grpo_smoke", "sample.num_steps=3", "sample.sde_window.size=2"],
 }
 PROMPTS = ["a cat", "a red bicycle"]
 # the loaded model equals ours to float32 rounding of the same operations (measured: 0 on all three builds)
