@@ -223,6 +223,16 @@ def test_a_full_fine_tune_exports_a_save_pretrained_folder(name, model_cache, tm
     assert float((before - ours).abs().max() / ours.abs().max()) > 1e-3
 
 
+def test_every_family_of_the_catalog_has_an_export():
+    """The end of every run exports: a family added to the catalog without its pipeline here would end runs in an
+    error after training."""
+    from ddpo_tpu.catalog.families import FAMILIES
+    from ddpo_tpu.training.export import EXPORTS
+
+    assert set(EXPORTS) == {f.name for f in FAMILIES}
+    assert set(CONFIGS) == set(EXPORTS)  # and each is tested above
+
+
 # --- writes -----------------------------------------------------------------------------------------------------------
 
 def test_an_export_is_written_whole_or_not_at_all(tmp_path):
@@ -246,9 +256,11 @@ def test_an_export_is_written_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["final_peft"]
     # a kill's leftover folder is not one of the files resume unlinks (rundir/files.py interrupted_writes):
     # unlink of a directory would end the resume in an error
-    leftover = target.parent / ".final_peft.abc.partial"
+    leftover, others = target.parent / ".final_peft.abc.partial", target.parent / ".epoch_0001_peft.xyz.partial"
     leftover.mkdir()
-    assert interrupted_writes(target.parent) == [] and interrupted_exports(target.parent) == [leftover]
+    others.mkdir()
+    assert interrupted_writes(target.parent) == []
+    assert interrupted_exports(target.parent, "final") == [leftover]  # not another name's, maybe being written
 
 
 # --- the command ------------------------------------------------------------------------------------------------------
@@ -281,7 +293,10 @@ def test_the_command_exports_the_newest_epoch_or_the_named_one(model_cache, tmp_
     from ddpo_tpu.export import main
 
     run, state = _run_dir(tmp_path, model_cache, CONFIGS["sd1"])
+    killed = run / "weights" / ".epoch_0001_peft.abc.partial"  # a kill's leftover: the next export removes it
+    killed.mkdir()
     assert main([str(run)]) == 0
+    assert not killed.exists()
     assert sorted(p.name for p in (run / "weights").iterdir() if p.is_dir()) == \
         ["epoch_0001_diffusers", "epoch_0001_peft"]
     assert main([str(run), "epoch_0000"]) == 0

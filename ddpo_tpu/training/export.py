@@ -23,7 +23,7 @@ When: at the end of a run, for `final` (and `final_ema` when EMA is kept), by th
 (training/checkpointing.py `CheckpointManager.save`); and for any saved weights file by
 `python -m ddpo_tpu.export RUN_DIR [NAME ...]` (ddpo_tpu/export.py, the `ddpo-export` script).
 Each folder is written in a hidden temporary folder of weights/ and renamed into place whole, so a kill never leaves
-a half-written export under the final name (a leftover `.NAME_*.partial` folder is removed by the next export).
+a half-written export under the final name (a leftover `.NAME_*.partial` folder is removed by the next export of NAME).
 """
 
 from __future__ import annotations
@@ -208,9 +208,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def interrupted_exports(weights_dir: Path) -> list[Path]:
-    """Temporary export folders a kill left in weights/ (write_folder_atomically's cleanup never ran)."""
-    return sorted(p for p in Path(weights_dir).glob(f".*{_PARTIAL}") if p.is_dir())
+def interrupted_exports(weights_dir: Path, name: str = "") -> list[Path]:
+    """Temporary export folders a kill left in weights/ (write_folder_atomically's cleanup never ran): those of the
+    exports of weights NAME (another export may be writing its own right now), or all."""
+    pattern = f".{name}_*{_PARTIAL}" if name else f".*{_PARTIAL}"
+    return sorted(p for p in Path(weights_dir).glob(pattern) if p.is_dir())
 
 
 # --- what the trainer and the CLI call -------------------------------------------------------------------------
@@ -219,7 +221,7 @@ def export_weights(weights_dir: Path, name: str, state: dict, model_cfg) -> list
     """Write the exports of the weights `state` saved as weights_dir/NAME.safetensors: LoRA as NAME_diffusers/ and
     NAME_peft/, a full fine-tune as NAME_diffusers/. Returns the folders written."""
     weights_dir = Path(weights_dir)
-    for leftover in interrupted_exports(weights_dir):
+    for leftover in interrupted_exports(weights_dir, name):
         shutil.rmtree(leftover, ignore_errors=True)
     family_export(model_cfg.family)  # an unknown family is refused before anything is written
     if model_cfg.lora.enabled:
