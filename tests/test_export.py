@@ -1,8 +1,9 @@
 """The exported weights load into the real diffusers pipelines and peft and give the trained model's outputs
 (training/export.py, ddpo_tpu/export.py; issue 39 item 6).
 
-Each family's tiny build (SD 1.x, SD 3, FLUX, Wan, Qwen-Image) gets a trained-looking LoRA (tests/helpers `family_with_trained_adapter`), saved as the trainer
-saves it (RunDir.save_weights) and exported from that file as `ddpo-export` does. The loaded copies then stand in for
+Each family's tiny build (SD 1.x, SD 3, FLUX, Wan, Qwen-Image) gets a trained-looking LoRA (tests/helpers
+`family_with_trained_adapter`), saved as the trainer saves it (RunDir.save_weights) and exported from that file as
+`ddpo-export` does. The loaded copies then stand in for
 our denoiser in our own sampler (diffusion/sampling.py `sample_trajectory`, the family's SDE step, the same seeded
 noise): the final latents and the decoded images must equal those of the trained model. The base model's (adapter
 off) differ, so a load that silently dropped the LoRA fails the test.

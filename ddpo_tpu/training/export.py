@@ -159,9 +159,10 @@ def write_full_model(directory: Path, state: dict, model_cfg) -> Path:
 
 
 def _load_denoiser_config(source: str, subfolder: str, revision: str | None, local: bool) -> dict:
-    local_dir = Path(source).expanduser() / subfolder / "config.json"
-    if local_dir.is_file():
-        return json.loads(local_dir.read_text())
+    """The denoiser's config.json: in a local checkpoint dir, else from the hub (that one file)."""
+    local_file = Path(source).expanduser() / subfolder / "config.json"
+    if local_file.is_file():
+        return json.loads(local_file.read_text())
     from huggingface_hub import hf_hub_download
 
     path = hf_hub_download(source, "config.json", subfolder=subfolder, revision=revision, local_files_only=local)
