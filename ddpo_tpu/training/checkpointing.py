@@ -143,6 +143,13 @@ class CheckpointManager:
             self.out.save_weights("final", trainable)
         if final_ema is not None:
             self.out.save_weights("final_ema", final_ema)
+        if last:  # the final weights also as users load them (diffusers, peft): training/export.py
+            from ddpo_tpu.training.export import export_weights
+
+            weights = self.out.path / "weights"
+            export_weights(weights, "final", trainable, self.cfg.model)
+            if final_ema is not None:
+                export_weights(weights, "final_ema", final_ema, self.cfg.model)
         return ckpt.prepare(self.root, epoch=epoch, global_step=self.state.global_step, trainable=trainable,
                             optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
                             tree=self.tree)
