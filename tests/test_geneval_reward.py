@@ -366,8 +366,13 @@ BY_HAND = {"a photo of four stop signs": (0.25, 0), "a photo of three oranges": 
 
 
 @pytest.mark.slow  # a tiny SD3 epoch in-process: 54 s on 2 busy cores, most of it the model build a session shares
-def test_a_geneval_run_trains_on_the_partial_credit_and_logs_strict_and_per_tag_accuracy(tmp_path, model_cache):
+# managed: the reward (with the stub detector, as a GenEval environment's mmdet would be) in a process of its own
+# (reward.process.python: this interpreter, rewards/managed.py); its scores come back over the wire with the extras
+@pytest.mark.parametrize("managed", [False, True], ids=["in_process", "managed_process"])
+def test_a_geneval_run_trains_on_the_partial_credit_and_logs_strict_and_per_tag_accuracy(tmp_path, model_cache,
+                                                                                          managed):
     import json
+    import sys
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -385,8 +390,13 @@ def test_a_geneval_run_trains_on_the_partial_credit_and_logs_strict_and_per_tag_
         "prompts=dataset",
         f"prompts.path={data}", "reward=geneval", "reward.detector=tests.helpers.reward_stubs:detect_everything",
         "reward.colors=tests.helpers.reward_stubs:all_brown", "reward.host_workers=0",
-        f"model.cache_dir={model_cache}"])
+        f"model.cache_dir={model_cache}", *([f"reward.process.python={sys.executable}"] if managed else [])])
     tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    if managed:
+        from ddpo_tpu.rewards.managed import ManagedReward
+
+        assert isinstance(tr.reward, ManagedReward)
+        pid = tr.reward.pid
     calls = []
     score = tr.reward.score
 
@@ -396,7 +406,14 @@ def test_a_geneval_run_trains_on_the_partial_credit_and_logs_strict_and_per_tag_
         return out
 
     tr.reward.score = recording
-    tr.fit()
+    try:
+        tr.fit()
+    finally:
+        if managed:
+            tr.reward.close()
+    if managed:  # the process served the epoch, and is gone after close
+        assert (tmp_path / "reward_process.log").is_file()
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
     (prompts, out), = calls
     np.testing.assert_allclose(out.values, [BY_HAND[p][0] for p in prompts], rtol=1e-6)
     strict = np.array([BY_HAND[p][1] for p in prompts], float)

@@ -170,7 +170,7 @@ class Trainer:
         self.prompts = source_from_config(cfg.prompts)  # a dataset's rows carry metadata for the reward
         # a video family scores every frame with the (image) reward and reduces over frames
         self.reward = self.family.wrap_reward(reward_from_config(cfg.reward, model_cache_dir=cfg.model.cache_dir,
-                                                                 device=rt.device,
+                                                                 device=rt.device, log_dir=out.path,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         # what the algorithm scores per image besides the reward (GARDO's auxiliary rewards and features), or None
