@@ -3,6 +3,9 @@ and the GRPO micro-step on the tiny SD3 model (ratio 1 and KL 0 at the first inn
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -142,12 +145,20 @@ def test_grpo_micro_step_at_the_first_inner_step_has_ratio_1_and_kl_0(tmp_path):
     assert float(approx_kl) > 0
 
 
+GENEVAL = Path(__file__).parent / "data" / "flow_grpo" / "geneval"  # a few rows of flow_grpo's dataset/geneval
+
+
 @pytest.mark.parametrize("experiment,reward,beta", [("flow_grpo_pickscore_sd35", "pickscore", 0.01),
-                                                    ("flow_grpo_geneval_sd35", "remote", 0.04)])
+                                                    ("flow_grpo_geneval_sd35", "geneval", 0.04)])
 def test_flow_grpo_sd35_experiments_pin_the_reference_on_a_v6e_8(tmp_path, experiment, reward, beta):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a photo of a cat\na photo of a dog\n")
-    v = compose_and_validate([f"+experiment={experiment}", f"prompts.file={prompts}"])
+    if reward == "geneval":  # the dataset with its metadata; mmdet's checkpoint; this interpreter as mmdet's env
+        (tmp_path / "m2f.pth").write_bytes(b"placeholder")
+        prompts = [f"prompts.path={GENEVAL}", f"reward.detector_model={tmp_path / 'm2f.pth'}",
+                   f"reward.process.python={sys.executable}"]
+    else:
+        (tmp_path / "prompts.txt").write_text("a photo of a cat\na photo of a dog\n")
+        prompts = [f"prompts.path={tmp_path / 'prompts.txt'}"]
+    v = compose_and_validate([f"+experiment={experiment}", *prompts])
     cfg = v.cfg
     # flow_grpo's values are pinned by the parity group (a report row each, all ok below); what is derived from them:
     assert cfg.parity.name.startswith("flow_grpo") and cfg.reward.name == reward
@@ -162,7 +173,7 @@ def test_flow_grpo_sd35_experiments_pin_the_reference_on_a_v6e_8(tmp_path, exper
     assert memory.training_activation_gib(cfg, 1) <= memory.activation_budget(cfg) < 2 * memory.training_activation_gib(
         cfg, 1)
     # the reference's 9 per device is refused with per-replica values that fit and keep the 576
-    run = [f"+experiment={experiment}", f"prompts.file={prompts}"]
+    run = [f"+experiment={experiment}", *prompts]
     found = problems([*run, "train.batch_size=9", "train.gradient_accumulation_steps=8"])
     assert list(found) == ["train.batch_size"]
     assert "GiB of activations per chip (estimate)" in found["train.batch_size"]
@@ -186,5 +197,5 @@ def test_flow_grpo_sd35_experiments_pin_the_reference_on_a_v6e_8(tmp_path, exper
 def test_sd35_that_cannot_fit_one_sample_is_refused_with_what_would(tmp_path, overrides, reason, fix):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\n")
-    found = problems(["+experiment=flow_grpo_pickscore_sd35", f"prompts.file={prompts}", *overrides])
+    found = problems(["+experiment=flow_grpo_pickscore_sd35", f"prompts.path={prompts}", *overrides])
     assert reason in found["tpu_topology.name"] and fix in found["tpu_topology.name"]

@@ -296,7 +296,7 @@ RULES = [
      "reward.components.0.name", ["no reward of this name goes here", "jpeg_compressibility, "]),
     ("reward_unknown_name", ["reward.name=nope"], "reward.name",
      ["no reward of this name goes here", "choose one of: jpeg_compressibility, ",
-      ", remote, digit_classifier, weighted"]),
+      ", remote, digit_classifier, ocr, geneval, vlm_judge, weighted"]),
     ("reward_name_missing", ["~reward.name"], "reward.name", ["required key is missing", "jpeg_compressibility"]),
     ("reward_key_of_another_reward", ["reward=remote", "+reward.mlp_path=/x.pth"], "reward.mlp_path",
      ["unknown key", "valid keys here: backoff_s, batch_size, frame_reduction, headers, host_workers, image_format, name, process, retries"]),

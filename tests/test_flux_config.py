@@ -5,13 +5,16 @@ FLUX run on a v6e-8."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ddpo_tpu.config import memory
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
 SMOKE = ["+experiment=flux_grpo_smoke"]
-PARITY = ["+experiment=flux_grpo_pickscore", "prompts.file=/etc/hostname"]  # any existing file: the path is the user's
+DATA = Path(__file__).parent / "data" / "flow_grpo" / "ocr"  # any dataset folder: the path is the user's
+PARITY = ["+experiment=flux_grpo_pickscore", f"prompts.path={DATA}"]
 
 
 def problems(overrides: list[str]) -> dict:
@@ -87,7 +90,7 @@ def test_a_v6e_chip_needs_fsdp_for_the_transformer_and_the_refusal_says_which():
     assert "one sample needs about 14.6 GiB" in p.reason
     assert "tpu_topology.mesh.fsdp=8" in p.fix.overrides(0) and "train.activation_checkpointing=true" in p.fix.overrides(1)
     # a full fine-tune does not fit a v6e chip with any fsdp of a host
-    p = problems(["+experiment=flux_grpo_pickscore", "prompts.file=/etc/hostname", "parity=none",
+    p = problems(["+experiment=flux_grpo_pickscore", f"prompts.path={DATA}", "parity=none",
                   "model.lora.enabled=false"])["model.lora.enabled"]
     assert "full transformer fine-tune" in p.reason and p.suggested() == ["model.lora.enabled=true"]
 

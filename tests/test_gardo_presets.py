@@ -6,26 +6,47 @@ parity group holds them."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
 import pytest
 
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
-PROMPTS = "prompts.file=simple_animals.txt"  # the official prompt files are not shipped
-EXTRA = [PROMPTS]
+DATA = Path(__file__).parent / "data" / "flow_grpo"  # a few rows of flow_grpo's dataset folders (tests/data)
+FILES: dict[str, Path] = {}
 
 
 @pytest.fixture(autouse=True, scope="module")
-def placeholder_mlp(tmp_path_factory):
-    """The aesthetic auxiliary reward needs the LAION MLP's weights (no hub default): a placeholder file stands in."""
-    mlp = tmp_path_factory.mktemp("mlp") / "sac+logos+ava1-l14-linearMSE.pth"
-    mlp.write_bytes(b"placeholder")
-    EXTRA[1:] = [f"algorithm.kl_gate_rewards.0.mlp_path={mlp}"]
+def placeholder_files(tmp_path_factory):
+    """The rewards' weights have no hub default here (the LAION MLP, ImageReward.pt, Mask2Former's .pth, HPSv2's .pt):
+    placeholder files stand in; the compose-time checks look for the files, not into them."""
+    root = tmp_path_factory.mktemp("weights")
+    for key, name in [("mlp", "sac+logos+ava1-l14-linearMSE.pth"), ("imagereward", "ImageReward.pt"),
+                      ("m2f", "mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth"), ("hps", "HPS_v2.1_compressed.pt")]:
+        FILES[key] = root / name
+        FILES[key].write_bytes(b"placeholder")
+    (root / "med_config.json").write_text("{}")
+
+
+def needs(name: str) -> list[str]:
+    """What each preset leaves to the user: its dataset, the gate's weights, and its trained reward's environment
+    (this interpreter stands in for the PaddleOCR / mmdet environment) and weights."""
+    data = {"gardo_sd3_ocr": "ocr", "gardo_sd3_geneval": "geneval"}.get(name, "ocr")  # pickscore's is a txt as ocr's
+    out = [f"prompts.path={DATA / data}", f"algorithm.kl_gate_rewards.0.mlp_path={FILES['mlp']}",
+           f"algorithm.kl_gate_rewards.1.checkpoint={FILES['imagereward']}"]
+    if name in ("gardo_sd3_ocr", "gardo_sd3_geneval"):
+        out.append(f"reward.process.python={sys.executable}")
+    if name == "gardo_sd3_geneval":
+        out.append(f"reward.components.0.detector_model={FILES['m2f']}")
+    if name == "gardo_flux_hps":
+        out.append(f"reward.components.0.checkpoint={FILES['hps']}")
+    return out
 
 
 def preset(name: str, *overrides: str):
-    return compose_and_validate([f"+experiment={name}", *EXTRA, *overrides])
+    return compose_and_validate([f"+experiment={name}", *needs(name), *overrides])
 
 
 # name, model, steps, guidance, noise, timestep_fraction, kl_beta, per-device sample batch and batches (8 chips),
@@ -34,9 +55,9 @@ PRESETS = [
     # general_ocr_sd3 (grpo_gardo.py:32-94): SD 3.5 M (:36), 10 steps (:37), guidance 4.5 (:39), noise 0.7 (base.py),
     # timestep_fraction 0.89 (:60), beta 0.04 (:62), 9 a GPU x 16 batches (:50-54), 100000 epochs (:73), the OCR
     # score alone (main_reward 'ocr', :79; gardo:799-801), the zero-advantage mask (gardo:877)
-    ("gardo_sd3_ocr", "sd35_medium", 10, 4.5, 0.7, 0.89, 0.04, (9, 16), True, 100000, ("remote", 1.0)),
+    ("gardo_sd3_ocr", "sd35_medium", 10, 4.5, 0.7, 0.89, 0.04, (9, 16), True, 100000, ("ocr", 1.0)),
     # geneval_sd3 (:97-138): general_ocr_sd3's values but beta 0.07 (:118), main_reward 'geneval' (:134)
-    ("gardo_sd3_geneval", "sd35_medium", 10, 4.5, 0.7, 0.89, 0.07, (9, 16), True, 100000, ("remote", 1.0)),
+    ("gardo_sd3_geneval", "sd35_medium", 10, 4.5, 0.7, 0.89, 0.07, (9, 16), True, 100000, ("geneval", 1.0)),
     # compressibility (:7-30): jpeg_compressibility (:27) at flow_grpo's -kB / 500 (flow_grpo/rewards.py), 100
     # epochs (:13); the rest general_ocr_sd3's (compressibility() alone does not run train_sd3_gardo.py)
     ("gardo_sd3_compressibility", "sd35_medium", 10, 4.5, 0.7, 0.89, 0.04, (9, 16), True, 100,
@@ -44,7 +65,7 @@ PRESETS = [
     # hps_flux (:141-186): FLUX.1-dev (:146), 6 steps (:147), guidance 3.5 (:149), noise 0.9 (:171),
     # timestep_fraction 0.7 (:161), beta 0.01 (:162), 3 a GPU x int(48 / (8 x 3 / 24)) = 48 batches (:144, 153-155),
     # 100000 epochs (:167), HPSv2 alone (main_reward 'hpsv2_score', :182); train_flux_gardo.py has no mask
-    ("gardo_flux_hps", "flux1_dev", 6, 3.5, 0.9, 0.7, 0.01, (3, 48), False, 100000, ("remote", 1.0)),
+    ("gardo_flux_hps", "flux1_dev", 6, 3.5, 0.9, 0.7, 0.01, (3, 48), False, 100000, ("hpsv2", 1.0)),
 ]
 
 
@@ -70,7 +91,7 @@ def test_presets_compose_with_the_official_values(name, model, steps, guidance, 
     # base 0.1 (gardo:218, 632)
     assert (a.reference_reset_kl, a.reference_reset_every, a.kl_gate_share) == (3e-4, 15, 0.1)
     # the gate ranks the trained reward against aesthetic and imagereward (gardo:826); the features: DINOv3's stand-in
-    assert [e.name for e in a.kl_gate_rewards] == ["aesthetic", "remote"]
+    assert [e.name for e in a.kl_gate_rewards] == ["aesthetic", "imagereward"]
     assert a.diversity_features.name == "clip_features"
     # the trained reward: main_reward's raw score alone, one component (the weights of reward_fn reach no loss)
     components = cfg.reward.model_dump()["components"]
@@ -98,12 +119,19 @@ def test_the_parity_group_holds_the_official_values(name, key, value):
     assert preset(name, f"{key}={value}", "parity=none").tree is not None
 
 
-def test_the_presets_leave_the_servers_and_mlp_to_the_user():
-    with pytest.raises(ConfigError) as e:  # the LAION MLP has no hub default: named by its list index
-        compose_and_validate(["+experiment=gardo_sd3_ocr", PROMPTS])
-    assert [p.key for p in e.value.problems] == ["algorithm.kl_gate_rewards.0.mlp_path"]
-    # the servers are placeholders on distinct ports: OCR, GenEval, HPSv2 (the trained rewards) and ImageReward
-    urls = {n: preset(n).cfg.reward.model_dump()["components"][0].get("url")
-            for n in ("gardo_sd3_ocr", "gardo_sd3_geneval", "gardo_flux_hps")}
-    imagereward = preset("gardo_sd3_ocr").cfg.algorithm.kl_gate_rewards[1].url
-    assert len({*urls.values(), imagereward}) == 4, (urls, imagereward)
+def test_the_presets_name_real_rewards_and_leave_weights_and_environments_to_the_user():
+    with pytest.raises(ConfigError) as e:  # the weights have no hub default: named by their keys
+        compose_and_validate(["+experiment=gardo_flux_hps", f"prompts.path={DATA / 'ocr'}"])
+    assert {p.key for p in e.value.problems} >= {"algorithm.kl_gate_rewards.0.mlp_path",
+                                                 "algorithm.kl_gate_rewards.1.checkpoint"}, e.value.render()
+    # the OCR and GenEval backends (PaddleOCR, mmdet) run in an environment of their own: required
+    for name in ("gardo_sd3_ocr", "gardo_sd3_geneval"):
+        with pytest.raises(ConfigError) as e:
+            compose_and_validate([f"+experiment={name}", *[o for o in needs(name) if "process" not in o]])
+        assert "reward.process.python" in e.value.render(), name
+    # no preset scores through a reward server: each trained reward and gate reward is computed by the run
+    for name, *_ in PRESETS:
+        cfg = preset(name).cfg
+        names = [c["name"] for c in cfg.reward.model_dump()["components"]]
+        names += [g.name for g in cfg.algorithm.kl_gate_rewards]
+        assert "remote" not in names, (name, names)

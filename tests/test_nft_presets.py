@@ -4,30 +4,58 @@ they need SD 3.5 Medium and a TPU), and parity=nft_sd3 holds them."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
-PROMPTS = "prompts.file=simple_animals.txt"  # the official prompt files are not shipped
+DATA = Path(__file__).parent / "data" / "flow_grpo"  # a few rows of the references' dataset folders (tests/data)
 
 
-def preset(name: str, *overrides: str):
-    return compose_and_validate([f"+experiment=nft_sd3_{name}", PROMPTS, *overrides]).cfg
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> dict[str, Path]:
+    """Placeholder files for the rewards' weights (HPSv2.1's .pt, Mask2Former's .pth): the checks look for the files."""
+    root = tmp_path_factory.mktemp("weights")
+    out = {"hps": root / "HPS_v2.1_compressed.pt", "m2f": root / "mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.pth"}
+    for path in out.values():
+        path.write_bytes(b"placeholder")
+    return out
+
+
+NEEDS = {  # what each preset leaves to the user besides its dataset; this interpreter stands in for the reward envs
+    "ocr": lambda w: [f"reward.process.python={sys.executable}"],
+    "geneval": lambda w: [f"reward.process.python={sys.executable}", f"reward.detector_model={w['m2f']}"],
+    "hpsv2": lambda w: [f"reward.checkpoint={w['hps']}"],
+    "multi_reward": lambda w: [f"reward.components.2.checkpoint={w['hps']}"],
+}
+
+
+@pytest.fixture
+def preset(weights):
+    def compose(name: str, *overrides: str):
+        data = DATA / ("geneval" if name == "geneval" else "ocr")  # pickscore's train.txt is read as ocr's is
+        extra = NEEDS.get(name, lambda w: [])(weights)
+        return compose_and_validate([f"+experiment=nft_sd3_{name}", f"prompts.path={data}", *extra,
+                                     *overrides]).cfg
+
+    return compose
 
 
 @pytest.mark.parametrize("name,beta,steps,accum,decay,reward", [
     # nft.py:97-109, 82-94, 112-119: _get_config's values (beta 1: nft.py:61, decay_type 1: nft.py:60)
     ("pickscore", 1.0, 10, 144, (0, 0.001, 0.5), "pickscore"),
-    ("geneval", 1.0, 10, 144, (0, 0.001, 0.5), "remote"),
-    ("hpsv2", 1.0, 10, 144, (0, 0.001, 0.5), "remote"),
+    ("geneval", 1.0, 10, 144, (0, 0.001, 0.5), "geneval"),
+    ("hpsv2", 1.0, 10, 144, (0, 0.001, 0.5), "hpsv2"),
     # nft.py:70-79: beta 0.1, decay_type 2 (flat 75, uprate 0.0075, uphold 0.999), gradient_step_per_epoch 2
-    ("ocr", 0.1, 10, 72, (75, 0.0075, 0.999), "remote"),
+    ("ocr", 0.1, 10, 72, (75, 0.0075, 0.999), "ocr"),
     # nft.py:122-138: 25 steps, beta 0.1, PickScore + HPSv2 + CLIPScore
     ("multi_reward", 0.1, 25, 144, (0, 0.001, 0.5), "weighted"),
 ])
-def test_presets_compose_with_the_official_values(name, beta, steps, accum, decay, reward):
+def test_presets_compose_with_the_official_values(preset, name, beta, steps, accum, decay, reward):
     cfg = preset(name)
     a, s, t = cfg.algorithm, cfg.sample, cfg.train
     assert (a.name, a.beta, a.kl_beta, a.adv_clip_max, a.group_size) == ("nft", beta, 1e-4, 5.0, 24)
@@ -44,10 +72,11 @@ def test_presets_compose_with_the_official_values(name, beta, steps, accum, deca
     assert tot.total_train_batch == (576 if name == "ocr" else 1152)
     assert t.gradient_accumulation_steps == accum and cfg.reward.name == reward
     if name == "multi_reward":
-        assert [c["name"] for c in cfg.reward.model_dump()["components"]] == ["pickscore", "clip_score", "remote"]
+        assert [c["name"] for c in cfg.reward.model_dump()["components"]] == ["pickscore", "clip_score", "hpsv2"]
+    assert cfg.prompts.name == "dataset"  # the reference's dataset folder
 
 
-def test_the_parity_group_holds_the_official_values():
+def test_the_parity_group_holds_the_official_values(preset):
     for key in ("algorithm.beta=0.5", "algorithm.kl_beta=0.01", "sample.ode_solver=euler", "train.timestep_fraction=1"):
         with pytest.raises(ConfigError) as e:
             preset("pickscore", key)
@@ -59,15 +88,14 @@ def test_the_parity_group_holds_the_official_values():
     ("geneval", "algorithm.beta", "0.5"), ("hpsv2", "algorithm.beta", "0.5"),  # their own pin is the reward's name
     ("ocr", "algorithm.decay_start", "0"), ("multi_reward", "sample.num_steps", "10"),
 ])
-def test_each_presets_own_pins_refuse_a_change_and_parity_none_lifts_them(name, key, value):
+def test_each_presets_own_pins_refuse_a_change_and_parity_none_lifts_them(preset, name, key, value):
     """The presets' own pins live in parity groups (conf/parity/nft_sd3_<name>.yaml): pins set inside an experiment
     merged into whichever group was chosen, so parity=none, the fix the error names, kept refusing."""
-    extra = ["reward.url=http://127.0.0.1:1/score"] if name == "ocr" else []  # a value for each required key
     with pytest.raises(ConfigError) as e:
-        preset(name, f"{key}={value}", *extra)
+        preset(name, f"{key}={value}")
     assert key in {p.key for p in e.value.problems}, e.value.problems
     assert "parity=none" in str(e.value)
-    cfg = preset(name, f"{key}={value}", "parity=none", *extra)
+    cfg = preset(name, f"{key}={value}", "parity=none")
     assert cfg.parity.name == "none" and not cfg.parity.pinned
 
 

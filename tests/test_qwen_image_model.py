@@ -152,7 +152,7 @@ def test_the_family_composes_and_the_memory_rule_reads_its_figures(model_cache):
     assert memory.resident_gib(split) == pytest.approx(44.0, abs=0.1) and not memory.activation_checkpointing(split)
     from tests.helpers import REPO
 
-    prompts = f"prompts.file={REPO / 'README.md'}"  # any text file
+    prompts = f"prompts.path={REPO / 'tests' / 'data' / 'flow_grpo' / 'ocr'}"  # any dataset folder
     pickscore = compose_and_validate(["+experiment=qwen_image_grpo_pickscore", prompts]).cfg
     assert memory.activation_checkpointing(pickscore)  # flow_grpo's run: 8 x 80 GiB GPUs, checkpointed as it does
     assert (pickscore.sample.noise_level, pickscore.sample.sde_window.size, pickscore.train.cfg) == (1.2, 2, True)

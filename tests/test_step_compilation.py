@@ -58,7 +58,7 @@ def test_auto_fuses_what_fits_the_chip_for_sd3(tmp_path):
     is not held to SD 3.5's memory."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\n")
-    sd35 = ["+experiment=flow_grpo_pickscore_sd35", f"prompts.file={prompts}"]
+    sd35 = ["+experiment=flow_grpo_pickscore_sd35", f"prompts.path={prompts}"]
     cfg = compose_and_validate(sd35).cfg
     assert fused_timesteps(cfg) == 1 and not activation_checkpointing(cfg)
     cfg = compose_and_validate([*sd35, "parity=none", "train.cfg=false", "sample.guidance_scale=1"]).cfg

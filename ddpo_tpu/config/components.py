@@ -140,11 +140,24 @@ def algorithm_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
     return ALGORITHMS.get(cfg.algorithm.name).problems(cfg, tot)
 
 
+class _Served:
+    """A component of a weighted reward that runs whole in reward.process's environment: its keys, and that process,
+    so its checks leave what that environment imports to that environment (catalog/rewards.py _in_own_process)."""
+
+    def __init__(self, keys: Any, process: Any):
+        self._keys, self.process = keys, process
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._keys, item)
+
+
 def reward_problems(r: Any, key: str = "reward") -> list[Problem]:
     """What the schema cannot say about a reward's keys (types, names and unknown keys it has checked): the run's
     reward, or each component of reward=weighted under reward.components.N."""
     if r.name == "weighted":
-        problems = [p for i, c in enumerate(r.components) for p in reward_problems(c, f"{key}.components.{i}")]
+        served = getattr(getattr(r, "process", None), "python", None) is not None
+        parts = [_Served(c, r.process) if served else c for c in r.components]
+        problems = [p for i, c in enumerate(parts) for p in reward_problems(c, f"{key}.components.{i}")]
         if all(c.weight == 0 for c in r.components):
             problems.append(Problem(f"{key}.components", f"[{len(r.components)} with weight 0]",
                                     "every weight is 0: the reward is 0 for every image and nothing is learned",
