@@ -145,16 +145,19 @@ def test_grpo_micro_step_at_the_first_inner_step_has_ratio_1_and_kl_0(tmp_path):
     assert float(approx_kl) > 0
 
 
-GENEVAL = Path(__file__).parent / "data" / "flow_grpo" / "geneval"  # a few rows of flow_grpo's dataset/geneval
+DATA = Path(__file__).parent / "data" / "flow_grpo"  # a few rows of flow_grpo's dataset folders
 
 
 @pytest.mark.parametrize("experiment,reward,beta", [("flow_grpo_pickscore_sd35", "pickscore", 0.01),
-                                                    ("flow_grpo_geneval_sd35", "geneval", 0.04)])
+                                                    ("flow_grpo_geneval_sd35", "geneval", 0.04),
+                                                    ("flow_grpo_ocr_sd35", "ocr", 0.04)])
 def test_flow_grpo_sd35_experiments_pin_the_reference_on_a_v6e_8(tmp_path, experiment, reward, beta):
     if reward == "geneval":  # the dataset with its metadata; mmdet's checkpoint; this interpreter as mmdet's env
         (tmp_path / "m2f.pth").write_bytes(b"placeholder")
-        prompts = [f"prompts.path={GENEVAL}", f"reward.detector_model={tmp_path / 'm2f.pth'}",
+        prompts = [f"prompts.path={DATA / 'geneval'}", f"reward.detector_model={tmp_path / 'm2f.pth'}",
                    f"reward.process.python={sys.executable}"]
+    elif reward == "ocr":  # this interpreter as PaddleOCR's env
+        prompts = [f"prompts.path={DATA / 'ocr'}", f"reward.process.python={sys.executable}"]
     else:
         (tmp_path / "prompts.txt").write_text("a photo of a cat\na photo of a dog\n")
         prompts = [f"prompts.path={tmp_path / 'prompts.txt'}"]

@@ -85,7 +85,7 @@ def test_a_fix_is_data_rendered_to_text():
 def test_experiment_list_is_the_tested_one():
     shipped = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
     # the flow-matching experiments are composed in tests/test_algorithms.py, digits in tests/test_digits_learns.py
-    flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35"]
+    flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35", "flow_grpo_ocr_sd35"]
     flow += ["flux_grpo_smoke", "flux_grpo_pickscore"]  # composed in tests/test_flux_config.py
     flow += ["nft_smoke"]  # composed in tests/test_nft.py
     flow += [f"nft_sd3_{n}" for n in ("pickscore", "geneval", "ocr", "hpsv2", "multi_reward")]  # test_nft_presets.py

@@ -106,3 +106,26 @@ def test_no_experiment_pins_values_outside_a_parity_group():
 
     for path in sorted((conf_dir() / "experiment").glob("*.yaml")):
         assert "parity" not in (yaml.safe_load(path.read_text()) or {}), f"{path.name}: move its pins to conf/parity/"
+
+
+def test_no_experiment_points_at_a_reward_server():
+    """Every paper preset computes its reference's reward (in-process, or in an environment of its own through
+    reward.process.python): none trains on a placeholder server URL (issue 38)."""
+    import yaml
+
+    from ddpo_tpu.config.topology import conf_dir
+
+    def walk(node):
+        if isinstance(node, dict):
+            yield node
+            for v in node.values():
+                yield from walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from walk(v)
+
+    for path in sorted((conf_dir() / "experiment").glob("*.yaml")):
+        text = path.read_text()
+        tree = yaml.safe_load(text) or {}
+        assert "/reward: remote" not in text, path.name
+        assert not [n for n in walk(tree) if n.get("name") == "remote" or "url" in n], path.name
