@@ -55,7 +55,7 @@ def distributed_problems(cfg, overridden: frozenset[str] = frozenset()) -> list[
         fix = Fix.of({"distributed.timeout_s": max(10, int(d.hang_timeout_s) * 2)}) if key == "distributed." \
             "timeout_s" else Fix.of({"distributed.hang_timeout_s": max(3, int(d.timeout_s) // 2)},
                                     {"distributed.timeout_s": int(d.hang_timeout_s) * 2})
-        problems.append(Problem(key, value, f"the rank watch (distributed.hang_timeout_s={d.hang_timeout_s:g} s) must "
+        problems.append(Problem(key, f"{value:g}", f"the rank watch (distributed.hang_timeout_s={d.hang_timeout_s:g} s) must "
                                 f"end a hung rank before a collective times out (distributed.timeout_s="
                                 f"{d.timeout_s:g} s), or the collective blames the rank that waited", fix))
     problems.extend(_cache_problems(d.compile_cache_dir))
