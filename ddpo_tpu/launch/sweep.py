@@ -27,16 +27,20 @@ from ddpo_tpu.launch import lora_targets
 WORKER_PATH_KEYS = (
     re.compile(r"model\.pretrained"),                                   # a local diffusers dir (a hub id is no path)
     re.compile(r"prompts\.(file|nouns_file|activities_file)"),          # prompt lists
-    re.compile(r"reward(\.components\.\d+)?\.mlp_path"),                # the aesthetic MLP's weights
+    # the aesthetic MLP's weights: the run's reward, a weighted component, or GARDO's gate reward
+    re.compile(r"(reward(\.components\.\d+)?|algorithm\.kl_gate_rewards\.\d+)\.mlp_path"),
     re.compile(r"resume"),                                              # resume=PATH: a checkpoint
-    re.compile(r"xla\.compilation_cache_dir"),                          # a directory, created if missing
+    re.compile(r"(xla\.compilation_cache_dir|distributed\.compile_cache_dir)"),  # a directory, created if missing
 )
 
 
 def is_worker_path_problem(problem: Problem) -> bool:
     """A problem about what a path holds on this machine (not an empty or missing value, which is refused anywhere)."""
-    return (isinstance(problem.value, str) and bool(problem.value.strip())
+    return (isinstance(problem.value, str) and bool(problem.value.strip()) and not _URL.match(problem.value)
             and any(k.fullmatch(problem.key) for k in WORKER_PATH_KEYS))
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")  # gs://...: no path on any machine, refused here as anywhere
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
