@@ -387,3 +387,59 @@ def test_issue43_a_bucket_as_the_compile_cache_is_refused_before_a_run_dir(tmp_p
     proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", *DIST,
                                              "distributed.compile_cache_dir=gs://bucket/cache"])
     assert_refused(tmp_path, proc, errors, "distributed.compile_cache_dir", "not a bucket", cpu)
+
+
+def test_issue43_memory_figures_follow_the_resolution_of_every_image_family(tmp_path):
+    """Qwen-Image at model.resolution=1024 passed --check on gpu-8 with its 512 px figures. The figures now follow the
+    size: the softmax part is the family's own formula at the new sequence (catalog/families.py: 60 attentions x 24
+    heads x S^2 x 4 bytes, S = image + 128 text tokens, 4096 image tokens at 1024 px), the rest grows with S."""
+    from ddpo_tpu.catalog import FAMILIES
+    from ddpo_tpu.catalog.families import QWEN_IMAGE_EAGER_GIB, memory_of
+    from ddpo_tpu.catalog.memory_figures import GIB
+    from ddpo_tpu.config import memory
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a photo of a cat\n")
+    qwen = ["+experiment=qwen_image_grpo_pickscore", f"prompts.file={prompts}"]
+    at_512 = compose_and_validate(qwen).cfg
+    p = refused([*qwen, "model.resolution=1024"])
+    assert p.key == "tpu_topology.name" and "activations per chip" in p.reason, str(p)
+    figures = memory_of(FAMILIES.get("qwen_image"), at_512.model)  # as tabled, at 512 px
+    at_1024 = memory._memory_for(FAMILIES.get("qwen_image"), at_512.model.model_copy(update={"resolution": 1024}))
+    s = (4096 + 128) / (1024 + 128)
+    scores = 60 * 24 * (4096 + 128) ** 2 * 4 / GIB
+    assert at_1024.activation_gib_per_eval_512["no"] == pytest.approx(QWEN_IMAGE_EAGER_GIB["no"] * s + scores)
+    assert memory._memory(at_512) is figures and figures.at_pixels(512).activation_gib_per_eval_512 == \
+        pytest.approx(figures.activation_gib_per_eval_512)
+    # a full-size checkpoint at resolution null samples at its own size (QwenImagePipeline: 1024 px), not 512
+    native = memory._memory_for(FAMILIES.get("qwen_image"), at_512.model.model_copy(update={"resolution": None}))
+    assert native.activation_gib_per_eval_512 == pytest.approx(at_1024.activation_gib_per_eval_512)
+    # every family that reads model.resolution has figures that follow it (a 512 px table, or a function of the
+    # model config as Wan's), and a video family's follow its frame count
+    from ddpo_tpu.config.schema import ModelConfig
+
+    walked = []
+    for spec in FAMILIES:
+        if spec.memory is None or not _full_models(spec.name):
+            continue
+        model = ModelConfig.model_validate(OmegaConf.to_container(OmegaConf.load(
+            REPO / "conf" / "model" / f"{_full_models(spec.name)[0]}.yaml")))
+        walked.append(spec.name)
+        if spec.resolution_multiple is not None:
+            small, big = (memory._memory_for(spec, model.model_copy(update={"resolution": r})) for r in (256, 768))
+            assert big.activation_gib_per_eval_512["no"] > small.activation_gib_per_eval_512["no"] * 2, spec.name
+        if spec.frame_step is not None:
+            short, long = (memory._memory_for(spec, model.model_copy(update={"num_frames": n})) for n in (5, 33))
+            assert long.activation_gib_per_eval_512["no"] > short.activation_gib_per_eval_512["no"] * 2, spec.name
+    assert set(walked) == {"sd1", "sd3", "flux", "qwen_image", "wan"}, walked
+
+
+def _full_models(family_name: str) -> list[str]:
+    """conf/model options of a family that load a full-size checkpoint (builder null)."""
+    out = []
+    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
+        text = path.read_text()
+        if re.search(rf"^family:\s*{family_name}\b", text, flags=re.M) and re.search(r"^builder:\s*null", text,
+                                                                                       flags=re.M):
+            out.append(path.stem)
+    return out
