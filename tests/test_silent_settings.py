@@ -367,7 +367,8 @@ def test_issue43_wan_s_sampler_is_named_for_the_flow_sampler_it_is(change, key):
 
 def test_issue43_a_preset_s_reward_keys_under_another_reward_are_one_line(tmp_path):
     """flow_grpo_geneval_sd35 sets its remote reward's url, timeout_s, retries, backoff_s and image_format; reward=
-    pickscore does not take them: one line naming them all, on `reward` (the key the user set), not five unknown keys."""
+    pickscore does not take them: one line naming them all, on `reward` (the key the user set), not five unknown
+    keys."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("a photo of a cat\n")
     preset = ["+experiment=flow_grpo_geneval_sd35", f"prompts.file={prompts}", "reward=pickscore"]

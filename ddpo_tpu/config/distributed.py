@@ -48,16 +48,17 @@ def distributed_problems(cfg, overridden: frozenset[str] = frozenset()) -> list[
                                 f"0..{topo.hosts - 1}", f"set distributed.node_rank to one of 0..{topo.hosts - 1}"))
     if d.hang_timeout_s >= d.timeout_s:
         # the collective's timeout fires first and fails the rank that waited, not the one that hung: the outcome
-        # the rank watch (launch/rankwatch.py) exists to prevent
-        key = "distributed.timeout_s" if "distributed.timeout_s" in overridden and \
-            "distributed.hang_timeout_s" not in overridden else "distributed.hang_timeout_s"
-        value = d.timeout_s if key == "distributed.timeout_s" else d.hang_timeout_s
-        fix = Fix.of({"distributed.timeout_s": max(10, int(d.hang_timeout_s) * 2)}) if key == "distributed." \
-            "timeout_s" else Fix.of({"distributed.hang_timeout_s": max(3, int(d.timeout_s) // 2)},
-                                    {"distributed.timeout_s": int(d.hang_timeout_s) * 2})
-        problems.append(Problem(key, f"{value:g}", f"the rank watch (distributed.hang_timeout_s={d.hang_timeout_s:g} s) must "
-                                f"end a hung rank before a collective times out (distributed.timeout_s="
-                                f"{d.timeout_s:g} s), or the collective blames the rank that waited", fix))
+        # the rank watch (launch/rankwatch.py) exists to prevent. The key the user set is named.
+        hang, wait = d.hang_timeout_s, d.timeout_s
+        if "distributed.timeout_s" in overridden and "distributed.hang_timeout_s" not in overridden:
+            key, value, fix = "distributed.timeout_s", wait, Fix.of({"distributed.timeout_s": max(10, int(hang) * 2)})
+        else:
+            key, value = "distributed.hang_timeout_s", hang
+            fix = Fix.of({"distributed.hang_timeout_s": max(3, int(wait) // 2)},
+                         {"distributed.timeout_s": int(hang) * 2})
+        problems.append(Problem(key, f"{value:g}", f"the rank watch (distributed.hang_timeout_s={hang:g} s) must end "
+                                f"a hung rank before a collective times out (distributed.timeout_s={wait:g} s), or "
+                                f"the collective blames the rank that waited", fix))
     problems.extend(_cache_problems(d.compile_cache_dir))
     if d.keep_samples_on_rank:
         spec = ALGORITHMS.get(cfg.algorithm.name)

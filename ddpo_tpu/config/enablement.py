@@ -85,7 +85,8 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("train.adv_clip_max",), lambda c: c.algorithm.name != "nft",
               "algorithm=nft clips with its own algorithm.adv_clip_max", "set algorithm.adv_clip_max instead"),
     Dependent(("train.clip_range",), lambda c: c.algorithm.name != "nft",
-              "algorithm=nft has no PPO ratio to clip", "leave it unset: DiffusionNFT bounds its step with algorithm.beta"),
+              "algorithm=nft has no PPO ratio to clip",
+              "leave it unset: DiffusionNFT bounds its step with algorithm.beta"),
     # AWM clips its ratio with its own key (catalog/algorithms.py AwmKeys.clip_range; the reference's config.train
     # clip_range is that one), and trains all its times of a train batch in one forward (algorithms/awm.py: K x B rows)
     Dependent(("train.clip_range",), lambda c: c.algorithm.name != "awm",
