@@ -499,6 +499,27 @@ def test_worker_side_paths_are_left_to_the_workers(capsys):
     assert proc.returncode == 2 and "error: prompts.file=: prompts=from_file needs a file" in proc.stderr
 
 
+def test_gardo_s_gate_reward_and_the_compile_cache_are_the_workers_paths(capsys):
+    """Issue 43: GARDO's gate reward's MLP (algorithm.kl_gate_rewards.N.mlp_path) was judged on the laptop ("file not
+    found", exit 2) while prompts.file beside it was left to the workers; the same for distributed.compile_cache_dir.
+    A bucket URL is no path on any machine: refused here."""
+    gardo = ["+experiment=gardo_sd3_ocr", "prompts.file=/nowhere/ocr.txt",
+             "algorithm.kl_gate_rewards.0.mlp_path=/nowhere/sac+logos+ava1-l14-linearMSE.pth"]
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *gardo)
+    assert proc.returncode == 0, proc.stderr
+    for kv in gardo[1:]:
+        assert f"{kv}: not on this machine; the workers' check looks for it before anything starts" in proc.stderr
+    check, start = gcloud_lines(proc.stdout)
+    assert check_argv(remote_of(check)) == train_argv(remote_of(start)) == gardo
+    dist = ["+experiment=smoke", "tpu_topology=v6e-8", "tpu_topology.execution=distributed", "sample.batch_size=1",
+            "train.batch_size=1"]
+    cache = f"distributed.compile_cache_dir={Path(__file__)}/cache"  # under a file here; a directory on the workers
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *dist, cache)
+    assert proc.returncode == 0 and f"{cache}: not on this machine" in proc.stderr, proc.stderr
+    proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *dist, "distributed.compile_cache_dir=gs://b/c")
+    assert proc.returncode == 2 and "error: distributed.compile_cache_dir=gs://b/c" in proc.stderr, proc.stderr
+
+
 @pytest.fixture
 def real_workdir(tmp_path):
     """A worker's WORKDIR whose ddpo_tpu is this checkout's, front end included."""

@@ -379,3 +379,90 @@ def test_adopting_a_descriptor_of_another_file_is_refused(paths, tmp_path):
     AcceleratorLock(lock_path, run_dir).acquire().release()  # the lock file exists
     with open(tmp_path / "other", "w") as f, pytest.raises(ValueError, match="is not the lock"):
         AcceleratorLock(lock_path, run_dir).adopt(f.fileno())
+
+
+# --- a whole job SIGKILLed and restarted at once (issue 43) ----------------------------------------------------------
+
+# the front end and its training process as launch/process.py pairs them: the front end takes the run dir's lock and
+# hands it over; the child adopts it (naming itself). Both hold some memory, so their exit takes a moment.
+JOB = r"""
+import os, subprocess, sys
+from pathlib import Path
+from ddpo_tpu.launch.lock import RunDirLock
+run_dir = Path(sys.argv[1])
+ballast = bytearray(64 << 20)
+if len(sys.argv) > 2:  # the training process
+    RunDirLock(run_dir).adopt(int(sys.argv[2]))
+    print("adopted", flush=True)
+    sys.stdin.readline()
+    sys.exit(0)
+lock = RunDirLock(run_dir).acquire()
+fd = lock.handover_fd()
+child = subprocess.Popen([sys.executable, "-c", os.environ["JOB_CODE"], str(run_dir), str(fd)], pass_fds=(fd,),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+os.close(fd)
+assert child.stdout.readline().strip() == "adopted"
+print("ready", child.pid, flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("order", ["group", "child_first", "front_end_first"])
+def test_a_killed_job_restarted_at_once_waits_for_its_lock_instead_of_refusing(tmp_path, order):
+    """SIGKILL of the whole job, then the same command at once, 20 times in a row: the restart's acquire (timeout 0, as
+    the front end's) waits for the dying holder's lock instead of raising RunDirBusy (exit 3). The holder is dying
+    while the kernel has a SIGKILL queued for it (SigPnd), marks it exiting (PF_EXITING), or it is gone and its front
+    end exits; it never refuses then, and it still refuses a live holder at once."""
+    from ddpo_tpu.launch.lock import RunDirBusy, RunDirLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**os.environ, "JOB_CODE": JOB}
+    waits = []
+    for attempt in range(20 if order == "group" else 5):  # (the other orders: 5 each, for the shared CPUs' time)
+        job = subprocess.Popen([sys.executable, "-c", JOB, str(run_dir)], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+        line = job.stdout.readline().split()
+        assert line[:1] == ["ready"], (attempt, line, job.poll())
+        child = int(line[1])
+        if attempt == 0:  # a live holder is refused at once
+            t0 = time.monotonic()
+            with pytest.raises(RunDirBusy, match=f"in use by pid {child}"):
+                RunDirLock(run_dir).acquire()
+            assert time.monotonic() - t0 < 2.0
+        if order == "group":
+            os.killpg(job.pid, signal.SIGKILL)
+        else:
+            first, second = (child, job.pid) if order == "child_first" else (job.pid, child)
+            os.kill(first, signal.SIGKILL)
+            os.kill(second, signal.SIGKILL)
+        t0 = time.monotonic()
+        lock = RunDirLock(run_dir).acquire()  # the restart: never RunDirBusy
+        waits.append(time.monotonic() - t0)
+        lock.release()
+        job.wait(timeout=10)
+        job.stdout.close()
+        job.stdin.close()
+        try:  # reap the child if it is ours to wait for (it is the job's; only its zombie may linger)
+            os.waitpid(child, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    print(f"{order}: waited {max(waits):.3f} s at most over {len(waits)} restarts")
+    assert max(waits) < 15.0
+
+
+def test_a_reused_pid_is_not_the_holder_its_record_names():
+    """The record names a pid and when it took the lock; a live process under that pid that started later is another
+    process (the holder died and its pid was reused): an acquire waits for the lock rather than naming it."""
+    from ddpo_tpu.launch.lock import _is_holder
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        record = dict(run_dir="/r", command="c", hostname=socket.gethostname())
+        assert _is_holder(LockHolder(pid=sleeper.pid, started=time.time(), **record))
+        assert not _is_holder(LockHolder(pid=sleeper.pid, started=time.time() - 100, **record))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not _is_holder(LockHolder(pid=sleeper.pid, started=time.time(), **record))  # gone

@@ -146,3 +146,29 @@ def test_a_video_model_needs_pyav_for_its_mp4_samples(monkeypatch):
     assert f"pip install {pin}," in line  # the fix installs the lockfile's pin
     monkeypatch.setattr(importlib.util, "find_spec", real)
     assert machine.video_problems(wan) == []  # av is installed (a pinned requirement)
+
+
+def test_gardo_s_gate_and_feature_models_are_looked_for_as_the_reward_s(tmp_path, monkeypatch):
+    """Issue 43: GARDO's auxiliary rewards (algorithm.kl_gate_rewards) and feature model (algorithm.diversity_features)
+    load CLIP models with local_files_only as the run's reward does (rewards/aesthetic.py, rewards/clip_features.py);
+    the machine check never looked for them, so the run stopped (exit 1) after its run dir was written."""
+    work, cache = tmp_path / "work", tmp_path / "hf"
+    work.mkdir(), cache.mkdir()
+    clip = "openai/clip-vit-large-patch14"
+    errors, _ = refused(work, "+experiment=gardo_smoke", f"algorithm.diversity_features.clip_model={clip}",
+                        HF_HUB_CACHE=str(cache))
+    assert errors == [f"error: algorithm.diversity_features.clip_model={clip}: the clip_features reward loads it with "
+                      f"local_files_only and the local Hugging Face cache ({cache}) lacks its config.json (download it "
+                      f"once: `hf download {clip}`; or point algorithm.diversity_features.clip_model=DIR at a local "
+                      f"copy)"]
+    mlp = tmp_path / "sac+logos+ava1-l14-linearMSE.pth"
+    mlp.write_bytes(b"\0")
+    gate = ["+experiment=gardo_smoke", f"algorithm.kl_gate_rewards.0.clip_model={tmp_path}/no_such_clip",
+            f"algorithm.kl_gate_rewards.0.mlp_path={mlp}"]
+    cfg = compose_and_validate(gate).cfg
+    (line,) = machine.reward_model_problems(cfg, gate)
+    assert line.startswith(f"algorithm.kl_gate_rewards.0.clip_model={tmp_path}/no_such_clip: no such directory")
+    assert any("the aesthetic reward's clip_model" in c for c in machine.target_checks(cfg))
+    (tmp_path / "no_such_clip").mkdir()
+    assert machine.reward_model_problems(cfg, gate) == []
+    assert machine.reward_model_problems(compose_and_validate(["+experiment=gardo_smoke"]).cfg) == []  # tiny: built

@@ -273,3 +273,174 @@ def test_check_previews_a_run_for_a_machine_this_one_is_not(tmp_path):
     assert proc.returncode == 2 and len(errors) == 1 and "no NVIDIA GPU" in errors[0], proc.stderr
     proc, errors, _ = front_end(tmp_path, [*args, "--check", "train.batch_size=3"])  # a config problem still is one
     assert proc.returncode == 2 and errors, proc.stderr
+
+
+# --- issue 43: the newest features' keys nothing reads, contradictions, and refusal texts ----------------------------
+
+DIST = ["tpu_topology=cpu_dist2", "sample.batch_size=4", "train.batch_size=2"]  # smoke on two processes
+
+
+@pytest.mark.parametrize("overrides,key,words,fixed", [
+    # AWM trains all its times of a train batch in one forward of K x B rows (algorithms/awm.py; the reference's
+    # train_sd3_awm.py trains its timesteps in one batch): the fused micro-step is NFT's and GRPO's knob
+    (["+experiment=awm_smoke", "train.timesteps_per_micro_step=5"], "train.timesteps_per_micro_step",
+     "algorithm=awm trains all", ["+experiment=awm_smoke"]),
+    # d = min(rate x (step - start), max) (NVlabs/DiffusionNFT@24af5554 train_nft_sd3.py return_decay): max 0 is 0
+    (["+experiment=nft_smoke", "algorithm.decay_max=0", "algorithm.decay_start=75"], "algorithm.decay_start",
+     "algorithm.decay_max=0", None),
+    # the cast is of NFT's own ODE rollouts; ode_sampling=false samples with the loop's SDE step
+    (["+experiment=nft_smoke", "algorithm.ode_sampling=false", "sample.ode_solver=euler",
+      "algorithm.integer_rollout_timesteps=true"], "algorithm.integer_rollout_timesteps", "ode_sampling=false", None),
+    (["+experiment=smoke", "tpu_topology=gpu-1", "distributed.keep_samples_on_rank=true"],
+     "distributed.keep_samples_on_rank", "one process", ["+experiment=smoke", *DIST,
+                                                         "distributed.keep_samples_on_rank=true"]),
+    (["+experiment=smoke", *DIST, "distributed.compile=none", "distributed.compile_cache_dir=/tmp/cache"],
+     "distributed.compile_cache_dir", "compiles nothing", None),
+    (["+experiment=smoke", "resume=never", "force_resume=true"], "force_resume", "resume=never", None),
+])
+def test_issue43_a_key_its_combination_never_reads_is_refused(overrides, key, words, fixed):
+    p = refused(overrides)
+    assert p.key == key and words in p.reason and "not read" in p.reason, str(p)
+    if p.suggested():  # the enabler composes
+        compose_and_validate([*overrides, *p.suggested()])
+    if fixed is not None:
+        compose_and_validate(fixed)
+
+
+def test_issue43_an_nft_decay_that_starts_after_the_last_sampling_is_refused():
+    """nft_smoke: 128 samples / train batch 16 = 8 optimizer steps an epoch, 20 epochs = 160 steps. The old policy is
+    updated after each epoch with the step count so far (NVlabs/DiffusionNFT@24af5554 train_nft_sd3.py: return_decay
+    with the global step); the update after epoch e (step 8 (e + 1)) samples epoch e + 1, the last useful one is after
+    epoch 18 at step 152, and d > 0 needs step > decay_start."""
+    nft = ["+experiment=nft_smoke"]
+    p = refused([*nft, "algorithm.decay_start=1000"])
+    assert p.key == "algorithm.decay_start" and "160 optimizer steps" in p.reason and "never start" in p.reason
+    assert p.suggested() == ["algorithm.decay_start=0"]
+    assert refused([*nft, "algorithm.decay_start=152"]).key == "algorithm.decay_start"
+    compose_and_validate([*nft, "algorithm.decay_start=151"])  # decays once, for the last epoch
+    compose_and_validate([*nft, "algorithm.decay_start=1000", "num_epochs=200"])
+
+
+@pytest.mark.parametrize("change,key,fix", [
+    (["distributed.hang_timeout_s=1800"], "distributed.hang_timeout_s", "distributed.hang_timeout_s=450"),
+    (["distributed.timeout_s=50"], "distributed.timeout_s", "distributed.timeout_s=120"),  # below the 60 s default
+])
+def test_issue43_the_rank_watch_bound_must_be_below_the_collective_timeout(change, key, fix):
+    """A collective that times out first fails the rank that waited (gloo/nccl name the waiter), the outcome the rank
+    watch (launch/rankwatch.py) exists to prevent: its bound must be the shorter one. The key the user set is named."""
+    p = refused(["+experiment=smoke", *DIST, *change])
+    assert p.key == key and "before a collective times out" in p.reason and p.suggested() == [fix], str(p)
+    compose_and_validate(["+experiment=smoke", *DIST, *change, *p.suggested()])
+    compose_and_validate(["+experiment=smoke", *DIST, "distributed.hang_timeout_s=1800", "distributed.timeout_s=3600"])
+
+
+def test_issue43_a_video_reward_on_one_frame_is_refused():
+    """rewards/frame_consistency.py compares each frame with the one before and the first (VBench's background
+    consistency, F >= 2): a one-frame video has nothing to compare, and the run would fail after it started."""
+    wan = ["+experiment=wan_grpo_smoke", "reward=frame_consistency"]
+    p = refused([*wan, "model.num_frames=1"])
+    assert p.key == "model.num_frames" and "reward=frame_consistency is a video reward" in p.reason
+    assert p.suggested() == ["model.num_frames=5"]
+    compose_and_validate([*wan, *p.suggested()])
+    compose_and_validate(["+experiment=wan_grpo_smoke", "model.num_frames=1"])  # an image reward scores one frame
+
+
+def test_issue43_each_algorithm_explains_its_own_clip_range():
+    awm = refused(["+experiment=awm_smoke", "train.clip_range=0.2"])
+    assert awm.key == "train.clip_range" and "algorithm=awm clips its ratio with its own algorithm.clip_range" in \
+        str(awm) and "nft" not in str(awm).lower(), str(awm)
+    nft = refused(["+experiment=nft_smoke", "train.clip_range=0.2"])
+    assert "algorithm=nft has no PPO ratio" in str(nft) and "awm" not in str(nft), str(nft)
+
+
+@pytest.mark.parametrize("change,key", [(["algorithm=awm"], "algorithm.name"),
+                                        (["algorithm.ratio_norm=true"], "algorithm.ratio_norm")])
+def test_issue43_wan_s_sampler_is_named_for_the_flow_sampler_it_is(change, key):
+    """catalog/samplers.py registers wan_sde with flow=True: the refusal says what it is not (flow_sde), and offers
+    algorithms that run on it."""
+    p = refused(["+experiment=wan_grpo_smoke", *change])
+    assert p.key == key and "wan_sde, a flow sampler" in p.reason and "not a flow sampler" not in p.reason, str(p)
+    assert "not a flow family" not in p.reason
+    for option in range(len(p.fix.options)) if key == "algorithm.name" else ():
+        compose_and_validate(["+experiment=wan_grpo_smoke", *p.fix.overrides(option)])
+
+
+def test_issue43_a_preset_s_reward_keys_under_another_reward_are_one_line(tmp_path):
+    """flow_grpo_geneval_sd35 sets its remote reward's url, timeout_s, retries, backoff_s and image_format; reward=
+    pickscore does not take them: one line naming them all, on `reward` (the key the user set), not five unknown
+    keys."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a photo of a cat\n")
+    preset = ["+experiment=flow_grpo_geneval_sd35", f"prompts.file={prompts}", "reward=pickscore"]
+    p = refused(preset)
+    keys = ["reward.url", "reward.timeout_s", "reward.retries", "reward.backoff_s", "reward.image_format"]
+    assert p.key == "reward" and p.value == "pickscore" and all(k in p.reason for k in keys), str(p)
+    assert "unknown key" not in str(p) and " ".join(f"~{k}" for k in keys) in str(p.fix)
+    compose_and_validate([*preset, *(f"~{k}" for k in keys), "parity=none"])  # (the parity pins remote)
+    with pytest.raises(ConfigError) as e:  # a key the user typed keeps its own line
+        compose_and_validate([*preset, "+reward.bogus=1"])
+    assert any(q.key == "reward.bogus" and q.reason == "unknown key" for q in e.value.problems), str(e.value)
+
+
+def test_issue43_a_bucket_as_the_compile_cache_is_refused_before_a_run_dir(tmp_path):
+    """torch.compile's cache is TORCHINDUCTOR_CACHE_DIR, a local path: gs://b/c became a `gs:` folder in the working
+    directory and a traceback after the run dir was written. Refused as xla.compilation_cache_dir=gs://... is."""
+    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", *DIST,
+                                             "distributed.compile_cache_dir=gs://bucket/cache"])
+    assert_refused(tmp_path, proc, errors, "distributed.compile_cache_dir", "not a bucket", cpu)
+
+
+def test_issue43_memory_figures_follow_the_resolution_of_every_image_family(tmp_path):
+    """Qwen-Image at model.resolution=1024 passed --check on gpu-8 with its 512 px figures. The figures now follow the
+    size: the softmax part is the family's own formula at the new sequence (catalog/families.py: 60 attentions x 24
+    heads x S^2 x 4 bytes, S = image + 128 text tokens, 4096 image tokens at 1024 px), the rest grows with S."""
+    from ddpo_tpu.catalog import FAMILIES
+    from ddpo_tpu.catalog.families import QWEN_IMAGE_EAGER_GIB, memory_of
+    from ddpo_tpu.catalog.memory_figures import GIB
+    from ddpo_tpu.config import memory
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a photo of a cat\n")
+    qwen = ["+experiment=qwen_image_grpo_pickscore", f"prompts.file={prompts}"]
+    at_512 = compose_and_validate(qwen).cfg
+    p = refused([*qwen, "model.resolution=1024"])
+    assert p.key == "tpu_topology.name" and "activations per chip" in p.reason, str(p)
+    figures = memory_of(FAMILIES.get("qwen_image"), at_512.model)  # as tabled, at 512 px
+    at_1024 = memory._memory_for(FAMILIES.get("qwen_image"), at_512.model.model_copy(update={"resolution": 1024}))
+    s = (4096 + 128) / (1024 + 128)
+    scores = 60 * 24 * (4096 + 128) ** 2 * 4 / GIB
+    assert at_1024.activation_gib_per_eval_512["no"] == pytest.approx(QWEN_IMAGE_EAGER_GIB["no"] * s + scores)
+    assert memory._memory(at_512) is figures and figures.at_pixels(512).activation_gib_per_eval_512 == \
+        pytest.approx(figures.activation_gib_per_eval_512)
+    # a full-size checkpoint at resolution null samples at its own size (QwenImagePipeline: 1024 px), not 512
+    native = memory._memory_for(FAMILIES.get("qwen_image"), at_512.model.model_copy(update={"resolution": None}))
+    assert native.activation_gib_per_eval_512 == pytest.approx(at_1024.activation_gib_per_eval_512)
+    # every family that reads model.resolution has figures that follow it (a 512 px table, or a function of the
+    # model config as Wan's), and a video family's follow its frame count
+    from ddpo_tpu.config.schema import ModelConfig
+
+    walked = []
+    for spec in FAMILIES:
+        if spec.memory is None or not _full_models(spec.name):
+            continue
+        model = ModelConfig.model_validate(OmegaConf.to_container(OmegaConf.load(
+            REPO / "conf" / "model" / f"{_full_models(spec.name)[0]}.yaml")))
+        walked.append(spec.name)
+        if spec.resolution_multiple is not None:
+            small, big = (memory._memory_for(spec, model.model_copy(update={"resolution": r})) for r in (256, 768))
+            assert big.activation_gib_per_eval_512["no"] > small.activation_gib_per_eval_512["no"] * 2, spec.name
+        if spec.frame_step is not None:
+            short, long = (memory._memory_for(spec, model.model_copy(update={"num_frames": n})) for n in (5, 33))
+            assert long.activation_gib_per_eval_512["no"] > short.activation_gib_per_eval_512["no"] * 2, spec.name
+    assert set(walked) == {"sd1", "sd3", "flux", "qwen_image", "wan"}, walked
+
+
+def _full_models(family_name: str) -> list[str]:
+    """conf/model options of a family that load a full-size checkpoint (builder null)."""
+    out = []
+    for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
+        text = path.read_text()
+        if re.search(rf"^family:\s*{family_name}\b", text, flags=re.M) and re.search(r"^builder:\s*null", text,
+                                                                                       flags=re.M):
+            out.append(path.stem)
+    return out

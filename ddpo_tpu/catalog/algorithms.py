@@ -182,9 +182,9 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                                 Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
     problems.extend(_gardo_problems(cfg))
     if a.ratio_norm and cfg.sample.name != "flow_sde":
-        problems.append(Problem("algorithm.ratio_norm", True, f"GRPO-Guard normalises the flow SDE's ratio by its "
-                                f"steps' sqrt(dt); sample.name={cfg.sample.name} is not a flow sampler",
-                                Fix.of({"algorithm.ratio_norm": False})))
+        problems.append(Problem("algorithm.ratio_norm", True, "GRPO-Guard normalises the ratio by the flow_sde "
+                                "sampler's step std x sqrt(dt) (train_sd3_GRPO_Guard.py); "
+                                f"{_sampler_words(cfg.sample.name)}", Fix.of({"algorithm.ratio_norm": False})))
     cps_kl = a.kl_beta > 0 and cfg.sample.name == "flow_sde" and cfg.sample.sde_type == "cps"
     if cps_kl and cfg.sample.sde_window.size is None and tot.train_timesteps >= cfg.sample.num_steps:
         problems.append(Problem("train.timestep_fraction", cfg.train.timestep_fraction,
@@ -308,9 +308,18 @@ def _awm_problems(cfg: Any, tot: Any) -> list[Problem]:
     a, problems = cfg.algorithm, _group_problems(cfg, tot)
     fam = FAMILIES.get(cfg.model.family)
     if fam.sampler != "flow_sde":
-        problems.append(Problem("algorithm.name", "awm", f"AWM trains on the flow-matching forward process; "
-                                f"model.family={fam.name} is not a flow family ({fam.sampler} sampler)",
-                                Fix.of({"algorithm": "ddpo"}, note="or a flow family's model (sd3, flux)")))
+        from ddpo_tpu.catalog.samplers import SAMPLERS
+
+        runs = ", ".join(f.name for f in FAMILIES if f.sampler == "flow_sde")
+        if SAMPLERS.get(fam.sampler).flow:  # a flow family with its own step (Wan): AWM drives flow_sde's only
+            reason, fix = (f"AWM samples and trains through the flow_sde sampler's step (the reference's SD 3); "
+                           f"model.family={fam.name} {_sampler_words(fam.sampler, family=True)}",
+                           Fix.of({"algorithm": "grpo"}, {"algorithm": "nft"}, note=f"(or a model of {runs})"))
+        else:
+            reason, fix = (f"AWM trains on the flow-matching forward process; model.family={fam.name} is not a flow "
+                           f"family ({fam.sampler} sampler)", Fix.of({"algorithm": "ddpo"},
+                                                                     note=f"or a flow family's model ({runs})"))
+        problems.append(Problem("algorithm.name", "awm", reason, fix))
     if cfg.train.cfg:
         problems.append(Problem("train.cfg", True, "AWM trains the conditional velocity alone (the reference's "
                                 "presets: train.cfg false)", Fix.of({"train.cfg": False})))
@@ -331,6 +340,17 @@ def _awm_problems(cfg: Any, tot: Any) -> list[Problem]:
                                 "adapter off; a full fine-tune has no adapter",
                                 Fix.of({"model.lora.enabled": True}, {"algorithm.kl_beta": 0})))
     return problems
+
+
+def _sampler_words(name: str, family: bool = False) -> str:
+    """A sampler named for what it is (catalog/samplers.py): a flow sampler with its own step, or not a flow one."""
+    from ddpo_tpu.catalog.samplers import SAMPLERS
+
+    spec = SAMPLERS.get(name)
+    what = f"samples with {name}" if family else f"sample.name={name}"
+    if spec.flow:
+        return f"{what}, a flow sampler with its own step ({spec.title}), not flow_sde"
+    return f"{what}, not a flow sampler ({spec.title})"
 
 
 def _ddpo_problems(cfg: Any, tot: Any) -> list[Problem]:

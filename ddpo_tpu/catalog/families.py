@@ -182,6 +182,9 @@ SD3 = FAMILIES.register(FamilySpec(
         resident_gib=_sd3_resident_gib,
         full_finetune_gib=_sd3_full_finetune_gib,
         fsdp_splits_frozen_weights=True,
+        # 1024 image + 77 CLIP + 128 T5 tokens; SD 3.5 Medium's transformer sample_size 128 x the VAE's 8 = 1024 px
+        tokens_512=(1024, 205), scores_gib_512=SD3_ATTENTION_SCORES_GIB_512,
+        checkpointed_scores_gib_512=CKPT_XLA_SCORES_RATIO * SD3_ATTENTION_SCORES_GIB_512, native_pixels=1024,
     ),
 ))
 
@@ -235,7 +238,10 @@ def _split_transformer_memory(billions: Mapping[str, float], encoders: tuple[str
         activation_gib_per_eval_512={k: v + scores_gib for k, v in eager_gib.items()},
         checkpointed_gib_per_eval_512={k: round(v * SD3_CKPT_EAGER_RATIO + CKPT_XLA_SCORES_RATIO * scores_gib, 2)
                                        for k, v in eager_gib.items()},
-        resident_gib=resident, full_finetune_gib=full_finetune, fsdp_splits_frozen_weights=True)
+        resident_gib=resident, full_finetune_gib=full_finetune, fsdp_splits_frozen_weights=True,
+        # 1024 image + 128 text tokens; FLUX.1-dev's VAE sample_size and QwenImagePipeline's default: 1024 px
+        tokens_512=(1024, 128), scores_gib_512=scores_gib,
+        checkpointed_scores_gib_512=CKPT_XLA_SCORES_RATIO * scores_gib, native_pixels=1024)
 
 
 

@@ -238,7 +238,8 @@ def validate_tree(tree: dict[str, Any], overridden: frozenset[str] = frozenset()
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError([_schema_problem(err, tree) for err in e.errors()]) from None
+        raise ConfigError(rules.group_leftovers([_schema_problem(err, tree) for err in e.errors()], tree,
+                                                overridden)) from None
     problems = rules.check(cfg, tree, overridden)
     if problems:
         raise ConfigError(problems)

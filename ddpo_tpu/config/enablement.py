@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from ddpo_tpu.catalog import ALGORITHMS, family
 from ddpo_tpu.catalog.families import models_making
+from ddpo_tpu.config.distributed import compile_backend
 from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
 from ddpo_tpu.problems import Fix, Problem
 
@@ -76,13 +77,29 @@ DEPENDENTS: tuple[Dependent, ...] = (
               "use output_root=gs://BUCKET/PREFIX"),
     Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",
               "tpu_topology.execution is not distributed", "use a distributed topology, e.g. tpu_topology=cpu_dist2"),
+    # one process holds the whole epoch anyway; no compile, no compile cache; a fresh start never loads a checkpoint
+    Dependent(("distributed.keep_samples_on_rank",), lambda c: c.tpu_topology.chips > 1,
+              "one process: it holds every sample of the epoch either way",
+              "remove it, or use a topology of several processes, e.g. tpu_topology=cpu_dist2"),
+    Dependent(("distributed.compile_cache_dir",), lambda c: compile_backend(c) != "none",
+              "distributed.compile=none compiles nothing", Fix.of({"distributed.compile": "auto"})),
+    Dependent(("force_resume",), lambda c: c.resume != "never", "resume=never starts over, loading no checkpoint",
+              Fix.of({"resume": "auto"}, note="(continue the run dir's checkpoint)")),
     # DiffusionNFT (catalog/algorithms.py NftKeys): the PPO keys, the SDE's keys under its ODE rollouts, and the old
     # policy's schedule when it never decays
     Dependent(("train.adv_clip_max",), lambda c: c.algorithm.name != "nft",
               "algorithm=nft clips with its own algorithm.adv_clip_max", "set algorithm.adv_clip_max instead"),
-    Dependent(("train.clip_range",), lambda c: c.algorithm.name not in ("nft", "awm"),
-              "algorithm=nft has no PPO ratio to clip; algorithm=awm clips with its own algorithm.clip_range",
+    Dependent(("train.clip_range",), lambda c: c.algorithm.name != "nft",
+              "algorithm=nft has no PPO ratio to clip",
               "leave it unset: DiffusionNFT bounds its step with algorithm.beta"),
+    # AWM clips its ratio with its own key (catalog/algorithms.py AwmKeys.clip_range; the reference's config.train
+    # clip_range is that one), and trains all its times of a train batch in one forward (algorithms/awm.py: K x B rows)
+    Dependent(("train.clip_range",), lambda c: c.algorithm.name != "awm",
+              "algorithm=awm clips its ratio with its own algorithm.clip_range",
+              "set algorithm.clip_range instead (the reference's 1.0 is its default)"),
+    Dependent(("train.timesteps_per_micro_step",), lambda c: c.algorithm.name != "awm",
+              "algorithm=awm trains all its algorithm.train_timesteps times of a train batch in one forward",
+              "remove it; algorithm.train_timesteps sets how many times that forward holds"),
     Dependent(("sample.noise_level", "sample.sde_type"),
               lambda c: c.algorithm.name not in ("nft", "awm") or (c.algorithm.name == "nft"
                                                                    and not c.algorithm.ode_sampling),
@@ -92,6 +109,16 @@ DEPENDENTS: tuple[Dependent, ...] = (
               lambda c: c.algorithm.name != "nft" or c.algorithm.decay_rate > 0,
               "algorithm.decay_rate=0: the old policy is the weights that sampled each epoch",
               Fix.of({"algorithm.decay_rate": 0.001}, note="(or another rate)")),
+    # d = min(decay_rate x (steps - decay_start), decay_max) (algorithms/nft.py OldPolicy): 0 whatever the start
+    Dependent(("algorithm.decay_start",), lambda c: c.algorithm.name != "nft" or c.algorithm.decay_max > 0,
+              "algorithm.decay_max=0: the old policy is the weights that sampled each epoch",
+              Fix.of({"algorithm.decay_max": 0.5}, note="(or another bound below 1)")),
+    # the transformer's timestep of NFT's own ODE rollouts (algorithms/nft.py: with ode_sampling=false the loop's
+    # SDE step samples, with the family's float timesteps)
+    Dependent(("algorithm.integer_rollout_timesteps",),
+              lambda c: c.algorithm.name != "nft" or c.algorithm.ode_sampling,
+              "algorithm.ode_sampling=false: the SDE rollouts take the family's own timesteps",
+              Fix.of({"algorithm.ode_sampling": True})),
     # Advantage Weighted Matching (AwmKeys): a weighting's parameter, and its KL terms' settings without the term
     Dependent(("algorithm.ghuber_power",), lambda c: c.algorithm.name != "awm" or c.algorithm.weighting == "ghuber",
               "algorithm.weighting is not ghuber", Fix.of({"algorithm.weighting": "ghuber"})),
@@ -152,7 +179,33 @@ def ignored_problems(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset
                                 f"the run has {cfg.num_epochs} epochs, so no evaluation would run",
                                 Fix.of({"evaluation.every_n_epochs": cfg.num_epochs}, note="or fewer, or 0 for none")))
     problems.extend(_sliding_problems(cfg))
+    problems.extend(_decay_problems(cfg, overridden))
     return problems
+
+
+def _optimizer_steps_per_epoch(cfg: RunConfig) -> int:
+    t, s = cfg.train, cfg.sample
+    return (s.batch_size * s.num_batches_per_epoch * t.num_inner_epochs) // (t.batch_size
+                                                                            * t.gradient_accumulation_steps)
+
+
+def _decay_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Problem]:
+    """DiffusionNFT's old policy is updated after each epoch with d(step) = 0 before decay_start optimizer steps
+    (algorithms/nft.py OldPolicy, NVlabs/DiffusionNFT@24af5554 train_nft_sd3.py return_decay); the update after the
+    last epoch samples nothing, so a start at or beyond the last epoch's first step never decays a sampling policy."""
+    a = cfg.algorithm
+    if a.name != "nft" or "algorithm.decay_start" not in overridden or a.decay_rate <= 0 or a.decay_max <= 0:
+        return []
+    per_epoch = _optimizer_steps_per_epoch(cfg)
+    last = per_epoch * (cfg.num_epochs - 1)  # the step count at the last update a later epoch samples with
+    if per_epoch < 1 or a.decay_start < last:
+        return []
+    total = per_epoch * cfg.num_epochs
+    fix = Fix.of({"algorithm.decay_start": 0}, note=f"(or below {last}, or raise num_epochs)") if last else \
+        "raise num_epochs: a one-epoch run samples with its first weights only"
+    return [Problem("algorithm.decay_start", a.decay_start, f"the run has {total} optimizer steps ({per_epoch} an "
+                    f"epoch x {cfg.num_epochs}); the last epoch samples after step {last}, so the old policy's decay "
+                    "would never start", fix)]
 
 
 def _sliding_problems(cfg: RunConfig) -> list[Problem]:
@@ -168,12 +221,10 @@ def _sliding_problems(cfg: RunConfig) -> list[Problem]:
 
 
 def _ema_problems(cfg: RunConfig) -> list[Problem]:
-    t, s = cfg.train, cfg.sample
+    t = cfg.train
     if not t.ema:
         return []
-    per_epoch = (s.batch_size * s.num_batches_per_epoch * t.num_inner_epochs) // (t.batch_size
-                                                                                * t.gradient_accumulation_steps)
-    steps = per_epoch * cfg.num_epochs
+    steps = _optimizer_steps_per_epoch(cfg) * cfg.num_epochs
     if 0 < steps < t.ema_every:
         return [Problem("train.ema_every", t.ema_every, f"the run has {steps} optimizer steps, so the EMA would never "
                         "be updated", Fix.of({"train.ema_every": max(1, steps)}, verb="try", note="or fewer"))]

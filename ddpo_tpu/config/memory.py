@@ -28,7 +28,21 @@ def estimates_memory(topo) -> bool:
 
 def _memory(cfg: RunConfig):
     """The model family's memory figures for this model config (catalog FamilyMemory; None: not estimated)."""
-    return memory_of(family(cfg.model.family), cfg.model)
+    return _memory_for(family(cfg.model.family), cfg.model)
+
+
+def _memory_for(spec, model):
+    """The family's figures at the size the model samples: an image family that reads model.resolution scales its
+    512 px figures to that size (or, for a full-size checkpoint with resolution null, to the checkpoint's own), a
+    video family's follow its frames and size already (wan_memory.py). None where nothing can be told: no figures,
+    or figures that do not follow a size the run changes (then the HBM rules do not judge it)."""
+    mem = memory_of(spec, model)
+    if mem is None or spec.resolution_multiple is None or callable(spec.memory):
+        return mem
+    pixels = model.resolution or (mem.native_pixels if model.builder is None else None)
+    if pixels is None or pixels == 512:
+        return mem
+    return mem.at_pixels(pixels) if mem.tokens_512 is not None else None
 
 
 def _fsdp(cfg: RunConfig) -> int:
@@ -219,7 +233,7 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
     evals = 2 if cfg.train.cfg else 1
 
     def fits(model) -> bool:
-        return evals * memory_of(spec, model).checkpointed_gib_per_eval_512[cfg.train.mixed_precision] <= room
+        return evals * _memory_for(spec, model).checkpointed_gib_per_eval_512[cfg.train.mixed_precision] <= room
 
     if room <= 0:
         return []

@@ -17,7 +17,7 @@ from typing import Any
 from ddpo_tpu.config import batch, components, enablement, inputs, memory, topology
 from ddpo_tpu.config.batch import flatten, lookup, same, totals
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.problems import Problem
+from ddpo_tpu.problems import Fix, Problem
 
 
 def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = frozenset()) -> list[Problem]:
@@ -37,9 +37,53 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     problems += components.reward_problems(cfg.reward)
     problems += components.reward_input_problems(cfg)
     problems += components.guidance_problems(cfg)
+    problems += one_frame_problems(cfg)
     problems += enablement.ignored_problems(cfg, tree, overridden)
     problems += inputs.input_problems(cfg, tot)
     return problems
+
+
+def one_frame_problems(cfg: RunConfig) -> list[Problem]:
+    """A video reward (catalog RewardSpec.takes="videos") scores a video's frames against each other
+    (rewards/frame_consistency.py: F >= 2, else an empty mean after the run started): one frame has none to compare."""
+    from ddpo_tpu.catalog import REWARDS, family
+
+    frames, spec = cfg.model.num_frames, family(cfg.model.family)
+    if frames is None or frames >= 2 or spec.frame_step is None:
+        return []
+    r = cfg.reward
+    leaves = [(f"reward.components.{i}", c.name) for i, c in enumerate(r.components)] if r.name == "weighted" \
+        else [("reward", r.name)]
+    temporal = [(key, name) for key, name in leaves if REWARDS.get(name).takes == "videos"]
+    if not temporal:
+        return []
+    key, name = temporal[0]
+    return [Problem("model.num_frames", frames, f"{key}={name} is a video reward: it compares a video's frames, and "
+                    "one frame has none to compare with", Fix.of({"model.num_frames": 1 + spec.frame_step},
+                                                                 verb="try", note="(or more, 4k + 1)"))]
+
+
+def group_leftovers(problems: list[Problem], tree: dict[str, Any], overridden: frozenset[str]) -> list[Problem]:
+    """The schema's "unknown key" lines of keys a preset set for the option the command line replaced
+    (`+experiment=flow_grpo_geneval_sd35 reward=pickscore`: the preset's remote reward keys url, timeout_s, ... under
+    pickscore), as one line about the option the user chose. The user's own unknown keys keep their lines."""
+    out: list[Problem] = []
+    left: dict[str, list[Problem]] = {}
+    for p in problems:
+        group = p.key.split(".", 1)[0]
+        if (p.reason == "unknown key" and "." in p.key and group in overridden
+                and not any(p.key == k or p.key.startswith(k + ".") for k in overridden if k != group)):
+            left.setdefault(group, []).append(p)
+        else:
+            out.append(p)
+    for group, extra in left.items():
+        chosen = lookup(tree, f"{group}.name")
+        keys = [p.key for p in extra]
+        out.append(Problem(group, chosen, f"the preset sets {', '.join(keys)} for its own {group}, and {group}="
+                           f"{chosen} does not take {'them' if len(keys) > 1 else 'it'}",
+                           f"remove {'them' if len(keys) > 1 else 'it'} with {' '.join('~' + k for k in keys)}, "
+                           f"or use a preset made for {group}={chosen}"))
+    return out
 
 
 def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:

@@ -19,6 +19,10 @@ How it works
   (a reward server, a shell) never keep the accelerator "held" after the trainer dies. A plain ``fork()`` copies
   descriptors whatever their close-on-exec flag (multiprocessing/DataLoader workers); a fork handler closes the
   child's copy, which drops only the child's reference and leaves the parent's lock in place.
+* A restart right after a SIGKILL of the whole job (front end and training process) may find the lock still held:
+  the kernel frees it only when the last process sharing it has finished exiting. An acquire waits (up to
+  ``EXITING_WAIT_S``) rather than refusing whenever the record's process is not a live holder: gone, exiting, a
+  SIGKILL queued but not yet acted on, or its pid reused by a process started after the record (pid and start time).
 * The lock path must be on a host-local file system (flock over NFS is not reliable, and the lock is per host
   anyway): ``default_lock_path(cache_root, accelerator)`` puts it under the local cache root.
 
@@ -202,6 +206,45 @@ def _exiting(pid: int) -> bool:
     return state is not None and (state[0] in ("Z", "X") or bool(state[1] & _PF_EXITING))
 
 
+_SIGKILL_BIT = 1 << 8  # SIGKILL (9) in /proc/PID/status's pending-signal masks
+
+
+def _kill_pending(pid: int) -> bool:
+    """Whether a SIGKILL is queued for `pid` and not yet acted on. `kill -9` (of a process group too) marks every
+    thread's pending set at once (kernel/signal.c complete_signal: a fatal signal's group exit), before the process
+    is next scheduled and sets PF_EXITING: a restart that looks in that window sees a live, named holder."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(m & _SIGKILL_BIT for m in masks)
+
+
+def _process_start(pid: int) -> float | None:
+    """When `pid` started (seconds since the epoch, to about a second: /proc/stat's btime is whole seconds), or None
+    when gone or not Linux. Field 22 of /proc/PID/stat is the start in clock ticks after boot."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _is_holder(holder: LockHolder) -> bool:
+    """Whether the local process named by a lock record is that holder, alive and not being killed: its pid alive,
+    not exiting, no SIGKILL queued, and started before the record was written (a later start is another process
+    that reused the pid of a dead holder; 2 s of slack for btime's whole seconds and clock steps)."""
+    pid = holder.pid
+    if not _pid_alive(pid) or _exiting(pid) or _kill_pending(pid):
+        return False
+    started = _process_start(pid)
+    return started is None or started <= holder.started + 2.0
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -288,10 +331,11 @@ class AcceleratorLock:
                 holder = _read_holder(fd)
                 waited = time.monotonic() - start
                 local = holder is not None and holder.hostname == socket.gethostname()
-                named = holder is not None and (not local or _pid_alive(holder.pid))
+                named = holder is not None and (not local or _is_holder(holder))
                 limit = _GRACE_S if timeout is not None and timeout < _GRACE_S and not named else timeout
-                if local and timeout is not None and (not named or _exiting(holder.pid)):
-                    # a killed run restarted at once: its holder is on its way out, wait for the kernel to free it
+                if local and timeout is not None and not named:
+                    # a killed run restarted at once: its holder is dead, exiting, has a SIGKILL queued, or its pid
+                    # is another process's now; wait for the kernel to free the lock (the last descriptor's close)
                     limit = max(timeout, EXITING_WAIT_S)
                 if limit is not None and waited >= limit:
                     raise self.busy(self.lock_path, holder)

@@ -94,8 +94,7 @@ def target_checks(cfg) -> list[str]:
         out.append(f"the rendezvous port of distributed.rdzv_endpoint={d.rdzv_endpoint} free on the first node")
     if m.pretrained is not None and m.local_files_only and is_hub_id(m.pretrained):
         out.append(f"model.pretrained={m.pretrained} in its local Hugging Face cache ({download_command(m)})")
-    r = cfg.reward
-    for reward in (r.components if r.name == "weighted" else [r]):
+    for _, reward in model_entries(cfg):
         for name in REWARD_MODEL_KEYS:
             value = getattr(reward, name, None)
             if isinstance(value, str) and value != TINY:
@@ -245,17 +244,28 @@ def hub_cache_problems(cfg, overrides: list[str] = ()) -> list[str]:
 REWARD_MODEL_KEYS = {"clip_model": "config.json", "processor": "preprocessor_config.json"}
 
 
+def model_entries(cfg) -> list[tuple[str, object]]:
+    """Every reward-registry entry whose models the run loads, with its dotted key: the run's reward (each
+    reward=weighted component), and GRPO's GARDO entries, its gate's auxiliary rewards (algorithm.kl_gate_rewards) and
+    its diversity feature model (algorithm.diversity_features), built by the training process as the reward is."""
+    r, a = cfg.reward, cfg.algorithm
+    out = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
+        else [("reward", r)]
+    out += [(f"algorithm.kl_gate_rewards.{i}", e) for i, e in enumerate(getattr(a, "kl_gate_rewards", None) or ())]
+    if getattr(a, "diversity_features", None) is not None:
+        out.append(("algorithm.diversity_features", a.diversity_features))
+    return out
+
+
 def reward_model_problems(cfg, overrides: list[str] = ()) -> list[str]:
-    """The CLIP models of the run's reward (and of each reward=weighted component): a local directory, or a hub id in
-    the local Hugging Face cache, since the reward loads them with local_files_only (else the run stops when the
-    reward is built, after the run dir is written). `tiny` is built locally."""
+    """The CLIP models of the run's reward (and of each reward=weighted component, and GARDO's gate rewards and
+    feature model: model_entries): a local directory, or a hub id in the local Hugging Face cache, since each loads
+    them with local_files_only (else the run stops when it is built, after the run dir is written). `tiny` is built
+    locally."""
     from ddpo_tpu.catalog.rewards import TINY
 
-    r = cfg.reward
-    rewards = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
-        else [("reward", r)]
     out = []
-    for prefix, reward in rewards:
+    for prefix, reward in model_entries(cfg):
         for name, first_file in REWARD_MODEL_KEYS.items():
             value = getattr(reward, name, None)
             if not isinstance(value, str) or value == TINY:

@@ -27,17 +27,24 @@ from ddpo_tpu.launch import lora_targets
 WORKER_PATH_KEYS = (
     re.compile(r"model\.pretrained"),                                   # a local diffusers dir (a hub id is no path)
     re.compile(r"prompts\.(file|nouns_file|activities_file)"),          # prompt lists
-    re.compile(r"reward(\.components\.\d+)?\.mlp_path"),                # the aesthetic MLP's weights
+    # the rewards' weights files: the run's reward, a weighted component, or GARDO's gate reward (the aesthetic MLP,
+    # HPSv2's and ImageReward's checkpoints, ImageReward's med_config, GenEval's mmdet checkpoint and config)
+    re.compile(r"(reward(\.components\.\d+)?|algorithm\.kl_gate_rewards\.\d+)\."
+               r"(mlp_path|checkpoint|med_config|detector_model|detector_config)"),
     re.compile(r"reward\.process\.python"),                               # the reward environment's interpreter
+    re.compile(r"prompts\.path"),                                       # a prompt dataset folder or file
     re.compile(r"resume"),                                              # resume=PATH: a checkpoint
-    re.compile(r"xla\.compilation_cache_dir"),                          # a directory, created if missing
+    re.compile(r"(xla\.compilation_cache_dir|distributed\.compile_cache_dir)"),  # a directory, created if missing
 )
 
 
 def is_worker_path_problem(problem: Problem) -> bool:
     """A problem about what a path holds on this machine (not an empty or missing value, which is refused anywhere)."""
-    return (isinstance(problem.value, str) and bool(problem.value.strip())
+    return (isinstance(problem.value, str) and bool(problem.value.strip()) and not _URL.match(problem.value)
             and any(k.fullmatch(problem.key) for k in WORKER_PATH_KEYS))
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")  # gs://...: no path on any machine, refused here as anywhere
 
 
 def expand_sweep(overrides: list[str]) -> list[list[str]]:
