@@ -253,3 +253,25 @@ def tpu_worker_id() -> int | None:
     """On a TPU VM pod, the worker index the VM image exports (used only for messages)."""
     value = os.environ.get("TPU_WORKER_ID") or os.environ.get("CLOUD_TPU_TASK_ID")
     return int(value) if value and value.isdigit() else None
+
+
+def secret(name: str) -> str | None:
+    """The value of the environment variable a config key names (e.g. reward.api_key_env: a chat endpoint's API key);
+    the config holds the variable's name, never the secret."""
+    return os.environ.get(name) or None
+
+
+def process_rank() -> int:
+    """This process's global rank under torchrun (its RANK), else 0: which of several ranks' files is its own."""
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isdigit() else 0
+
+
+def reward_process_environment(package_parent: str) -> dict[str, str]:
+    """The environment of a reward process in another Python environment (rewards/managed.py): this process's, with
+    ddpo_tpu's parent directory first on PYTHONPATH (that environment runs this checkout's code, nothing installed
+    there) and unbuffered output (its log is read while it runs)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

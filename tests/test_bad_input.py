@@ -75,7 +75,7 @@ CASES = [
      "reward.components.0.name", "no reward of this name goes here"),
     ("weighted_empty", ["reward=weighted", "reward.components=[]"], "reward.components", "at least 1 item"),
     ("reward_key_of_another_reward", ["+reward.url=http://127.0.0.1:8765/score"], "reward.url",
-     "unknown key (remove it; valid keys here: frame_reduction, host_workers, name, quality)"),
+     "unknown key (remove it; valid keys here: frame_reduction, host_workers, name, process, quality)"),
     ("reward_unknown_name", ["reward.name=jpeg"], "reward.name", "choose one of: jpeg_compressibility"),
     ("resume_not_checkpoint", ["resume={tmp}/not_ckpt"], "resume", "not a checkpoint"),
     ("interpolation_env", ["seed=${oc.env:DDPO_TPU_TEST_UNSET_VARIABLE}"], "seed", "DDPO_TPU_TEST_UNSET_VARIABLE"),

@@ -458,7 +458,8 @@ def _trainer_stub(algorithm, tokenizer):
 def _epoch(prompts, rewards):
     n = len(prompts)
     traj = SimpleNamespace(latents=torch.zeros(n, 2, 1), log_probs=torch.zeros(n, 1), step_indices=torch.zeros(n, 1))
-    return SimpleNamespace(trajectories=[traj], conds=[(torch.zeros(n, 1),)], prompts=prompts, scores=None)
+    return SimpleNamespace(trajectories=[traj], conds=[(torch.zeros(n, 1),)], prompts=prompts, scores=None,
+                           components=None)
 
 
 @pytest.mark.parametrize("algorithm", ["ddpo", "grpo"])

@@ -124,7 +124,7 @@ def test_a_pickscore_component_this_machine_lacks_is_refused_before_a_run_dir(tm
 def _sd35(tmp_path: Path, *more: str) -> list[str]:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\n")
-    return ["+experiment=flow_grpo_pickscore_sd35", f"prompts.file={prompts}", *more]
+    return ["+experiment=flow_grpo_pickscore_sd35", f"prompts.path={prompts}", *more]
 
 
 @pytest.mark.parametrize("override,key,pinned", [("sample.sde_window.size=2", "sample.sde_window.size", "null"),
@@ -145,7 +145,7 @@ def test_the_sd35_parity_pins_no_window_and_the_zero_advantage_filter(tmp_path, 
 def test_the_flux_parity_pins_no_window(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a cat\n")
-    p = refused(["+experiment=flux_grpo_pickscore", f"prompts.file={prompts}", "sample.sde_window.size=2"])
+    p = refused(["+experiment=flux_grpo_pickscore", f"prompts.path={prompts}", "sample.sde_window.size=2"])
     assert p.key == "sample.sde_window.size" and "flow_grpo_flux pins null" in p.reason
 
 
@@ -366,17 +366,17 @@ def test_issue43_wan_s_sampler_is_named_for_the_flow_sampler_it_is(change, key):
 
 
 def test_issue43_a_preset_s_reward_keys_under_another_reward_are_one_line(tmp_path):
-    """flow_grpo_geneval_sd35 sets its remote reward's url, timeout_s, retries, backoff_s and image_format; reward=
-    pickscore does not take them: one line naming them all, on `reward` (the key the user set), not five unknown
-    keys."""
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("a photo of a cat\n")
-    preset = ["+experiment=flow_grpo_geneval_sd35", f"prompts.file={prompts}", "reward=pickscore"]
+    """flow_grpo_geneval_sd35 sets its GenEval reward's detector and colors; reward=pickscore does not take them: one
+    line naming them all, on `reward` (the key the user set), not an unknown key each. The preset's null
+    detector_model (unset, and a null Hydra's `~key` cannot remove) is dropped, not refused."""
+    geneval = Path(__file__).parent / "data" / "flow_grpo" / "geneval"
+    preset = ["+experiment=flow_grpo_geneval_sd35", f"prompts.path={geneval}", "reward=pickscore"]
     p = refused(preset)
-    keys = ["reward.url", "reward.timeout_s", "reward.retries", "reward.backoff_s", "reward.image_format"]
+    keys = ["reward.detector", "reward.colors"]
+    assert "detector_model" not in str(p)
     assert p.key == "reward" and p.value == "pickscore" and all(k in p.reason for k in keys), str(p)
     assert "unknown key" not in str(p) and " ".join(f"~{k}" for k in keys) in str(p.fix)
-    compose_and_validate([*preset, *(f"~{k}" for k in keys), "parity=none"])  # (the parity pins remote)
+    compose_and_validate([*preset, *(f"~{k}" for k in keys), "parity=none"])  # (the parity pins geneval)
     with pytest.raises(ConfigError) as e:  # a key the user typed keeps its own line
         compose_and_validate([*preset, "+reward.bogus=1"])
     assert any(q.key == "reward.bogus" and q.reason == "unknown key" for q in e.value.problems), str(e.value)
@@ -401,7 +401,7 @@ def test_issue43_memory_figures_follow_the_resolution_of_every_image_family(tmp_
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a photo of a cat\n")
-    qwen = ["+experiment=qwen_image_grpo_pickscore", f"prompts.file={prompts}"]
+    qwen = ["+experiment=qwen_image_grpo_pickscore", f"prompts.path={prompts}"]
     at_512 = compose_and_validate(qwen).cfg
     p = refused([*qwen, "model.resolution=1024"])
     assert p.key == "tpu_topology.name" and "activations per chip" in p.reason, str(p)

@@ -67,7 +67,7 @@ def group_or_gdpo(cfg, keys: Sequence, rewards: np.ndarray, components: Mapping[
     """The group algorithms' advantages (GRPO, NFT, AWM): GDPO on the components when
     algorithm.advantage_aggregation=gdpo (compose time made sure the reward is weighted), else `group_advantages`
     (GRPO's, on the weighted sum)."""
-    if cfg.algorithm.advantage_aggregation == "gdpo":
+    if getattr(cfg.algorithm, "advantage_aggregation", "sum") == "gdpo":
         weights = component_weights(cfg.reward)
         return gdpo_advantages({k: components[k] for k in weights}, weights, keys)
     return group_advantages(rewards, keys, global_std=cfg.algorithm.global_std)

@@ -238,8 +238,11 @@ def validate_tree(tree: dict[str, Any], overridden: frozenset[str] = frozenset()
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(rules.group_leftovers([_schema_problem(err, tree) for err in e.errors()], tree,
-                                                overridden)) from None
+        problems = [_schema_problem(err, tree) for err in e.errors()]
+        pruned = rules.drop_null_leftovers(problems, tree, overridden)
+        if pruned is None:
+            raise ConfigError(rules.group_leftovers(problems, tree, overridden)) from None
+        return validate_tree(pruned, overridden)
     problems = rules.check(cfg, tree, overridden)
     if problems:
         raise ConfigError(problems)

@@ -12,6 +12,7 @@ each in its module. Pure Python: no torch, no devices.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ddpo_tpu.config import batch, components, enablement, inputs, memory, topology
@@ -63,6 +64,33 @@ def one_frame_problems(cfg: RunConfig) -> list[Problem]:
                                                                  verb="try", note="(or more, 4k + 1)"))]
 
 
+def _leftover(p: Problem, overridden: frozenset[str]) -> bool:
+    """An "unknown key" a preset set for the option of a group the command line replaced (not a key the user typed)."""
+    group = p.key.split(".", 1)[0]
+    return (p.reason == "unknown key" and "." in p.key and group in overridden
+            and not any(p.key == k or p.key.startswith(k + ".") for k in overridden if k != group))
+
+
+def drop_null_leftovers(problems: list[Problem], tree: dict[str, Any], overridden: frozenset[str]
+                        ) -> dict[str, Any] | None:
+    """The tree without the preset's leftover keys that are null (unset: `+experiment=flow_grpo_geneval_sd35
+    reward=pickscore` leaves the preset's `reward.detector_model: null` under pickscore, which nothing would read and
+    Hydra's `~key` cannot remove), when those are the only problems with a value; else None (group_leftovers names
+    the rest in one line)."""
+    pruned, dropped = copy.deepcopy(tree), False
+    for p in problems:
+        if not _leftover(p, overridden) or lookup(tree, p.key) is not None:
+            continue
+        *parents, last = p.key.split(".")
+        node = pruned
+        for k in parents:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            del node[last]
+            dropped = True
+    return pruned if dropped else None
+
+
 def group_leftovers(problems: list[Problem], tree: dict[str, Any], overridden: frozenset[str]) -> list[Problem]:
     """The schema's "unknown key" lines of keys a preset set for the option the command line replaced
     (`+experiment=flow_grpo_geneval_sd35 reward=pickscore`: the preset's remote reward keys url, timeout_s, ... under
@@ -70,10 +98,8 @@ def group_leftovers(problems: list[Problem], tree: dict[str, Any], overridden: f
     out: list[Problem] = []
     left: dict[str, list[Problem]] = {}
     for p in problems:
-        group = p.key.split(".", 1)[0]
-        if (p.reason == "unknown key" and "." in p.key and group in overridden
-                and not any(p.key == k or p.key.startswith(k + ".") for k in overridden if k != group)):
-            left.setdefault(group, []).append(p)
+        if _leftover(p, overridden):
+            left.setdefault(p.key.split(".", 1)[0], []).append(p)
         else:
             out.append(p)
     for group, extra in left.items():

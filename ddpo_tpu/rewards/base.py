@@ -36,6 +36,7 @@ __all__ = [
     "Reward",
     "RewardScores",
     "Metadata",
+    "score_with",
     "REWARDS",
     "register_reward",
     "make_reward",
@@ -116,6 +117,14 @@ class Reward(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={getattr(self, 'name', None)!r})"
+
+
+def score_with(reward: Any, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> RewardScores:
+    """`reward.score(images, prompts, metadata=)`; a plain callable (images, prompts) -> values in a reward's place
+    (tests swap one in, and wrappers take any) scores without metadata and reports no extras."""
+    if isinstance(reward, Reward) or hasattr(reward, "score"):
+        return reward.score(images, prompts, metadata=metadata)
+    return RewardScores(np.asarray(reward(images, prompts)))
 
 
 # ---------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import os
 import re
 import threading
 import urllib.error
@@ -37,6 +36,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Sequence
 
+from ddpo_tpu.env import secret
 from ddpo_tpu.rewards.remote import (
     _STOP_POLL_S,
     RewardInterrupted,
@@ -102,7 +102,7 @@ class ChatClient:
             if not isinstance(api_key_env, str) or not ENV_NAME.fullmatch(api_key_env):
                 raise self._fail(f"{prefix}.api_key_env={api_key_env!r}: must be the NAME of an environment variable "
                                  "(e.g. VLM_API_KEY), never the key itself")
-            key = os.environ.get(api_key_env)
+            key = secret(api_key_env)
             if not key:
                 raise self._fail(f"{prefix}.api_key_env={api_key_env}: the environment variable is not set. Fix: "
                                  f"export {api_key_env}=<the server's --api-key>, or set {prefix}.api_key_env=null")

@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ddpo_tpu.env import process_rank, reward_process_environment
 from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, RewardScores
 
 __all__ = ["ManagedReward", "close_all", "describe_exit", "log_path_for"]
@@ -65,7 +66,7 @@ def describe_exit(code: int | None) -> str:
 
 def log_path_for(run_dir: Path | None) -> Path:
     """Where this process's reward process logs: the run dir (this rank's file under torchrun), else the cwd."""
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank = process_rank()
     name = LOG_NAME if rank == 0 else LOG_NAME.replace(".log", f"-rank{rank}.log")
     return (run_dir if run_dir is not None else Path.cwd()) / name
 
@@ -149,9 +150,7 @@ class ManagedReward(Reward):
             cmd += ["--device", self.device]
         for module in self.imports:
             cmd += ["--import", module]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
-        env["PYTHONUNBUFFERED"] = "1"
+        env = reward_process_environment(_PACKAGE_PARENT)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(cmd)}\n".encode())

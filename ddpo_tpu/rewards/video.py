@@ -20,7 +20,7 @@ import numpy as np
 
 from ddpo_tpu.catalog.rewards import FRAME_REDUCTIONS as REDUCTIONS
 from ddpo_tpu.catalog.rewards import REWARDS
-from ddpo_tpu.rewards.base import Metadata, Reward, RewardScores
+from ddpo_tpu.rewards.base import Metadata, Reward, RewardScores, score_with
 
 
 class PerFrame(Reward):
@@ -47,7 +47,7 @@ class PerFrame(Reward):
             raise self._error(f"got {b} videos but {len(prompts)} prompts")
         frames = np.ascontiguousarray(videos.reshape(b * f, *videos.shape[2:]))
         per_frame = None if metadata is None else [m for m in metadata for _ in range(f)]
-        scored = self.reward.score(frames, [p for p in prompts for _ in range(f)], metadata=per_frame)
+        scored = score_with(self.reward, frames, [p for p in prompts for _ in range(f)], per_frame)
         return RewardScores(self._reduce(scored.values, b), {k: self._reduce(v, b) for k, v in scored.extras.items()})
 
     def _reduce(self, scores, videos: int) -> np.ndarray:

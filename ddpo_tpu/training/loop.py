@@ -37,7 +37,7 @@ from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.diffusion.window import sde_window_at
 from ddpo_tpu.families import Cond, load_family
-from ddpo_tpu.rewards.base import RewardScores
+from ddpo_tpu.rewards.base import RewardScores, score_with
 from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir.files import RunDir
 from ddpo_tpu.runtime import Runtime
@@ -61,14 +61,7 @@ class SampledEpoch:
     first_images: np.ndarray     # the first batch's uint8 images, or a video family's videos (the samples' files)
     scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
     extras: dict | None = None   # the reward's extras (RewardScores.extras), gathered: name -> (N,), NaN = n/a
-
-
-def score_images(reward, images: np.ndarray, prompts: list[str], metadata) -> RewardScores:
-    """`reward.score(images, prompts, metadata=)` (rewards/base.py); a plain callable (images, prompts) -> values
-    in its place (tests swap one in) scores without metadata and reports no extras."""
-    if hasattr(reward, "score"):
-        return reward.score(images, prompts, metadata=metadata)
-    return RewardScores(np.asarray(reward(images, prompts)))
+    components: dict | None = None  # algorithm.advantage_aggregation=gdpo: reward=weighted's components, gathered
 
 
 def gather_extras(rt: Runtime, scored: list[RewardScores]) -> dict[str, np.ndarray]:
@@ -173,6 +166,9 @@ class Trainer:
                                                                  device=rt.device, log_dir=out.path,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
+        # algorithm.advantage_aggregation=gdpo (group algorithms, reward=weighted): the components' weights by key
+        gdpo = getattr(cfg.algorithm, "advantage_aggregation", "sum") == "gdpo"  # a key of the group algorithms only
+        self.gdpo_weights = component_weights(cfg.reward) if gdpo else None
         # what the algorithm scores per image besides the reward (GARDO's auxiliary rewards and features), or None
         own_scores = getattr(self.algorithm, "image_scores", None)
         self.image_scores = own_scores(self) if own_scores is not None else None
@@ -294,9 +290,9 @@ class Trainer:
         """The reward's RewardScores of these images (each with its prompt's metadata), or (RewardScores, the
         algorithm's scores); a Future of it with reward.host_workers (scored while the next batch samples)."""
         metadata = self.prompts.metadata(prompts)  # looked up here: the thread gets its own rows
-        fn = lambda i, p, m: score_images(self.reward, i, p, m)
+        fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
-            fn = lambda i, p, m: (score_images(self.reward, i, p, m), self.image_scores(i, p))
+            fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
         return fn(images, prompts, metadata) if self.pool is None else self.pool.submit(fn, images, prompts, metadata)
 
     def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False,
@@ -354,6 +350,8 @@ class Trainer:
                 done = [d[0] for d in done]
             rewards = np.concatenate([self.rt.gather_rows(np.asarray(d.values)) for d in done])
             sampled.extras = gather_extras(self.rt, done)
+            if self.gdpo_weights is not None:  # GDPO: the advantages normalise reward=weighted's components alone
+                sampled.components = {k: sampled.extras[k] for k in self.gdpo_weights}
         except RewardInterrupted:  # SIGTERM while a remote reward hung: the state as of the previous epoch
             self.checkpoints.stop_if_requested(epoch - 1)
             raise
@@ -374,9 +372,7 @@ class Trainer:
         keys = key_of(sampled.prompts)
         keep = np.isfinite(rewards)
         adv = np.zeros_like(rewards, dtype=np.float32)
-        scores, parts = sampled.scores, None
-        if getattr(self.cfg.algorithm, "advantage_aggregation", "sum") == "gdpo":  # each reward normalised alone
-            parts = {k: sampled.extras[k] for k in component_weights(self.cfg.reward)}
+        scores, parts = sampled.scores, sampled.components
         kept = lambda m: {**({"scores": {k: v[m] for k, v in scores.items()}} if scores is not None else {}),
                           **({"components": {k: v[m] for k, v in parts.items()}} if parts is not None else {})}
         if keep.all():
@@ -408,7 +404,7 @@ class Trainer:
         with self.state.ema_weights():
             _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed), evaluation=True)
         local = prompts[self.rt.local_rows(len(prompts))]  # the rows this process sampled
-        scored = score_images(self.reward, images, local, self.prompts.metadata(local))
+        scored = score_with(self.reward, images, local, self.prompts.metadata(local))
         rewards = self.rt.gather_rows(np.asarray(scored.values, dtype=np.float64))
         extras = extras_means(gather_extras(self.rt, [scored]))
         per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
