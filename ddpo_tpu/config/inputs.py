@@ -34,8 +34,15 @@ def input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
                                        verb="did you mean")))
     problems.extend(resume_problems(cfg.resume))
     problems.extend(prompt_problems(cfg))
+    problems.extend(evaluation_problems(cfg))
     problems.extend(_xla_problems(cfg, tot))
     return problems
+
+
+def evaluation_problems(cfg: RunConfig) -> list[Problem]:
+    from ddpo_tpu.training.eval_plan import evaluation_problems as problems
+
+    return problems(cfg)
 
 
 def resume_problems(resume: str) -> list[Problem]:

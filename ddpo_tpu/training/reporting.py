@@ -88,13 +88,19 @@ class Reporter:
             self.tracker.log({f"train/{k}": v for k, v in rec.items() if k not in ("kind", "global_step")},
                              step=rec["global_step"])
 
-    def evaluation(self, rec: dict, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> None:
+    def evaluation(self, rec: dict, images: np.ndarray | None, prompts: list[str], rewards: np.ndarray) -> None:
+        """An evaluation's record (its files are the evaluator's: eval/<name>/), its first images as
+        samples/eval_NNNN.png, and each panel reward's mean and std and each extra's mean in the tracker."""
         if self.rt.is_main:
             self.out.log(rec)
             before = rec["epoch"] < 0  # samples/eval_before_0000.png: the frozen policy, before epoch 0 trains
-            self._save(max(rec["epoch"], 0), images, prompts, rewards, name="eval_before" if before else "eval")
-            self.tracker.log({"eval/reward_mean": rec["reward_mean"]}, step=rec["global_step"])
-        self.events.emit(ev.Evaluated(rec["epoch"], rec["reward_mean"], rec["reward_std"]))
+            if images is not None:
+                self._save(max(rec["epoch"], 0), images, prompts, rewards, name="eval_before" if before else "eval")
+            scalars = {"eval/reward_mean": rec["reward_mean"], "eval/reward_std": rec["reward_std"],
+                       **{f"eval/{k}_{m}": v[m] for k, v in rec.get("rewards", {}).items() for m in ("mean", "std")},
+                       **{f"eval/extras/{k}": v for k, v in rec.get("reward_extras", {}).items()}}
+            self.tracker.log({k: v for k, v in scalars.items() if v is not None}, step=rec["global_step"])
+        self.events.emit(ev.Evaluated(rec["epoch"], _nan(rec["reward_mean"]), _nan(rec["reward_std"])))
 
     def epoch(self, epoch: int, global_step: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
               steps: list[dict], clock: PhaseClock, algorithm_metrics: dict,
@@ -159,3 +165,7 @@ class Reporter:
 
 def _mean(steps: list[dict], key: str) -> float | None:
     return float(np.mean([s[key] for s in steps])) if steps else None
+
+
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else x
