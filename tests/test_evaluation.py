@@ -189,3 +189,32 @@ def test_ddpo_eval_refuses_bad_input_in_one_line_without_torch(tmp_path):
     assert p.stdout.split() == ["False", "2"], p.stdout + p.stderr
     assert "evaluation.num_steps=0" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (run / "eval").exists()  # refused before anything was written
+
+
+def test_ddpo_status_shows_every_finished_evaluation_side_by_side(tmp_path):
+    """Training's evaluations and ddpo-eval's (two checkpoints, the base model) in one table, by epoch; one without
+    its summary.json (still being written) is not shown."""
+    import io
+
+    from rich.console import Console
+
+    from ddpo_tpu.status.facts import eval_table
+    from ddpo_tpu.status.render import _render_evaluations
+
+    def write(name, epoch, mean, n=10):
+        d = tmp_path / "eval" / name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"epoch": epoch, "global_step": max(epoch, 0) * 2,
+                                                    "num_images": n, "rewards": {"aesthetic": {
+                                                        "mean": mean, "std": 0.5}}}))
+    write("checkpoint_epoch_0009", 9, 6.25)
+    write("base", -1, 5.0)
+    write("checkpoint_epoch_0004", 4, 5.75)
+    (tmp_path / "eval" / "epoch_0010").mkdir()  # unfinished
+    rows = eval_table(tmp_path)
+    assert [(r.name, r.epoch, r.rewards["aesthetic"][0]) for r in rows] == [
+        ("base", -1, 5.0), ("checkpoint_epoch_0004", 4, 5.75), ("checkpoint_epoch_0009", 9, 6.25)]
+    out = io.StringIO()
+    _render_evaluations(SimpleNamespace(evaluations=rows), Console(file=out, width=120))
+    text = out.getvalue()
+    assert "6.2500 ± 0.5000" in text and "checkpoint_epoch_0004" in text and "epoch_0010" not in text

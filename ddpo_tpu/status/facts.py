@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,17 @@ class EpochRow:
     num_samples: Any
     seconds: float | None
     time: float | None
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """One finished evaluation of the run (eval/<name>/summary.json): in training (before_training, epoch_NNNN)
+    or by ddpo-eval (checkpoint_epoch_NNNN, weights_NAME, base), side by side in one table."""
+    name: str
+    epoch: int | None
+    global_step: int | None
+    num_images: int | None
+    rewards: dict[str, tuple[float | None, float | None]]   # label -> (mean, std)
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,7 @@ class Facts:
     state_layout: Layout | None
     metrics: MetricsSummary
     notes: tuple[str, ...]
+    evaluations: tuple[EvalRow, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict: the fields by name, NaN and inf as None."""
@@ -226,6 +239,26 @@ def reward_summary(epochs: list[dict]) -> tuple[Reward | None, tuple[float, ...]
     best = max(valid, key=lambda x: x[1])
     return (Reward(valid[0][1], valid[-1][1], best[1], best[0], valid[0][0], valid[-1][0]),
             tuple(r for _, r in valid))
+
+
+def eval_table(run_dir) -> tuple[EvalRow, ...]:
+    """The finished evaluations under a local run dir's eval/ (a summary.json is written last), by epoch then name;
+    none for a run in a bucket (its eval/ is read where it was written)."""
+    root = Path(str(run_dir)) / "eval"
+    if "://" in str(run_dir) or not root.is_dir():
+        return ()
+    rows = []
+    for summary in root.glob("*/summary.json"):
+        try:
+            doc = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            continue  # being written, or damaged: the next look shows it
+        rewards = {k: (num(v.get("mean")), num(v.get("std"))) for k, v in (doc.get("rewards") or {}).items()
+                   if isinstance(v, dict)}
+        ep = doc.get("epoch")
+        rows.append(EvalRow(summary.parent.name, ep if isinstance(ep, int) else None, doc.get("global_step"),
+                            doc.get("num_images"), rewards))
+    return tuple(sorted(rows, key=lambda r: (r.epoch if r.epoch is not None else -2, r.name)))
 
 
 def epoch_table(epochs: list[dict]) -> tuple[EpochRow, ...]:
@@ -388,4 +421,5 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> F
         state_layout=run.layout,
         metrics=MetricsSummary(len(m.records), dict(m.kinds), m.bad_lines, m.truncated_last_line),
         notes=_notes(run),
+        evaluations=eval_table(run.run_dir),
     )
