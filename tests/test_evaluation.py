@@ -218,3 +218,13 @@ def test_ddpo_status_shows_every_finished_evaluation_side_by_side(tmp_path):
     _render_evaluations(SimpleNamespace(evaluations=rows), Console(file=out, width=120))
     text = out.getvalue()
     assert "6.2500 ± 0.5000" in text and "checkpoint_epoch_0004" in text and "epoch_0010" not in text
+
+
+def test_ddpo_epochs_report_the_zero_std_group_share():
+    """flow_grpo's calculate_zero_std_ratio (yifan123/flow_grpo@ac4c86e scripts/train_sd3.py): the share of prompt
+    groups whose rewards are all equal; non-finite rewards left out, as the algorithms leave them out."""
+    from ddpo_tpu.training.reporting import prompt_zero_std_ratio
+
+    r = np.array([1.0, 1.0, 2.0, 3.0, 5.0, np.nan])
+    assert prompt_zero_std_ratio(r, ["a", "a", "b", "b", "c", "c"]) == pytest.approx(2 / 3)  # a and c (one value)
+    assert prompt_zero_std_ratio(r, ["a"] * 5) is None

@@ -113,6 +113,8 @@ class Reporter:
         self._ran.append((epoch, reward_mean))
         if not rt.is_main:
             return
+        if "zero_std_ratio" not in algorithm_metrics:  # DDPO: the same share over its prompt groups (issue 39)
+            algorithm_metrics = {**algorithm_metrics, "zero_std_ratio": prompt_zero_std_ratio(rewards, prompts)}
         videos = self._save(epoch, images, prompts, rewards)
         shown = min(len(images), 16 if videos is None else len(videos))  # this process may hold fewer than the epoch
         captions = [f"{p} | {r:.4f}" for p, r in zip(prompts[:shown], rewards[:shown])]
@@ -165,6 +167,19 @@ class Reporter:
 
 def _mean(steps: list[dict], key: str) -> float | None:
     return float(np.mean([s[key] for s in steps])) if steps else None
+
+
+def prompt_zero_std_ratio(rewards: np.ndarray, prompts: list[str]) -> float | None:
+    """The share of an epoch's prompt groups whose (finite) rewards all equal, as flow_grpo's
+    calculate_zero_std_ratio counts them (algorithms/grpo.py zero_std_ratio), for an algorithm that does not report
+    it; None when the rewards and prompts do not pair up (a video family's prompts are per sample too)."""
+    from ddpo_tpu.algorithms.grpo import zero_std_ratio
+
+    r = np.asarray(rewards, dtype=np.float64)
+    if len(prompts) != r.size:
+        return None
+    ok = np.isfinite(r)
+    return zero_std_ratio(r[ok], [p for p, k in zip(prompts, ok) if k])
 
 
 def _nan(x: float | None) -> float:
