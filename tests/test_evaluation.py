@@ -140,12 +140,12 @@ def test_captioned_grid(tmp_path):
     from ddpo_tpu.rundir.files import save_captioned_grid
 
     images = np.random.default_rng(0).integers(0, 255, (6, 16, 16, 3), dtype=np.uint8)
-    out = save_captioned_grid(tmp_path / "g.png", images, [f"prompt {i} | r: {i}" for i in range(6)],
+    out = save_captioned_grid(tmp_path / "g.png", images, [f"prompt {i}\nr: {i}" for i in range(6)],
                               [{"prompt": f"prompt {i}"} for i in range(6)], cols=4, tile=64)
     img = np.asarray(Image.open(out))
-    assert img.shape == (2 * (64 + 42), 4 * 64, 3)
+    assert img.shape == (2 * (64 + 2 * 12 + 6), 4 * 64, 3)  # two caption lines under each row of images
     assert np.array_equal(img[:64, :64], np.repeat(np.repeat(images[0], 4, 0), 4, 1))  # the image, scaled
-    strip = img[64:64 + 42, :64]
+    strip = img[64:64 + 30, :64]
     assert (strip < 128).any()  # a caption is drawn under it
     assert json.loads(out.with_suffix(".json").read_text())[5] == {"prompt": "prompt 5"}
 

@@ -209,7 +209,7 @@ class Evaluator:
         atomic_write_bytes(out_dir / "results.jsonl", ("\n".join(lines) + "\n").encode())
         if shown:
             first = next(iter(scores))
-            captions = [f"{it.prompt} | " + " | ".join(f"{k}: {v[i]:.3f}" for k, v in scores.items())
+            captions = [it.prompt + "".join(f"\n{k}: {v[i]:.4g}" for k, v in scores.items())
                         for i, it in enumerate(plan.items[:len(shown)])]
             save_captioned_grid(out_dir / "grid.png", np.stack(shown), captions,
                                 [{"prompt": it.prompt, "reward": _finite(scores[first][i]), "file": files[i]}
