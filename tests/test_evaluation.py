@@ -82,6 +82,9 @@ def test_fixed_prompts_get_their_metadata_from_the_training_source():
     (["evaluation.images_per_prompt=0"], "evaluation.images_per_prompt"),
     (["evaluation.batch_size=0"], "evaluation.batch_size"),
     (["evaluation.rewards=[{name: no_such_reward}]"], "evaluation.rewards"),
+    # a panel reward's own prompt checks, on the prompts it scores (the digits reward needs a digit in each)
+    (["evaluation.rewards=[{name: jpeg_compressibility}, {name: digit_classifier, target: null}]"],
+     "evaluation.rewards.1.target"),
 ])
 def test_bad_evaluation_keys_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:

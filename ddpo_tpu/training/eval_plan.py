@@ -124,7 +124,18 @@ def evaluation_problems(cfg) -> list:
         problems.append(Problem("evaluation.path", e.path, "read only with evaluation.split",
                                 "add evaluation.split=test (or train), or drop evaluation.path"))
     try:
-        eval_source(cfg)
+        source = eval_source(cfg)
     except PromptError as err:
         problems.append(Problem(err.key, err.value, err.reason, err.fix))
+        return problems
+    # each panel reward's own checks (its files, its keys), and what it needs of the prompts it scores: the
+    # evaluation's (catalog/rewards.py `problems=` / `prompt_problems=`, as for the run's reward)
+    from ddpo_tpu.catalog import REWARDS
+    from ddpo_tpu.config.components import reward_problems
+
+    parts = source.parts if source is not None else (tuple(e.prompts),)
+    for i, r in enumerate(e.rewards or []):
+        key = f"evaluation.rewards.{i}"
+        problems.extend(reward_problems(r, key))
+        problems.extend(REWARDS.get(r.name).prompt_problems(r, key, parts, []))
     return problems
