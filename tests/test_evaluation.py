@@ -115,7 +115,9 @@ def test_panel_labels_and_summary():
     assert panel_labels(["a", "b", "a", "a"]) == ["a", "b", "a_2", "a_3"]
     s = summarise({"r": np.array([1.0, 3.0, np.nan])}, {"r": {"ocr": np.array([1.0, np.nan, 0.0])}})
     assert s["rewards"]["r"] == {"mean": 2.0, "std": 1.0, "min": 1.0, "max": 3.0, "n": 2}
-    assert s["extras"]["r/ocr"] == {"mean": 0.5, "n": 2}  # over the images it applies to
+    assert s["extras"]["ocr"] == {"mean": 0.5, "n": 2}  # over the images it applies to; one reward: its own names
+    two = summarise({"r": np.ones(3), "q": np.zeros(3)}, {"r": {"ocr": np.array([1.0, np.nan, 0.0])}, "q": {}})
+    assert set(two["extras"]) == {"r/ocr"}  # a panel: each extra under its reward's label
 
 
 def test_recorded_evaluations_are_not_due_again(tmp_path):

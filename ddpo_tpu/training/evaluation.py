@@ -45,6 +45,12 @@ def panel_labels(names: list[str]) -> list[str]:
     return out
 
 
+def extra_name(label: str, name: str, panel_size: int) -> str:
+    """An extra's name in the outputs: as the reward names it with one reward (as the epoch record names the training
+    reward's), `<reward>/<extra>` in a panel of several."""
+    return name if panel_size == 1 else f"{label}{PREFIX_SEP}{name}"
+
+
 def summarise(scores: dict[str, np.ndarray], extras: dict[str, dict[str, np.ndarray]]) -> dict:
     """summary.json's numbers: per reward mean, std, min, max and n over its finite scores; per extra its mean over
     the images it applies to (finite: NaN = does not apply) and that count."""
@@ -58,7 +64,7 @@ def summarise(scores: dict[str, np.ndarray], extras: dict[str, dict[str, np.ndar
     for label, named in extras.items():
         for k, v in named.items():
             ok = v[np.isfinite(v)]
-            ex[f"{label}{PREFIX_SEP}{k}"] = {"mean": float(ok.mean()) if ok.size else None, "n": int(ok.size)}
+            ex[extra_name(label, k, len(scores))] = {"mean": float(ok.mean()) if ok.size else None, "n": int(ok.size)}
     return {"rewards": rewards, "extras": ex}
 
 
@@ -203,7 +209,7 @@ class Evaluator:
             lines.append(json.dumps({
                 "prompt": it.prompt, "metadata": it.metadata, "image_index": it.index, "seed": it.seed,
                 "scores": {k: _finite(v[i]) for k, v in scores.items()},
-                **({"extras": {f"{k}{PREFIX_SEP}{n}": _finite(a[i]) for k, named in extras.items()
+                **({"extras": {extra_name(k, n, len(scores)): _finite(a[i]) for k, named in extras.items()
                                for n, a in named.items()}} if any(extras.values()) else {}),
                 "image": files[i]}, default=str))
         atomic_write_bytes(out_dir / "results.jsonl", ("\n".join(lines) + "\n").encode())
