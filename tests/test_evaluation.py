@@ -204,6 +204,7 @@ def test_ddpo_status_shows_every_finished_evaluation_side_by_side(tmp_path):
     from rich.console import Console
 
     from ddpo_tpu.status.facts import eval_table
+    from ddpo_tpu.status.read import read_evaluations
     from ddpo_tpu.status.render import _render_evaluations
 
     def write(name, epoch, mean, n=10):
@@ -216,7 +217,7 @@ def test_ddpo_status_shows_every_finished_evaluation_side_by_side(tmp_path):
     write("base", -1, 5.0)
     write("checkpoint_epoch_0004", 4, 5.75)
     (tmp_path / "eval" / "epoch_0010").mkdir()  # unfinished
-    rows = eval_table(tmp_path)
+    rows = eval_table(read_evaluations(tmp_path / "eval"))
     assert [(r.name, r.epoch, r.rewards["aesthetic"][0]) for r in rows] == [
         ("base", -1, 5.0), ("checkpoint_epoch_0004", 4, 5.75), ("checkpoint_epoch_0009", 9, 6.25)]
     out = io.StringIO()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,23 +240,15 @@ def reward_summary(epochs: list[dict]) -> tuple[Reward | None, tuple[float, ...]
             tuple(r for _, r in valid))
 
 
-def eval_table(run_dir) -> tuple[EvalRow, ...]:
-    """The finished evaluations under a local run dir's eval/ (a summary.json is written last), by epoch then name;
-    none for a run in a bucket (its eval/ is read where it was written)."""
-    root = Path(str(run_dir)) / "eval"
-    if "://" in str(run_dir) or not root.is_dir():
-        return ()
+def eval_table(evaluations: list[tuple[str, dict]]) -> tuple[EvalRow, ...]:
+    """The run's finished evaluations (read.py read_evaluations), by epoch then name."""
     rows = []
-    for summary in root.glob("*/summary.json"):
-        try:
-            doc = json.loads(summary.read_text())
-        except (OSError, ValueError):
-            continue  # being written, or damaged: the next look shows it
+    for name, doc in evaluations:
         rewards = {k: (num(v.get("mean")), num(v.get("std"))) for k, v in (doc.get("rewards") or {}).items()
                    if isinstance(v, dict)}
-        ep = doc.get("epoch")
-        rows.append(EvalRow(summary.parent.name, ep if isinstance(ep, int) else None, doc.get("global_step"),
-                            doc.get("num_images"), rewards))
+        ep, step, n = doc.get("epoch"), doc.get("global_step"), doc.get("num_images")
+        rows.append(EvalRow(name, ep if isinstance(ep, int) else None, step if isinstance(step, int) else None,
+                            n if isinstance(n, int) else None, rewards))
     return tuple(sorted(rows, key=lambda r: (r.epoch if r.epoch is not None else -2, r.name)))
 
 
@@ -421,5 +412,5 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> F
         state_layout=run.layout,
         metrics=MetricsSummary(len(m.records), dict(m.kinds), m.bad_lines, m.truncated_last_line),
         notes=_notes(run),
-        evaluations=eval_table(run.run_dir),
+        evaluations=eval_table(run.evaluations),
     )
