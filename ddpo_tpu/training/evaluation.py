@@ -213,7 +213,7 @@ class Evaluator:
                                for n, a in named.items()}} if any(extras.values()) else {}),
                 "image": files[i]}, default=str))
         atomic_write_bytes(out_dir / "results.jsonl", ("\n".join(lines) + "\n").encode())
-        if shown:
+        if shown and np.ndim(shown[0]) == 3:  # images (a video family's samples: samples/eval_NNNN.png's sheet)
             first = next(iter(scores))
             captions = [it.prompt + "".join(f"\n{k}: {v[i]:.4g}" for k, v in scores.items())
                         for i, it in enumerate(plan.items[:len(shown)])]
