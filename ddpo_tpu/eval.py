@@ -99,6 +99,32 @@ def resolve(target: Path, base: bool) -> tuple[Path, dict]:
     return run_dir, kind
 
 
+def choose_groups(tree: dict, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """Apply the group choices among the overrides (`tpu_topology=cpu_dist2`: a conf/GROUP/NAME.yaml) to the run's
+    config as the trainer's composition would (the group's section replaced by that file); returns (the groups
+    chosen, the other overrides). A file that composes further (a defaults list, a global package) is
+    refused: give its keys one by one."""
+    from omegaconf import OmegaConf
+
+    from ddpo_tpu.config.compose import conf_dir
+
+    chosen, rest = [], []
+    for o in overrides:
+        key, value = o.split("=", 1)
+        path = conf_dir() / key / f"{value}.yaml"
+        if "." in key or not path.is_file():
+            rest.append(o)
+            continue
+        head = path.read_text().splitlines()[:1]
+        loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        if head != [f"# @package {key}"] or not isinstance(loaded, dict) or "defaults" in loaded:
+            raise EvalInputError(f"{o}: {path} composes more than the {key} section; give its keys as "
+                                 f"{key}.KEY=VALUE overrides instead")
+        tree[key] = loaded
+        chosen.append(o)
+    return chosen, rest
+
+
 def front_end(argv: list[str]) -> int:
     from omegaconf import OmegaConf
 
@@ -114,7 +140,10 @@ def front_end(argv: list[str]) -> int:
         _fail(str(e))
     tree = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
     try:
+        groups, overrides = choose_groups(tree, overrides)
         merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(overrides))
+    except EvalInputError as e:
+        _fail(str(e))
     except Exception as e:  # noqa: BLE001 -- OmegaConf's parse errors, as one line
         _fail(f"overrides {' '.join(overrides)}: {str(e).splitlines()[0]}")
     tree = OmegaConf.to_container(merged, resolve=True)

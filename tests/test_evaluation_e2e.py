@@ -37,18 +37,27 @@ def common(ds: Path, cache: Path) -> list[str]:
             f"prompts.path={ds}", "evaluation.split=test", PANEL, "reward.host_workers=0", f"model.cache_dir={cache}"]
 
 
+RUNS = {"eager": [*ONE, "tpu_topology=eager_cpu"], "dist": TWO, "xla": [*ONE, "tpu_topology=cpu"]}
+
+
+class Runs(dict):
+    """Each run trained on first use, once per module (a test that needs one run does not wait for the others)."""
+
+    def __init__(self, tmp: Path, cache: Path):
+        super().__init__()
+        self.tmp, self.cache, self.ds = tmp, cache, dataset(tmp)
+
+    def __missing__(self, name: str) -> Path:
+        proc = run_train([*common(self.ds, self.cache), *RUNS[name], f"run_name={name}",
+                          f"output_root={self.tmp}/runs"], cwd=self.tmp, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        self[name] = self.tmp / "runs" / name
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_cache):
-    tmp = tmp_path_factory.mktemp("evaluation")
-    ds = dataset(tmp)
-    out = {}
-    for name, extra in {"eager": [*ONE, "tpu_topology=eager_cpu"], "dist": TWO,
-                        "xla": [*ONE, "tpu_topology=cpu"]}.items():
-        proc = run_train([*common(ds, model_cache), *extra, f"run_name={name}", f"output_root={tmp}/runs"], cwd=tmp,
-                         timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[name] = tmp / "runs" / name
-    return out
+    return Runs(tmp_path_factory.mktemp("evaluation"), model_cache)
 
 
 def results(run: Path, name: str) -> list[dict]:
