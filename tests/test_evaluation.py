@@ -118,6 +118,13 @@ def test_panel_labels_and_summary():
     assert s["extras"]["ocr"] == {"mean": 0.5, "n": 2}  # over the images it applies to; one reward: its own names
     two = summarise({"r": np.ones(3), "q": np.zeros(3)}, {"r": {"ocr": np.array([1.0, np.nan, 0.0])}, "q": {}})
     assert set(two["extras"]) == {"r/ocr"}  # a panel: each extra under its reward's label
+    # GenEval's summary: each task's (tag's) accuracy and their mean (not the mean over images)
+    g = summarise({"geneval": np.array([1.0, 0.0, 0.0, 1.0, 1.0])}, {"geneval": {}},
+                  ["counting", "counting", "counting", "colors", None])
+    assert g["by_tag"]["colors"] == {"geneval": 1.0}
+    assert g["by_tag"]["counting"]["geneval"] == pytest.approx(1 / 3)
+    assert g["tag_mean"]["geneval"] == pytest.approx(2 / 3) and g["rewards"]["geneval"]["mean"] == 0.6
+    assert "by_tag" not in summarise({"r": np.ones(2)}, {"r": {}}, [None, None])
 
 
 def test_recorded_evaluations_are_not_due_again(tmp_path):

@@ -51,9 +51,12 @@ def extra_name(label: str, name: str, panel_size: int) -> str:
     return name if panel_size == 1 else f"{label}{PREFIX_SEP}{name}"
 
 
-def summarise(scores: dict[str, np.ndarray], extras: dict[str, dict[str, np.ndarray]]) -> dict:
+def summarise(scores: dict[str, np.ndarray], extras: dict[str, dict[str, np.ndarray]],
+              tags: list | None = None) -> dict:
     """summary.json's numbers: per reward mean, std, min, max and n over its finite scores; per extra its mean over
-    the images it applies to (finite: NaN = does not apply) and that count."""
+    the images it applies to (finite: NaN = does not apply) and that count; with `tags` (each image's metadata
+    `tag`: GenEval's single_object, counting, ...) each reward's mean per tag and the mean of those per-tag means,
+    as GenEval's summary reports its accuracy per task and overall."""
     rewards = {}
     for label, v in scores.items():
         ok = v[np.isfinite(v)]
@@ -65,7 +68,19 @@ def summarise(scores: dict[str, np.ndarray], extras: dict[str, dict[str, np.ndar
         for k, v in named.items():
             ok = v[np.isfinite(v)]
             ex[extra_name(label, k, len(scores))] = {"mean": float(ok.mean()) if ok.size else None, "n": int(ok.size)}
-    return {"rewards": rewards, "extras": ex}
+    out = {"rewards": rewards, "extras": ex}
+    if tags is not None and any(isinstance(t, str) for t in tags):
+        by_tag: dict[str, dict[str, float | None]] = {}
+        names = sorted({t for t in tags if isinstance(t, str)})
+        for label, v in scores.items():
+            for t in names:
+                sel = np.array([x == t for x in tags]) & np.isfinite(v)
+                by_tag.setdefault(t, {})[label] = float(v[sel].mean()) if sel.any() else None
+        out["by_tag"] = by_tag
+        out["tag_mean"] = {label: (float(np.mean(m)) if (m := [by_tag[t][label] for t in names
+                                                               if by_tag[t][label] is not None]) else None)
+                           for label in scores}
+    return out
 
 
 class Evaluator:
@@ -162,7 +177,7 @@ class Evaluator:
         score_arrays = {k: np.concatenate(v) for k, v in scores.items()}
         extra_arrays = {k: {n: np.concatenate([d.get(n, np.full(len(s), np.nan)) for d, s in zip(v, scores[k])])
                             for n in sorted({n for d in v for n in d})} for k, v in extras.items()}
-        summary = summarise(score_arrays, extra_arrays)
+        summary = summarise(score_arrays, extra_arrays, [it.metadata.get("tag") for it in plan.items])
         first = labels[0]
         rec = {"kind": "eval", "epoch": epoch, "global_step": t.global_step,
                "reward_mean": summary["rewards"][first]["mean"], "reward_std": summary["rewards"][first]["std"],
