@@ -127,3 +127,12 @@ def test_ddpo_eval_reproduces_the_last_evaluation_and_base_the_first(runs, tmp_p
     _eval([str(run), "--base", "--out", str(tmp_path / "mine"), *TWO[-2:], "sample.batch_size=2",
            "train.batch_size=1"], tmp_path)
     same_evaluation(run / "eval/before_training", tmp_path / "mine/base")
+
+
+def test_ddpo_eval_of_a_weights_file_is_the_evaluation_of_those_weights(runs, tmp_path):
+    """weights/final.safetensors (the smoke keeps no EMA: the weights the last evaluation sampled with) gives the
+    run's last evaluation; the record names the epoch the file stands for."""
+    run = runs["eager"]
+    _eval([str(run / "weights" / "final.safetensors"), "--out", str(tmp_path / "w")], tmp_path)
+    same_evaluation(run / "eval/epoch_0001", tmp_path / "w" / "weights_final")
+    assert json.loads((tmp_path / "w" / "weights_final" / "summary.json").read_text())["epoch"] == 1
