@@ -241,3 +241,38 @@ def test_ddpo_epochs_report_the_zero_std_group_share():
     r = np.array([1.0, 1.0, 2.0, 3.0, 5.0, np.nan])
     assert prompt_zero_std_ratio(r, ["a", "a", "b", "b", "c", "c"]) == pytest.approx(2 / 3)  # a and c (one value)
     assert prompt_zero_std_ratio(r, ["a"] * 5) is None
+
+
+def _evaluated_images(tmp_path: Path, model_cache: Path, *extra: str) -> tuple[np.ndarray, object]:
+    """The images of one evaluation pass of a freshly built Trainer (the tiny SD1, 2 steps) and the trainer."""
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import loop
+
+    v = compose_and_validate(["+experiment=smoke", f"model.cache_dir={model_cache}", "sample.num_steps=2",
+                              "evaluation.every_n_epochs=1", "reward.host_workers=0", "evaluation.batch_size=2",
+                              "evaluation.prompts=[a cat, a dog, an owl]", *extra])
+    tmp_path.mkdir(parents=True)
+    t = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    t.report.tracker = SimpleNamespace(log=lambda *a, **k: None)
+    seen = []
+    t.reward = lambda images, prompts: (seen.append(images), np.zeros(len(prompts)))[1]
+    rec = t.evaluate(0)
+    assert rec["num_images"] == 3 and len(seen) == 2  # 3 prompts in batches of 2: the last one padded
+    return np.concatenate(seen)[:3], t
+
+
+def test_evaluation_samples_with_its_own_guidance_scale(tmp_path, model_cache):
+    """evaluation.guidance_scale gives evaluation a step of its own, traced with that scale; the family's config is
+    the run's again afterwards (training samples with sample.guidance_scale)."""
+    same, t0 = _evaluated_images(tmp_path / "a", model_cache)
+    assert t0.evaluator.step is t0.denoise_step  # nothing differs from sampling: its graph
+    other, t1 = _evaluated_images(tmp_path / "b", model_cache, "evaluation.guidance_scale=1.0")
+    assert t1.evaluator.step is not t1.denoise_step and t1.evaluator.view.sample.guidance_scale == 1.0
+    assert t1.family.cfg.sample.guidance_scale == t1.cfg.sample.guidance_scale == 5.0
+    assert not np.array_equal(same, other)
+    # the same scale given explicitly: the same images as the default (the per-image seeds do not depend on it)
+    again, _ = _evaluated_images(tmp_path / "c", model_cache, "evaluation.guidance_scale=5.0")
+    assert np.array_equal(same, again)
+    files = sorted(p.name for p in (tmp_path / "a" / "eval" / "epoch_0000" / "images").iterdir())
+    assert files == ["00000.png", "00001.png", "00002.png"]
