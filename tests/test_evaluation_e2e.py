@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import clean_env, read_metrics, run_train
+from tests.helpers import FAST_XLA_CPU, clean_env, read_metrics, run_train
 from tests.test_evaluation import TEST_PROMPTS, dataset
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,8 @@ def common(ds: Path, cache: Path) -> list[str]:
             f"prompts.path={ds}", "evaluation.split=test", PANEL, "reward.host_workers=0", f"model.cache_dir={cache}"]
 
 
-RUNS = {"eager": [*ONE, "tpu_topology=eager_cpu"], "dist": TWO, "xla": [*ONE, "tpu_topology=cpu"]}
+# XLA CPU with the cheap backend passes (tests/helpers: the graphs and their count are the same)
+RUNS = {"eager": [*ONE, "tpu_topology=eager_cpu"], "dist": TWO, "xla": [*ONE, "tpu_topology=cpu", FAST_XLA_CPU]}
 
 
 class Runs(dict):
