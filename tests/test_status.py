@@ -214,7 +214,7 @@ def test_phase_ends_evaluation_and_the_last_epoch():
     assert status.describe(pe, 10) == ("saving", "training done, saving the epoch")
     assert status.describe(ev.PhaseEnd(1, "sampling", 1.0, 1.0, 0, 0.0), 10)[0] == "reward"
     assert status.describe(ev.PhaseEnd(1, "new_phase", 1.0, 1.0, 0, 0.0), 10) == ("new_phase", "new_phase done")
-    assert status.describe(ev.PhaseStart(1, "evaluation"), 10) == ("evaluation", "evaluating the fixed prompts")
+    assert status.describe(ev.PhaseStart(1, "evaluation"), 10) == ("evaluation", "evaluating the held-out prompts")
     assert status.describe(ev.Evaluated(1, 0.25, 0.1), 10)[1] == "evaluation done (reward 0.2500), saving the epoch"
     assert status.describe(ev.EpochDone(9, 0.5, 0.1, 0.0, 0.0, 2), 10) == (
         "finishing", "epoch 9 done (the last one): saving and exiting")

@@ -28,7 +28,9 @@ _XLA = lambda c: c.tpu_topology.execution in ("xla", "xla_spmd")  # noqa: E731
 DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("train.ema_decay", "train.ema_every"), lambda c: c.train.ema, "train.ema=false",
               Fix.of({"train.ema": True})),
-    Dependent(("evaluation.seed", "evaluation.prompts", "evaluation.num_steps", "evaluation.deterministic"),
+    Dependent(("evaluation.seed", "evaluation.prompts", "evaluation.num_steps", "evaluation.deterministic",
+               "evaluation.split", "evaluation.path", "evaluation.images_per_prompt", "evaluation.batch_size",
+               "evaluation.guidance_scale", "evaluation.rewards"),
               lambda c: c.evaluation.every_n_epochs > 0, "evaluation.every_n_epochs=0",
               Fix.of({"evaluation.every_n_epochs": 1}, note="(or another period)")),
     Dependent(("logger.project", "logger.entity", "logger.group", "logger.tags", "logger.notes", "logger.mode",

@@ -35,6 +35,7 @@ def input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
     problems.extend(resume_problems(cfg.resume))
     problems.extend(prompt_problems(cfg))
     problems.extend(reward_process_problems(cfg))
+    problems.extend(evaluation_problems(cfg))
     problems.extend(_xla_problems(cfg, tot))
     return problems
 
@@ -68,6 +69,10 @@ def reward_process_problems(cfg: RunConfig) -> list[Problem]:
         problems.append(Problem("reward.process.python", p.python,
                                 "a directory, not an interpreter" if path.is_dir() else "not executable", fix))
     return problems
+def evaluation_problems(cfg: RunConfig) -> list[Problem]:
+    from ddpo_tpu.training.eval_plan import evaluation_problems as problems
+
+    return problems(cfg)
 
 
 def resume_problems(resume: str) -> list[Problem]:

@@ -185,11 +185,21 @@ class StatTrackingConfig(_Strict):
 
 
 class EvaluationConfig(_Strict):
+    """The held-out evaluation (training/evaluation.py, training/eval_plan.py; docs/operations.md "Evaluation")."""
     every_n_epochs: int = Field(ge=0)
     seed: int = Field(ge=0, lt=2**31)
     prompts: list[str] = Field(min_length=1)
     num_steps: int | None = Field(default=None, ge=1, le=1000)  # denoising steps (null: sample.num_steps)
     deterministic: bool = False      # the sampler's noise-free step (DDIM eta 0, the flow ODE) instead of its own
+    # a dataset split instead of `prompts`: every row of evaluation.path's (null: prompts.path's) split file
+    split: Literal["train", "test"] | None = None
+    path: str | None = None
+    images_per_prompt: int = Field(default=1, ge=1, le=1024)  # images of each row (GenEval: 4 of each prompt)
+    batch_size: int | None = Field(default=None, ge=1)       # per replica (null: sample.batch_size)
+    guidance_scale: float | None = Field(default=None, ge=0)  # null: sample.guidance_scale
+    # the reward panel: catalog reward configs (a reward=weighted component's keys; `weight` is not read), each
+    # scored on every evaluation image; null: the training reward alone
+    rewards: list[RewardComponent] | None = None
 
 
 class PromptsConfig(_Strict):

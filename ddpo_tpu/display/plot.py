@@ -1,7 +1,7 @@
 """The reward curve as a PNG: the mean training reward per epoch with a band of one standard deviation, and the
-evaluation rewards (fixed prompts, fixed noise) as points. Drawn with matplotlib (round ticks, a legend of what is
-drawn, labelled axes); it is imported only inside `draw`, so the trainer and ddpo-status pay for it only when a
-curve is drawn.
+evaluation rewards (the held-out pass of training/evaluation.py: its first panel reward's mean and std) as points.
+Drawn with matplotlib (round ticks, a legend of what is drawn, labelled axes); it is imported only inside `draw`, so
+the trainer and ddpo-status pay for it only when a curve is drawn.
 
 `curves(records)` takes metrics.jsonl's records; `draw(path, ...)` writes the PNG (atomically: a reader never sees
 half a file). Written by the main process at the end of every epoch (ddpo_tpu/display/tracking.py) and by `ddpo-status
@@ -114,7 +114,7 @@ def figure(train: list[Point], evals: list[Point], title: str = "", control: lis
                 label="control (frozen policy)")
     if evals:  # only a run that evaluates gets the entry
         ax.errorbar([p[0] for p in evals], [p[1] for p in evals], yerr=[p[2] for p in evals], fmt="o",
-                    mfc="white", mec=EVAL, ecolor=EVAL, mew=1.5, markersize=6, label="evaluation (fixed prompts)")
+                    mfc="white", mec=EVAL, ecolor=EVAL, mew=1.5, markersize=6, label="evaluation (held-out)")
     epochs = [p[0] for p in train + evals + control]
     if epochs and max(epochs) - min(epochs) < 2:  # one or two epochs: whole-epoch ticks need some room
         ax.set_xlim(min(epochs) - 1, max(epochs) + 1)

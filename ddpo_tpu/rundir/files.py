@@ -191,6 +191,40 @@ class RunDir:
         return out
 
 
+def save_captioned_grid(out: Path, images, captions: list[str], records: list[dict], cols: int = 4,
+                        tile: int = 160, max_lines: int = 5) -> Path:
+    """A grid of the first 16 images (uint8, B x H x W x 3), `cols` a row, each scaled (nearest) to `tile` pixels
+    wide with its caption drawn in the strip under it (its lines wrapped, at most `max_lines`), and `records` beside
+    it as out.with_suffix(".json"). The caption is readable in the picture itself (an evaluation grid is looked at, not
+    parsed); the JSON keeps the exact values."""
+    import io
+    import textwrap
+
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    n = min(len(images), 16)
+    cols = max(1, min(n, cols))
+    rows = math.ceil(n / cols)
+    h, w = images.shape[1:3]
+    th = max(1, round(h * tile / w))
+    chars = max(8, tile // 6)
+    wrapped = [[w for line in c.split("\n") for w in textwrap.wrap(line, chars)][:max_lines] for c in captions[:n]]
+    strip = max((len(x) for x in wrapped), default=0) * 12 + 6
+    sheet = Image.new("RGB", (cols * tile, rows * (th + strip)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        x, y = c * tile, r * (th + strip)
+        sheet.paste(Image.fromarray(np.asarray(images[i])).resize((tile, th), Image.NEAREST), (x, y))
+        draw.multiline_text((x + 3, y + th + 2), "\n".join(wrapped[i]), fill="black", spacing=2)
+    buf = io.BytesIO()
+    sheet.save(buf, format="PNG")
+    atomic_write_bytes(out, buf.getvalue())
+    atomic_write_bytes(out.with_suffix(".json"), (json.dumps(records[:n], indent=1) + "\n").encode())
+    return out
+
+
 def _jsonable(x: Any) -> Any:
     import numpy as np
 

@@ -45,6 +45,17 @@ class EpochRow:
 
 
 @dataclass(frozen=True)
+class EvalRow:
+    """One finished evaluation of the run (eval/<name>/summary.json): in training (before_training, epoch_NNNN)
+    or by ddpo-eval (checkpoint_epoch_NNNN, weights_NAME, base), side by side in one table."""
+    name: str
+    epoch: int | None
+    global_step: int | None
+    num_images: int | None
+    rewards: dict[str, tuple[float | None, float | None]]   # label -> (mean, std)
+
+
+@dataclass(frozen=True)
 class HostPhase:
     host_s: float
     wall_s: float
@@ -140,6 +151,7 @@ class Facts:
     state_layout: Layout | None
     metrics: MetricsSummary
     notes: tuple[str, ...]
+    evaluations: tuple[EvalRow, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict: the fields by name, NaN and inf as None."""
@@ -226,6 +238,18 @@ def reward_summary(epochs: list[dict]) -> tuple[Reward | None, tuple[float, ...]
     best = max(valid, key=lambda x: x[1])
     return (Reward(valid[0][1], valid[-1][1], best[1], best[0], valid[0][0], valid[-1][0]),
             tuple(r for _, r in valid))
+
+
+def eval_table(evaluations: list[tuple[str, dict]]) -> tuple[EvalRow, ...]:
+    """The run's finished evaluations (read.py read_evaluations), by epoch then name."""
+    rows = []
+    for name, doc in evaluations:
+        rewards = {k: (num(v.get("mean")), num(v.get("std"))) for k, v in (doc.get("rewards") or {}).items()
+                   if isinstance(v, dict)}
+        ep, step, n = doc.get("epoch"), doc.get("global_step"), doc.get("num_images")
+        rows.append(EvalRow(name, ep if isinstance(ep, int) else None, step if isinstance(step, int) else None,
+                            n if isinstance(n, int) else None, rewards))
+    return tuple(sorted(rows, key=lambda r: (r.epoch if r.epoch is not None else -2, r.name)))
 
 
 def epoch_table(epochs: list[dict]) -> tuple[EpochRow, ...]:
@@ -388,4 +412,5 @@ def derive(run: RunFiles, now: float, stale_after: float = DEFAULT_STALE_S) -> F
         state_layout=run.layout,
         metrics=MetricsSummary(len(m.records), dict(m.kinds), m.bad_lines, m.truncated_last_line),
         notes=_notes(run),
+        evaluations=eval_table(run.evaluations),
     )

@@ -21,7 +21,7 @@ _AFTER_PHASE = {  # what follows the end of a phase within an epoch
 def describe(event: ev.Event, num_epochs: int | None) -> tuple[str, str] | None:
     """(phase, detail) after an epoch's event, or None for an event that does not say where an epoch is."""
     if isinstance(event, ev.PhaseStart):
-        first = {"sampling": "sampling batch 1 (none done yet)", "evaluation": "evaluating the fixed prompts"}
+        first = {"sampling": "sampling batch 1 (none done yet)", "evaluation": "evaluating the held-out prompts"}
         return event.phase, first.get(event.phase, event.phase)
     if isinstance(event, ev.SamplingBatch):
         if event.batch < event.of:

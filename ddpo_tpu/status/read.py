@@ -115,6 +115,7 @@ class RunFiles:
     parity: list[dict[str, Any]] | None = None
     layout: Layout | None = None
     notes: list[str] = field(default_factory=list)
+    evaluations: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (eval/<name>, its summary.json)
 
 
 def read_run(run_dir: Path, lock_paths: list[Path] | None = None) -> RunFiles:
@@ -137,7 +138,22 @@ def read_run(run_dir: Path, lock_paths: list[Path] | None = None) -> RunFiles:
     run.log = read_log_tail(run_dir / "train.log")
     run.checkpoints = _list_checkpoints(run_dir / "checkpoints")
     run.parity = _read_json_list(run_dir / "parity.json")
+    run.evaluations = read_evaluations(run_dir / "eval")
     return run
+
+
+def read_evaluations(root: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The finished evaluations under a run's eval/ (training's and ddpo-eval's): each one's summary.json, written
+    last (training/evaluation.py); one being written or unreadable is left for the next look."""
+    out = []
+    for summary in sorted(root.glob("*/summary.json")) if root.is_dir() else []:
+        try:
+            doc = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            out.append((summary.parent.name, doc))
+    return out
 
 
 def read_config(path: Path, notes: list[str]) -> dict[str, Any]:

@@ -190,6 +190,27 @@ def _render_rewards(f: Facts, console, width: int, rows: int, blocks: str) -> No
             table.add_row(str(e.epoch), fmt(e.reward_mean), fmt(e.reward_std), fmt(e.approx_kl),
                           fmt(e.clipfrac, ".3f"), fmt(e.new_compilations), fmt(e.seconds, ".1f"))
         console.print(table)
+    _render_evaluations(f, console)
+
+
+def _render_evaluations(f: Facts, console) -> None:
+    """The run's finished evaluations (training's and ddpo-eval's), each reward's mean ± std: two checkpoints side
+    by side are two `ddpo-eval` commands and this table."""
+    from rich import box
+    from rich.table import Table
+
+    rows = getattr(f, "evaluations", ())
+    if not rows:
+        return
+    labels = list(dict.fromkeys(k for r in rows for k in r.rewards))
+    table = Table(title="evaluations (eval/)", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("evaluation", "epoch", "step", "images", *labels):
+        table.add_column(col, justify="left" if col == "evaluation" else "right")
+    for r in rows:
+        cells = [f"{fmt(m)} ± {fmt(s)}" if (m, s) != (None, None) else "-"
+                 for m, s in (r.rewards.get(k, (None, None)) for k in labels)]
+        table.add_row(r.name, fmt(r.epoch), fmt(r.global_step), fmt(r.num_images), *cells)
+    console.print(table)
 
 
 def plot_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:

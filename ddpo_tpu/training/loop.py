@@ -20,6 +20,7 @@ import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -193,13 +194,6 @@ class Trainer:
         # an SDE window: the steps outside it are the ODE's, a graph of its own (the same for every window position)
         self.ode_step = (rt.compile_step(self.family.make_denoise_step(autocast, deterministic=True))
                          if cfg.sample.sde_window.size is not None else None)
-        # evaluation: the sampling step, or its own (another step count, the noise-free step): a graph of its own
-        ev_cfg = cfg.evaluation
-        self.eval_steps = ev_cfg.num_steps or self.family.num_steps
-        self.eval_step = self.denoise_step
-        if ev_cfg.every_n_epochs and (self.eval_steps != self.family.num_steps or ev_cfg.deterministic):
-            tables = self.family.schedule(self.eval_steps)
-            self.eval_step = rt.compile_step(self.family.make_denoise_step(autocast, tables, ev_cfg.deterministic))
         score_step = self.family.make_score_step(autocast)
         old_mean = getattr(self.algorithm, "needs_old_mean", False)
         tables = getattr(self.family, "tables", None) if old_mean else None
@@ -224,6 +218,12 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
                                              state=self.state, algorithm=self.algorithm)
         self.report = Reporter(cfg, rt, out, self.events, self.tree, self.algorithm.stat_names)
+        # the held-out evaluation (training/evaluation.py): its plan, sampler and reward panel
+        self.evaluator = None
+        if cfg.evaluation.every_n_epochs:
+            from ddpo_tpu.training.evaluation import Evaluator
+
+            self.evaluator = Evaluator(self)
 
     @property
     def global_step(self) -> int:
@@ -243,9 +243,9 @@ class Trainer:
                           self.train_timesteps)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             clock = PhaseClock(rt, self.events, epoch)
-            if epoch == 0 and cfg.evaluation.every_n_epochs and self.global_step == 0:
-                with clock.measure("evaluation_before"):  # the "before" of every later evaluation
-                    self.evaluate(ev.BEFORE_TRAINING)
+            if epoch == 0 and self.global_step == 0 and self.evaluation_due(ev.BEFORE_TRAINING):
+                with clock.measure("evaluation_before"), rt.compiling("evaluation", epoch, self.events):
+                    self.evaluate(ev.BEFORE_TRAINING)  # the "before" of every later evaluation
             policy = self.epoch_trainer.sampling_policy() if self.epoch_trainer else contextlib.nullcontext()
             with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events), policy:
                 sampled = self.sample_epoch(epoch)
@@ -259,8 +259,8 @@ class Trainer:
             if hasattr(self.algorithm, "after_training"):  # GARDO: the updates' KL decides the next reset
                 self.algorithm.after_training(epoch, steps)
             del samples
-            if cfg.evaluation.every_n_epochs and (epoch + 1) % cfg.evaluation.every_n_epochs == 0:
-                with clock.measure("evaluation"):
+            if self.evaluation_due(epoch):
+                with clock.measure("evaluation"), rt.compiling("evaluation", epoch, self.events):
                     self.evaluate(epoch)
             self.end_epoch(epoch, sampled, rewards, steps, clock)
         if self.pool is not None:
@@ -295,17 +295,21 @@ class Trainer:
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
         return fn(images, prompts, metadata) if self.pool is None else self.pool.submit(fn, images, prompts, metadata)
 
-    def _sample_batch(self, prompts: list[str], gen: torch.Generator, evaluation: bool = False,
-                      sde_window: tuple[int, int] | None = None
-                      ) -> tuple[Trajectory, Cond, np.ndarray]:
-        """One batch: initial latents and per-step noise from `gen`, the trajectory, its images on the host."""
+    def _sample_batch(self, prompts: list[str], gen: torch.Generator | None, evaluation: bool = False,
+                      sde_window: tuple[int, int] | None = None, noise: tuple | None = None, uncond=None,
+                      step=None) -> tuple[Trajectory, Cond, np.ndarray]:
+        """One batch: initial latents and per-step noise from `gen` (or `noise`: (init, per-step noise)), the
+        trajectory, its images on the host. `evaluation`: the evaluator's step (or `step`: (step, T)) and batch."""
         cfg, rt = self.cfg, self.rt
-        step, T = (self.eval_step, self.eval_steps) if evaluation else (self.denoise_step, self.family.num_steps)
+        if evaluation and step is None:  # the evaluator's sampler
+            step, uncond = (self.evaluator.step, self.evaluator.steps), self.evaluator.uncond
+        step, T = step or (self.denoise_step, self.family.num_steps)
         B, shape = len(prompts), self.family.latent_shape
-        init = torch.randn((B, *shape), generator=gen)
-        noise = torch.randn((T, B, *shape), generator=gen)
+        init, noise = noise or (None, None)
+        init = torch.randn((B, *shape), generator=gen) if init is None else init
+        noise = torch.randn((T, B, *shape), generator=gen) if noise is None else noise
         cond = self.family.encode(prompts)
-        traj = sample_trajectory(step, T, cond, self.uncond_sample, init, noise, rt=rt,
+        traj = sample_trajectory(step, T, cond, self.uncond_sample if uncond is None else uncond, init, noise, rt=rt,
                                  sync_every=cfg.xla.sync_every_n_denoising_steps, window=sde_window,
                                  ode_step=self.ode_step)
         with rt.autocast(self.mixed):
@@ -394,24 +398,21 @@ class Trainer:
                              plan.orders if plan is not None else None, own,
                              gate[rows] if gate is not None else None)
 
-    def evaluate(self, epoch: int) -> dict:
-        """Fixed prompts and fixed noise, one sampling batch, with the EMA weights when train.ema. The sampling
-        graphs unless evaluation has its own step count or the noise-free step (then one graph of its own, compiled
-        at the first evaluation)."""
-        ev_cfg = self.cfg.evaluation
-        prompts = [ev_cfg.prompts[i % len(ev_cfg.prompts)] for i in range(self.global_batch)]
-        self.family.model.eval()
-        with self.state.ema_weights():
-            _, _, images = self._sample_batch(prompts, torch.Generator().manual_seed(ev_cfg.seed), evaluation=True)
-        local = prompts[self.rt.local_rows(len(prompts))]  # the rows this process sampled
-        scored = score_with(self.reward, images, local, self.prompts.metadata(local))
-        rewards = self.rt.gather_rows(np.asarray(scored.values, dtype=np.float64))
-        extras = extras_means(gather_extras(self.rt, [scored]))
-        per_prompt = {p: float(np.mean([r for q, r in zip(prompts, rewards) if q == p])) for p in ev_cfg.prompts}
-        rec = {"kind": "eval", "epoch": epoch, "global_step": self.global_step, "reward_mean": float(rewards.mean()),
-               "reward_std": float(rewards.std()), "per_prompt": per_prompt,
-               **({"reward_extras": extras} if extras else {}),
-               **({"before_training": True} if epoch == ev.BEFORE_TRAINING else {})}
+    def evaluation_due(self, epoch: int) -> bool:
+        from ddpo_tpu.training.evaluation import evaluation_due
+
+        return evaluation_due(self, epoch)
+
+    def evaluate(self, epoch: int, out_root=None, name: str | None = None) -> dict:
+        """The whole evaluation pass (training/evaluation.py) with the current weights (the EMA when kept), written to
+        `out_root`/NAME (the run dir's eval/epoch_NNNN or eval/before_training), logged as kind "eval"."""
+        from ddpo_tpu.training.evaluation import eval_dir_name
+
+        name = name or eval_dir_name(epoch)
+        rec = self.evaluator.run(epoch, Path(out_root or self.out.path / "eval") / name, name)
+        images, prompts, rewards = rec.pop("_images"), rec.pop("_prompts"), rec.pop("_rewards")
+        if epoch == ev.BEFORE_TRAINING:
+            rec["before_training"] = True
         self.report.evaluation(rec, images, prompts, rewards)
         return rec
 

@@ -88,13 +88,19 @@ class Reporter:
             self.tracker.log({f"train/{k}": v for k, v in rec.items() if k not in ("kind", "global_step")},
                              step=rec["global_step"])
 
-    def evaluation(self, rec: dict, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> None:
+    def evaluation(self, rec: dict, images: np.ndarray | None, prompts: list[str], rewards: np.ndarray) -> None:
+        """An evaluation's record (its files are the evaluator's: eval/<name>/), its first images as
+        samples/eval_NNNN.png, and each panel reward's mean and std and each extra's mean in the tracker."""
         if self.rt.is_main:
             self.out.log(rec)
             before = rec["epoch"] < 0  # samples/eval_before_0000.png: the frozen policy, before epoch 0 trains
-            self._save(max(rec["epoch"], 0), images, prompts, rewards, name="eval_before" if before else "eval")
-            self.tracker.log({"eval/reward_mean": rec["reward_mean"]}, step=rec["global_step"])
-        self.events.emit(ev.Evaluated(rec["epoch"], rec["reward_mean"], rec["reward_std"]))
+            if images is not None:
+                self._save(max(rec["epoch"], 0), images, prompts, rewards, name="eval_before" if before else "eval")
+            scalars = {"eval/reward_mean": rec["reward_mean"], "eval/reward_std": rec["reward_std"],
+                       **{f"eval/{k}_{m}": v[m] for k, v in rec.get("rewards", {}).items() for m in ("mean", "std")},
+                       **{f"eval/extras/{k}": v for k, v in rec.get("reward_extras", {}).items()}}
+            self.tracker.log({k: v for k, v in scalars.items() if v is not None}, step=rec["global_step"])
+        self.events.emit(ev.Evaluated(rec["epoch"], _nan(rec["reward_mean"]), _nan(rec["reward_std"])))
 
     def epoch(self, epoch: int, global_step: int, images: np.ndarray, prompts: list[str], rewards: np.ndarray,
               steps: list[dict], clock: PhaseClock, algorithm_metrics: dict,
@@ -107,6 +113,8 @@ class Reporter:
         self._ran.append((epoch, reward_mean))
         if not rt.is_main:
             return
+        if "zero_std_ratio" not in algorithm_metrics:  # DDPO: the same share over its prompt groups (issue 39)
+            algorithm_metrics = {**algorithm_metrics, "zero_std_ratio": prompt_zero_std_ratio(rewards, prompts)}
         videos = self._save(epoch, images, prompts, rewards)
         shown = min(len(images), 16 if videos is None else len(videos))  # this process may hold fewer than the epoch
         captions = [f"{p} | {r:.4f}" for p, r in zip(prompts[:shown], rewards[:shown])]
@@ -159,3 +167,20 @@ class Reporter:
 
 def _mean(steps: list[dict], key: str) -> float | None:
     return float(np.mean([s[key] for s in steps])) if steps else None
+
+
+def prompt_zero_std_ratio(rewards: np.ndarray, prompts: list[str]) -> float | None:
+    """The share of an epoch's prompt groups whose (finite) rewards all equal, as flow_grpo's
+    calculate_zero_std_ratio counts them (algorithms/grpo.py zero_std_ratio), for an algorithm that does not report
+    it; None when the rewards and prompts do not pair up (a video family's prompts are per sample too)."""
+    from ddpo_tpu.algorithms.grpo import zero_std_ratio
+
+    r = np.asarray(rewards, dtype=np.float64)
+    if len(prompts) != r.size:
+        return None
+    ok = np.isfinite(r)
+    return zero_std_ratio(r[ok], [p for p, k in zip(prompts, ok) if k])
+
+
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else x
