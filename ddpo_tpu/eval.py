@@ -236,6 +236,13 @@ def evaluate(validated, where: Path, request: dict) -> int:
         epoch = request["epoch"] if request.get("epoch") is not None else cfg.num_epochs - 1
     rt.sync()
     rec = t.evaluate(epoch, out_root=where.parent, name=where.name)
+    if not rec:  # a SIGTERM during the pass: nothing summarised; the same command evaluates again
+        if rt.is_main:
+            print(f"ddpo-eval: stopped before the pass finished; {where} has no summary.json", flush=True)
+        rt.close()
+        from ddpo_tpu.launch.process import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED
     if rt.is_main:
         print(f"ddpo-eval: {rec['num_images']} images of {rec['num_prompts']} prompts: " + ", ".join(
             f"{k} {v['mean']:.4f} +- {v['std']:.4f}" for k, v in rec["rewards"].items()

@@ -377,3 +377,31 @@ def test_a_smoke_run_exports_its_final_lora_and_the_readme_snippet_generates_wit
     scale = a.abs().max()
     assert float((a - b).abs().max() / scale) <= REL_TOL
     assert float((a - base).abs().max() / scale) > 1e-4  # one epoch moved the adapter: the check can see it
+
+
+@pytest.mark.slow
+def test_a_failed_export_warns_once_and_the_final_checkpoint_is_still_written(model_cache, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The diffusers/peft copies are a convenience: a library failure while writing them (a hub config missing, an
+    old diffusers) is one warning line naming the retry, and the epoch's checkpoint and weights are in place."""
+    from types import SimpleNamespace
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import export, loop
+
+    def broken(*args, **kwargs):
+        raise ValueError("no config.json for this checkpoint\nsecond line")
+
+    monkeypatch.setattr(export, "export_weights", broken)
+    v = compose_and_validate(["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1",
+                              "reward.host_workers=0", "model.lora.enabled=true", f"model.cache_dir={model_cache}"])
+    tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    tr.fit()
+    assert (tmp_path / "weights" / "final.safetensors").is_file()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("epoch_")] == ["epoch_0000"]
+    err = capsys.readouterr()
+    lines = [x for x in (err.out + err.err).splitlines() if "exporting weights/final.safetensors" in x]
+    assert len(lines) == 1 and "ValueError: no config.json for this checkpoint)" in lines[0], lines
+    assert f"ddpo-export {tmp_path} final" in lines[0]

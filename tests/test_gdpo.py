@@ -44,7 +44,9 @@ def test_a_rewards_scale_does_not_decide_the_ranking_as_it_does_in_the_weighted_
 def test_equal_values_in_a_group_give_zero_not_a_division_by_zero():
     got = gdpo_advantages({"a": [1.0, 1.0, 2.0, 4.0]}, {"a": 1.0}, ["x", "x", "y", "y"])
     assert np.isfinite(got).all()
-    assert got[0] == got[1]  # the constant group contributes 0 to both, then the batch normalisation shifts them
+    # the constant group: exactly 0 (no signal; GRPO's drop_zero_advantage drops it), the other z-scored over the batch
+    assert got[0] == 0.0 and got[1] == 0.0
+    np.testing.assert_allclose(got[2:], [-math.sqrt(2), math.sqrt(2)], rtol=1e-6)
 
 
 def test_bad_inputs_name_the_reward():

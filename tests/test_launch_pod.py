@@ -503,8 +503,10 @@ def test_gardo_s_gate_reward_and_the_compile_cache_are_the_workers_paths(capsys)
     """Issue 43: GARDO's gate reward's MLP (algorithm.kl_gate_rewards.N.mlp_path) was judged on the laptop ("file not
     found", exit 2) while prompts.file beside it was left to the workers; the same for distributed.compile_cache_dir.
     A bucket URL is no path on any machine: refused here."""
-    gardo = ["+experiment=gardo_sd3_ocr", "prompts.file=/nowhere/ocr.txt",
-             "algorithm.kl_gate_rewards.0.mlp_path=/nowhere/sac+logos+ava1-l14-linearMSE.pth"]
+    gardo = ["+experiment=gardo_sd3_ocr", "prompts.path=/nowhere/ocr",
+             "algorithm.kl_gate_rewards.0.mlp_path=/nowhere/sac+logos+ava1-l14-linearMSE.pth",
+             "algorithm.kl_gate_rewards.1.checkpoint=/nowhere/ImageReward.pt",
+             "reward.process.python=/nowhere/paddle-env/bin/python"]
     proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *gardo)
     assert proc.returncode == 0, proc.stderr
     for kv in gardo[1:]:

@@ -184,7 +184,7 @@ def ddpo_tpu_overrides(pair: str, s: dict, model_dir: Path, topology: str, epoch
     if pair == "sd14":
         return ["+experiment=compressibility_parity", s["ddpo_model"], f"model.cache_dir={model_dir.parent}", *common]
     return ["+experiment=flow_grpo_pickscore_sd35", s["ddpo_model"], f"model.pretrained={model_dir}",
-            f"model.resolution={s['resolution']}", "reward=jpeg_compressibility", f"prompts.file={prompts}",
+            f"model.resolution={s['resolution']}", "reward=jpeg_compressibility", f"prompts.path={prompts}",
             f"algorithm.group_size={s['batch']}", "algorithm.kl_beta=0", "train.ema_every=1", *common]
 
 

@@ -53,7 +53,11 @@ def gdpo_advantages(components: Mapping[str, np.ndarray | Sequence[float]], weig
         combined += float(weights[name]) * adv
     if n == 0:
         return combined.astype(np.float32)
-    return ((combined - combined.mean()) / max(float(combined.std()), GDPO_STD_FLOOR)).astype(np.float32)
+    out = (combined - combined.mean()) / max(float(combined.std()), GDPO_STD_FLOOR)
+    # a group whose every reward is constant has no signal (combined exactly 0); the batch mean is 0 up to rounding,
+    # so Flow-Factory's value there is ~1e-17: kept an exact 0, as GRPO's is, so drop_zero_advantage drops the group
+    out[combined == 0] = 0.0
+    return out.astype(np.float32)
 
 
 def component_weights(reward_cfg) -> dict[str, float]:

@@ -239,8 +239,8 @@ def backend_problems(reward: str, key: str, spec: str, registered: tuple[str, ..
     if ":" not in spec:
         return f"unknown; use one of {', '.join(registered)} or module:function"
     module = spec.partition(":")[0]
-    try:
-        found = importlib.util.find_spec(module) is not None
+    try:  # the top-level name only: find_spec("pkg.mod") imports pkg, which may import torch into the front end
+        found = importlib.util.find_spec(module.partition(".")[0]) is not None
     except (ImportError, ValueError):
         found = False
     return None if found else f"module {module!r} of {key} not found"

@@ -113,7 +113,8 @@ def _reward_prompt_problems(cfg: RunConfig, source) -> list[Problem]:
     r = cfg.reward
     rewards = [(f"reward.components.{i}", c) for i, c in enumerate(r.components)] if r.name == "weighted" \
         else [("reward", r)]
-    evals = cfg.evaluation.prompts if cfg.evaluation.every_n_epochs > 0 else []
+    # the fixed evaluation prompts, when evaluation reads them (a split's rows are checked as the evaluation's own)
+    evals = cfg.evaluation.prompts if cfg.evaluation.every_n_epochs > 0 and cfg.evaluation.split is None else []
     return [p for prefix, reward in rewards
             for p in [*REWARDS.get(reward.name).prompt_problems(reward, prefix, source.parts, evals),
                       *REWARDS.get(reward.name).source_problems(reward, prefix, cfg.prompts, source, evals)]]

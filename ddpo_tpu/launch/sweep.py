@@ -32,7 +32,7 @@ WORKER_PATH_KEYS = (
     re.compile(r"(reward(\.components\.\d+)?|algorithm\.kl_gate_rewards\.\d+)\."
                r"(mlp_path|checkpoint|med_config|detector_model|detector_config)"),
     re.compile(r"reward\.process\.python"),                               # the reward environment's interpreter
-    re.compile(r"prompts\.path"),                                       # a prompt dataset folder or file
+    re.compile(r"(prompts|evaluation)\.path"),                          # a prompt dataset folder or file
     re.compile(r"resume"),                                              # resume=PATH: a checkpoint
     re.compile(r"(xla\.compilation_cache_dir|distributed\.compile_cache_dir)"),  # a directory, created if missing
 )

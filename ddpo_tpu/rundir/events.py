@@ -104,6 +104,14 @@ class CheckpointDamaged(Event, kind="checkpoint_damaged",
     problem: str
 
 
+class ExportFailed(Event, kind="export_failed",
+                   text="ddpo_tpu: warning: exporting weights/{name}.safetensors for diffusers and peft failed "
+                        "({problem}); the weights and the checkpoint are saved; retry with ddpo-export {run_dir} {name}"):
+    name: str
+    problem: str
+    run_dir: str
+
+
 class AlreadyComplete(Event, kind="already_complete",
                       text="ddpo_tpu: run complete (all {num_epochs} epochs were done already)"):
     num_epochs: int

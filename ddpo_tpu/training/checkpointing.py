@@ -11,6 +11,8 @@ ddpo_tpu/training/checkpoint_files.py's; what a checkpoint directory is, ddpo_tp
 
 from __future__ import annotations
 
+import errno
+
 import os
 import shutil
 import signal
@@ -144,15 +146,27 @@ class CheckpointManager:
         if final_ema is not None:
             self.out.save_weights("final_ema", final_ema)
         if last:  # the final weights also as users load them (diffusers, peft): training/export.py
-            from ddpo_tpu.training.export import export_weights
-
-            weights = self.out.path / "weights"
-            export_weights(weights, "final", trainable, self.cfg.model)
+            self._export("final", trainable)
             if final_ema is not None:
-                export_weights(weights, "final_ema", final_ema, self.cfg.model)
+                self._export("final_ema", final_ema)
         return ckpt.prepare(self.root, epoch=epoch, global_step=self.state.global_step, trainable=trainable,
                             optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
                             tree=self.tree)
+
+    def _export(self, name: str, state: dict) -> None:
+        """A convenience copy of saved weights: its failure (a hub config missing, an old diffusers) costs one warning
+        line and the `ddpo-export` command that retries it, never the checkpoint that follows."""
+        from ddpo_tpu.training.export import export_weights
+
+        try:
+            export_weights(self.out.path / "weights", name, state, self.cfg.model)
+        except OSError as e:
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                raise  # the disk: the checkpoint would fail the same way; its own error path names it
+            self.events.emit(ev.ExportFailed(name, f"{type(e).__name__}: {e}", str(self.out.path)))
+        except Exception as e:  # noqa: BLE001 -- any library failure of the copy, named once
+            self.events.emit(ev.ExportFailed(name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                                             str(self.out.path)))
 
     def commit(self, epoch: int, pending: ckpt.Pending | None) -> None:
         """The rename that marks `epoch` done (main process; the others only note it), then the bucket copy."""

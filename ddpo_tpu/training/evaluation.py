@@ -141,9 +141,9 @@ class Evaluator:
             noises.append(torch.randn((self.steps, 1, *shape), generator=g))
         return torch.cat(inits), torch.cat(noises, dim=1)
 
-    def run(self, epoch: int, out_dir: Path, name: str) -> dict:
+    def run(self, epoch: int, out_dir: Path, name: str) -> dict | None:
         """Evaluate the current weights (their EMA when kept); writes `out_dir` on the main process; returns the
-        metrics record (kind "eval")."""
+        metrics record (kind "eval"), or None when a stop was requested during the pass."""
         from ddpo_tpu.rewards.base import score_with
         from ddpo_tpu.training.loop import gather_extras
 
@@ -158,6 +158,10 @@ class Evaluator:
         t.family.model.eval()
         with t.state.ema_weights(), self.sampler_config():
             for b, idx in enumerate(plan.batches):
+                # a stop (SIGTERM, preemption) abandons the pass: the epoch's checkpoint must not wait behind a
+                # whole test split; no summary is written, so nothing half-done is recorded (every process agrees)
+                if b and rt.any_process(t.stop.requested):
+                    return None
                 items = [plan.items[i] for i in idx]
                 prompts = [it.prompt for it in items]
                 _, _, images = t._sample_batch(prompts, None, evaluation=True, noise=self.noise(items),

@@ -212,8 +212,10 @@ def _fsync(path: Path) -> None:
 def interrupted_exports(weights_dir: Path, name: str = "") -> list[Path]:
     """Temporary export folders a kill left in weights/ (write_folder_atomically's cleanup never ran): those of the
     exports of weights NAME (another export may be writing its own right now), or all."""
-    pattern = f".{name}_*{_PARTIAL}" if name else f".*{_PARTIAL}"
-    return sorted(p for p in Path(weights_dir).glob(pattern) if p.is_dir())
+    # exactly NAME's folders: ".final_*" would also match final_ema's, which another export may be writing
+    patterns = ([f".{name}{suffix}.*{_PARTIAL}" for suffix in (DIFFUSERS_SUFFIX, PEFT_SUFFIX)] if name
+                else [f".*{_PARTIAL}"])
+    return sorted({p for pattern in patterns for p in Path(weights_dir).glob(pattern) if p.is_dir()})
 
 
 # --- what the trainer and the CLI call -------------------------------------------------------------------------

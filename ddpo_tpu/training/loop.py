@@ -410,6 +410,8 @@ class Trainer:
 
         name = name or eval_dir_name(epoch)
         rec = self.evaluator.run(epoch, Path(out_root or self.out.path / "eval") / name, name)
+        if rec is None:  # abandoned for a stop: the checkpoint and the stop come next
+            return {}
         images, prompts, rewards = rec.pop("_images"), rec.pop("_prompts"), rec.pop("_rewards")
         if epoch == ev.BEFORE_TRAINING:
             rec["before_training"] = True
