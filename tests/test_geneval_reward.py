@@ -426,3 +426,20 @@ def test_a_geneval_run_trains_on_the_partial_credit_and_logs_strict_and_per_tag_
     for tag in TAGS:  # per-tag strict accuracy over that tag's images; null where the epoch drew none
         mine = [BY_HAND[p][1] for p in prompts if tags[p] == tag]
         assert extras[f"geneval/{tag}"] == (pytest.approx(np.mean(mine)) if mine else None), tag
+
+
+def test_a_geneval_preset_evaluating_its_test_split_composes(tmp_path):
+    """The references evaluate GenEval on the test split: with evaluation.split set, the fixed evaluation.prompts (a
+    cat, a dog: no metadata) are not read, so they are not judged; a split's own rows are."""
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "flow_grpo" / "geneval"
+    (tmp_path / "m2f.pth").write_bytes(b"placeholder")
+    run = ["+experiment=flow_grpo_geneval_sd35", f"prompts.path={data}", f"reward.detector_model={tmp_path / 'm2f.pth'}",
+           f"reward.process.python={sys.executable}", "evaluation.every_n_epochs=60"]
+    with pytest.raises(ConfigError) as e:  # the fixed prompts carry no GenEval metadata
+        compose_and_validate(run)
+    assert "GenEval metadata" in e.value.render()
+    cfg = compose_and_validate([*run, "evaluation.split=test"]).cfg
+    assert cfg.evaluation.split == "test"
