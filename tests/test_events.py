@@ -26,6 +26,7 @@ EXAMPLES = [
     (ev.CheckpointDamaged("ck/epoch_0004", "ck/epoch_0004/optimizer.pt: checksum mismatch"), True),
     (ev.StateLayout(12, 0, 4096, 4096), False),
     (ev.AlreadyComplete(5), True),
+    (ev.ExportFailed("final", "ValueError: no config.json", "outputs/run"), True),
     (ev.RunComplete(), True),
     (ev.RunComplete(0, 4, 5, 1.25, -1.5, -1.25, 10, "w/final.safetensors", "m.jsonl"), True),
     (ev.Preempted(2, 6, "SIGTERM: checkpoint written"), True),

@@ -115,6 +115,33 @@ class Reward(abc.ABC):
             )
         return images
 
+    def _score_in_chunks(self, images: Any, prompts: Sequence[str] | None, batch_size: int | None,
+                         score_chunk: Callable[[np.ndarray, list[str]], np.ndarray], who: str,
+                         fixed_shape: bool = False) -> np.ndarray:
+        """A model reward's call: host images validated, scored `batch_size` at a time (null: all at once) by
+        score_chunk(images, prompts) -> (n,); `fixed_shape` fills the last chunk with copies of its last pair and
+        drops their scores (one input shape for every forward). A failure of the model is named as this reward's."""
+        images = self._check_host_images(images, prompts)
+        if prompts is None:
+            raise self._error(f"{who} needs the prompts of the images")
+        prompts = [str(p) for p in prompts]
+        n = images.shape[0]
+        if n == 0:
+            return np.zeros((0,), dtype=np.float32)
+        step = batch_size or n
+        parts = []
+        try:
+            for i in range(0, n, step):
+                ims, ps = images[i:i + step], prompts[i:i + step]
+                real = len(ps)
+                if fixed_shape and real < step:
+                    ims = np.concatenate([ims, np.repeat(ims[-1:], step - real, axis=0)])
+                    ps = ps + [ps[-1]] * (step - real)
+                parts.append(np.asarray(score_chunk(ims, ps))[:real])
+        except Exception as exc:  # transformers / torch failures, named as this reward's
+            raise self._error(f"scoring failed: {type(exc).__name__}: {exc}") from exc
+        return np.concatenate(parts).astype(np.float32, copy=False)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={getattr(self, 'name', None)!r})"
 

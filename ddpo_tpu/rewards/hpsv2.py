@@ -207,26 +207,8 @@ class HPSv2Reward(Reward):
             return (self.image_embeddings(images) * self.text_embeddings(prompts)).sum(dim=-1).float().cpu().numpy()
 
     def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
-        images = self._check_host_images(images, prompts)
-        if prompts is None:
-            raise self._error("HPSv2 needs the prompts of the images")
-        prompts = [str(p) for p in prompts]
-        n = images.shape[0]
-        if n == 0:
-            return np.zeros((0,), dtype=np.float32)
-        step = self.batch_size or n
-        parts = []
-        try:
-            for i in range(0, n, step):
-                ims, ps = images[i:i + step], prompts[i:i + step]
-                real = len(ps)
-                if real < step:   # a fixed batch shape: fill with copies of the last pair, drop their scores
-                    ims = np.concatenate([ims, np.repeat(ims[-1:], step - real, axis=0)])
-                    ps = ps + [ps[-1]] * (step - real)
-                parts.append(self._score_chunk(ims, ps)[:real])
-        except Exception as exc:  # transformers / torch failures, named as this reward's
-            raise self._error(f"scoring failed: {type(exc).__name__}: {exc}") from exc
-        return np.concatenate(parts).astype(np.float32, copy=False)
+        return self._score_in_chunks(images, prompts, self.batch_size, self._score_chunk, "HPSv2",
+                                     fixed_shape=True)
 
     def __repr__(self) -> str:
         return (f"HPSv2Reward(version={self.version!r}, checkpoint={self.checkpoint!r}, "

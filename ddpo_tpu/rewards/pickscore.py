@@ -142,19 +142,7 @@ class PickScoreReward(Reward):
         return scores.float().cpu().numpy()
 
     def __call__(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> np.ndarray:
-        images = self._check_host_images(images, prompts)
-        if prompts is None:
-            raise self._error("PickScore needs the prompts of the images")
-        prompts = [str(p) for p in prompts]
-        n = images.shape[0]
-        if n == 0:
-            return np.zeros((0,), dtype=np.float32)
-        step = self.batch_size or n
-        try:
-            parts = [self._score_chunk(images[i:i + step], prompts[i:i + step]) for i in range(0, n, step)]
-        except Exception as exc:  # transformers / torch failures, named as this reward's
-            raise self._error(f"scoring failed: {type(exc).__name__}: {exc}") from exc
-        return np.concatenate(parts).astype(np.float32, copy=False)
+        return self._score_in_chunks(images, prompts, self.batch_size, self._score_chunk, "PickScore")
 
     def __repr__(self) -> str:
         return (f"PickScoreReward(clip_model={self.clip_model!r}, processor={self.processor_name!r}, "
