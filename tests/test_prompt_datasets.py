@@ -177,7 +177,7 @@ def test_reader_errors_name_their_key():
 
 def test_extras_are_gathered_per_batch_and_averaged_where_they_apply():
     from ddpo_tpu.rewards.base import RewardScores
-    from ddpo_tpu.training.loop import extras_means, gather_extras
+    from ddpo_tpu.training.epoch_data import extras_means, gather_extras
 
     rt = SimpleNamespace(gather_rows=lambda a: a)
     a = RewardScores(np.zeros(2, np.float32), {"x": np.array([1.0, np.nan]), "y": np.array([np.nan, np.nan])})

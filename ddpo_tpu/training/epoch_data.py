@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ddpo_tpu.families import Cond
+from ddpo_tpu.rewards.base import RewardScores
 from ddpo_tpu.runtime import Runtime
 
 
@@ -89,3 +90,28 @@ def batch_mean_weights(x: torch.Tensor, batch: int) -> torch.Tensor:
     batch, the same however the batch splits over processes or devices. GARDO's gated KL: x = gate x loss weight."""
     xb = x.reshape(-1, batch)
     return (xb * batch / xb.sum(dim=1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)).reshape(-1)
+
+
+def gather_extras(rt: Runtime, scored: list[RewardScores]) -> dict[str, np.ndarray]:
+    """The extras of an epoch's reward calls (this process's rows, batch by batch), each gathered over the processes
+    like the rewards: name -> (N,) float, NaN where it does not apply. A name missing from a batch is NaN there.
+    Every process gathers the same names in the same (sorted) order: a reward reports the same extras on every call
+    (rewards/base.py), so the processes agree."""
+    names = sorted({k for s in scored for k in s.extras})
+    if not names:
+        return {}
+    # one gather per batch: its extras side by side, (local rows, names) -> (global rows, names)
+    nan = lambda s: np.full(len(s.values), np.nan)
+    table = np.concatenate([rt.gather_rows(np.stack([np.asarray(s.extras.get(k, nan(s)), dtype=np.float64)
+                                                     for k in names], axis=1)) for s in scored])
+    return {k: table[:, j] for j, k in enumerate(names)}
+
+
+def extras_means(extras: dict[str, np.ndarray] | None) -> dict[str, float | None]:
+    """Each extra's mean over the images it applies to (finite values: NaN = does not apply); None where it applies
+    to none (metrics.jsonl stays valid JSON)."""
+    out = {}
+    for k, v in (extras or {}).items():
+        ok = np.isfinite(v)
+        out[k] = float(v[ok].mean()) if ok.any() else None
+    return out

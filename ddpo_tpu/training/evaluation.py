@@ -145,7 +145,7 @@ class Evaluator:
         """Evaluate the current weights (their EMA when kept); writes `out_dir` on the main process; returns the
         metrics record (kind "eval"), or None when a stop was requested during the pass."""
         from ddpo_tpu.rewards.base import score_with
-        from ddpo_tpu.training.loop import gather_extras
+        from ddpo_tpu.training.epoch_data import gather_extras
 
         t, rt, plan = self.t, self.t.rt, self.plan
         labels = [label for label, _ in self.panel]

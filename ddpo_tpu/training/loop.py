@@ -31,8 +31,8 @@ from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.algorithms.multi_reward import component_weights
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
-from ddpo_tpu.training.epoch_data import (EpochSamples, batch_mean_weights, drawn_rows, epoch_samples,
-                                          train_batches)
+from ddpo_tpu.training.epoch_data import (EpochSamples, batch_mean_weights, drawn_rows, epoch_samples, extras_means,
+                                          gather_extras, train_batches)
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
 from ddpo_tpu.training.state import EMA, TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
@@ -63,31 +63,6 @@ class SampledEpoch:
     scores: dict | None = None   # the algorithm's own per-image scores, gathered (GARDO: auxiliary rewards, features)
     extras: dict | None = None   # the reward's extras (RewardScores.extras), gathered: name -> (N,), NaN = n/a
     components: dict | None = None  # algorithm.advantage_aggregation=gdpo: reward=weighted's components, gathered
-
-
-def gather_extras(rt: Runtime, scored: list[RewardScores]) -> dict[str, np.ndarray]:
-    """The extras of an epoch's reward calls (this process's rows, batch by batch), each gathered over the processes
-    like the rewards: name -> (N,) float, NaN where it does not apply. A name missing from a batch is NaN there.
-    Every process gathers the same names in the same (sorted) order: a reward reports the same extras on every call
-    (rewards/base.py), so the processes agree."""
-    names = sorted({k for s in scored for k in s.extras})
-    if not names:
-        return {}
-    # one gather per batch: its extras side by side, (local rows, names) -> (global rows, names)
-    nan = lambda s: np.full(len(s.values), np.nan)
-    table = np.concatenate([rt.gather_rows(np.stack([np.asarray(s.extras.get(k, nan(s)), dtype=np.float64)
-                                                     for k in names], axis=1)) for s in scored])
-    return {k: table[:, j] for j, k in enumerate(names)}
-
-
-def extras_means(extras: dict[str, np.ndarray] | None) -> dict[str, float | None]:
-    """Each extra's mean over the images it applies to (finite values: NaN = does not apply); None where it applies
-    to none (metrics.jsonl stays valid JSON)."""
-    out = {}
-    for k, v in (extras or {}).items():
-        ok = np.isfinite(v)
-        out[k] = float(v[ok].mean()) if ok.any() else None
-    return out
 
 
 def make_algorithm(cfg):
