@@ -101,7 +101,7 @@ def test_grpo_micro_step_at_the_first_inner_step_has_ratio_1_and_kl_0(tmp_path):
     import torch
 
     from ddpo_tpu.algorithms.grpo import GRPO
-    from ddpo_tpu.training.loop import make_micro_step_loss, make_reference_mean
+    from ddpo_tpu.training.ppo_epoch import make_micro_step_loss, make_reference_mean
     from ddpo_tpu.diffusion.sampling import sample_trajectory
     from ddpo_tpu.families.sd3 import SD3Family
     from ddpo_tpu.runtime import make_runtime

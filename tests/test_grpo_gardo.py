@@ -62,13 +62,13 @@ def test_the_kl_reference_is_the_reset_copy_not_the_adapter_off_model(tmp_path, 
         for p in params:
             p.add_(0.01)  # as if trained
     moved = [p.detach().clone() for p in params]
-    with tr.reference_policy():  # the loop's KL reference: the copy made at the start (the old adapter)
+    with tr.epoch_trainer.reference_policy():  # the loop's KL reference: the copy made at the start (the old adapter)
         assert all(torch.equal(p, s) for p, s in zip(params, start))
     assert all(torch.equal(p, m) for p, m in zip(params, moved))
     adaptive = tr.algorithm.adaptive
     adaptive.observe([{"kl": 1e-3}])  # an update over kl_thres flags a reset
     assert adaptive.due(1) and not adaptive.due(2)
-    with tr.reference_policy():  # reset after sampling: the copy is the current policy
+    with tr.epoch_trainer.reference_policy():  # reset after sampling: the copy is the current policy
         assert all(torch.equal(p, m) for p, m in zip(params, moved))
     assert tr.algorithm.state_dict() == {"gardo_flagged": False, "gardo_last_reset": 1}
 
@@ -82,7 +82,7 @@ def test_off_by_default_the_reference_is_the_adapter_off_model(tmp_path, model_c
     assert v.cfg.algorithm.reference_reset_kl is None
     tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
     assert tr.algorithm.adaptive is None and "gardo_reference" not in tr.state.copies
-    assert tr.reference_policy == tr.family.reference and tr.algorithm.state_dict() == {}
+    assert tr.epoch_trainer.reference_policy == tr.family.reference and tr.algorithm.state_dict() == {}
 
 
 def test_a_reset_reference_needs_a_kl_term():

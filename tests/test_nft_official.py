@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from ddpo_tpu.training.loop import STREAM_SHUFFLE, stream_seed
+from ddpo_tpu.random_streams import SHUFFLE, stream_seed
 from ddpo_tpu.algorithms.nft import draw_training_times
 
 pytestmark = pytest.mark.slow
@@ -190,15 +190,15 @@ def test_one_epoch_loss_gradient_and_update_equal_the_official_code(tmp_path, mo
     sampled = tr.sample_epoch(0)
     s = tr.epoch_samples(0, sampled, tr.gather_rewards(0, sampled))
     s.advantages = torch.tensor([3.0, -0.5, 0.0, -4.0, 1.2, -1.9, 2.5, 0.7])  # clipped at +-2 on both sides
-    N, S, T = 8, cfg.sample.num_steps, tr.train_timesteps
-    assert T == 2 and tr.window == 4
+    N, S, T = 8, cfg.sample.num_steps, tr.shape.train_timesteps
+    assert T == 2 and tr.shape.window == 4
 
     # the official side: the current weights and the old adapter as separate models, before ours trains
     model, old_model = copy.deepcopy(fam.model), copy.deepcopy(fam.model)
     with torch.no_grad():
         for e, p in zip(old.shadow, [p for p in old_model.parameters() if p.requires_grad]):
             p.copy_(e)
-    gen = torch.Generator().manual_seed(stream_seed(cfg.seed, 0, STREAM_SHUFFLE, 0))
+    gen = torch.Generator().manual_seed(stream_seed(cfg.seed, 0, SHUFFLE, 0))
     perm = torch.argsort(torch.rand(N, generator=gen))
     noise = torch.randn((N, T, *fam.latent_shape), generator=gen)
     perms_time = draw_training_times(gen, N, S, T)

@@ -118,13 +118,13 @@ def test_only_the_window_is_stochastic_and_recorded(trainer):
 def test_an_epoch_trains_only_the_window_steps(trainer, monkeypatch):
     t = trainer
     calls = []
-    real = t.micro_step_loss
+    real = t.epoch_trainer.micro_step_loss
 
     def counting(cur, nxt, old_lp, idx, cond, adv, cols, *rest):
         calls.append(sorted(set(idx.index_select(1, cols).flatten().tolist())))
         return real(cur, nxt, old_lp, idx, cond, adv, cols, *rest)
 
-    t.micro_step_loss = counting
+    t.epoch_trainer.micro_step_loss = counting
     t.report.tracker = SimpleNamespace(log=lambda *a, **k: None)  # (no tracker: the run was not started)
     sampled = t.sample_epoch(0)
     rewards = t.gather_rewards(0, sampled)

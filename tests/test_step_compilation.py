@@ -102,7 +102,7 @@ def test_unknown_compiler_and_zero_fusion_are_refused(bad):
 
 def _micro_step_loss(unet, tables, K: int):
     from ddpo_tpu.algorithms.ddpo import DDPO
-    from ddpo_tpu.training.loop import make_micro_step_loss
+    from ddpo_tpu.training.ppo_epoch import make_micro_step_loss
     from ddpo_tpu.families.sd1 import SD1Family
 
     cfg = compose_and_validate(["+experiment=smoke", "model.lora.enabled=true"]).cfg

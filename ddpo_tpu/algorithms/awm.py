@@ -31,14 +31,13 @@ reference scores in float64 (awm:238): TPUs have no float64.
 
 from __future__ import annotations
 
-import contextlib
-import time
 import numpy as np
 import torch
 from torch import Tensor
 
-from ddpo_tpu.rundir import events as ev
-from ddpo_tpu.algorithms.grpo import GRPO
+from ddpo_tpu.algorithms.groups import GroupAlgorithm
+from ddpo_tpu.random_streams import SHUFFLE, stream_seed
+from ddpo_tpu.training.ppo_epoch import EpochTrainer
 from ddpo_tpu.training.state import EMA
 
 SLOW = "awm_ema"        # the slow copy's name in TrainState.copies
@@ -116,7 +115,7 @@ class SlowCopy(EMA):
         return 1.0 - min(KL_EMA_RATE * step, self.decay)
 
 
-class AWM(GRPO):
+class AWM(GroupAlgorithm):
     """The algorithm's part of the loop: GRPO's prompts (groups) and group advantages (the reference's stat tracker is
     flow_grpo's); the training is AwmEpochTrainer's."""
 
@@ -124,37 +123,30 @@ class AWM(GRPO):
     stat_names = ("loss", "policy_loss", "clipfrac", "kl", "ema_kl")
     ode_sampling = True             # training reads only the clean samples
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.needs_reference = False  # the reference velocity is AwmEpochTrainer's own forward
+    # needs_reference stays False: the reference velocity is AwmEpochTrainer's own forward
 
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> None:
         """Every sample with weight 1: the reference keeps zero-advantage samples (awm:1076-1078)."""
-        from ddpo_tpu.algorithms.grpo import zero_std_ratio
+        self.note_zero_std(keys, rewards)
 
-        finite = np.isfinite(rewards)
-        self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
-
-    def loss(self, *args, **kwargs):
-        raise NotImplementedError("AWM does not re-score recorded steps: its epochs are AwmEpochTrainer's")
-
-    def make_epoch_trainer(self, trainer) -> "AwmEpochTrainer":
-        return AwmEpochTrainer(trainer)
+    def make_epoch_trainer(self, ctx) -> "AwmEpochTrainer":
+        return AwmEpochTrainer(ctx)
 
 
-class AwmEpochTrainer:
+class AwmEpochTrainer(EpochTrainer):
     """Trains an epoch on the forward process: per train batch one forward of K x B rows (time-major, as the
-    reference concatenates them), times and noise drawn on the host from (seed, epoch, STREAM_SHUFFLE) and uploaded
-    as data, each function compiled once (rt.compile_step)."""
+    reference concatenates them), times and noise drawn on the host from (seed, epoch, SHUFFLE) and uploaded as data,
+    each function compiled once (rt.compile_step); the optimizer steps are the Stepper's (training/stepper.py), a
+    micro-step counting one train batch of the window of gradient_accumulation_steps."""
 
-    def __init__(self, trainer):
-        self.tr = trainer
-        cfg, rt, fam = trainer.cfg, trainer.rt, trainer.family
+    def __init__(self, ctx):
+        self.ctx = ctx
+        cfg, rt, fam = ctx.cfg, ctx.rt, ctx.family
         a = self.a = cfg.algorithm
         self.K = a.train_timesteps
-        self.slow = (trainer.state.copies.setdefault(SLOW, SlowCopy(trainer.state.params, a.kl_ema_decay, 1, rt))
+        self.slow = (ctx.state.copies.setdefault(SLOW, SlowCopy(ctx.state.params, a.kl_ema_decay, 1, rt))
                      if a.kl_beta > 0 and a.ema_beta > 0 else None)
-        velocity = fam.make_velocity(lambda: rt.autocast(trainer.mixed))
+        velocity = fam.make_velocity(ctx.autocast)
         K = self.K
 
         def rows(x0, noise, idx, cond):
@@ -186,34 +178,29 @@ class AwmEpochTrainer:
         self.forward, self.score = rt.compile_step(forward), rt.compile_step(score)
         self.step_loss = rt.compile_step(step_loss)
 
-    def sampling_policy(self):
-        return contextlib.nullcontext()  # on-policy: the current weights sample (off_policy=False, every preset)
+    # sampling_policy: the current weights sample (on-policy: off_policy=False in every preset)
 
     def draws(self, epoch: int, n_batches: int, B: int, latent_shape) -> tuple[Tensor, Tensor, Tensor]:
         """The epoch's sample order (N,), each train batch's time indices (n_batches, K) and noise
-        (n_batches, K, B, ...), from the host generator of (seed, epoch, STREAM_SHUFFLE)."""
-        from ddpo_tpu.training.loop import STREAM_SHUFFLE, stream_seed
-
-        cfg, tr = self.tr.cfg, self.tr
-        gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE))
+        (n_batches, K, B, ...), from the host generator of (seed, epoch, SHUFFLE)."""
+        cfg = self.ctx.cfg
+        gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, SHUFFLE))
         perm = torch.argsort(torch.rand(n_batches * B, generator=gen))
         u = torch.rand((n_batches, self.K), generator=gen)
-        idx = torch.stack([time_indices(self.a.time_type, tr.family.num_steps, cfg.train.timestep_fraction, self.K,
+        idx = torch.stack([time_indices(self.a.time_type, self.ctx.family.num_steps, cfg.train.timestep_fraction, self.K,
                                         u[b]) for b in range(n_batches)])
         noise = torch.randn((n_batches, self.K, B, *latent_shape), generator=gen)
         return perm, idx, noise
 
     def train_epoch(self, epoch: int, s) -> list[dict[str, float]]:
-        from ddpo_tpu.training.loop import PROGRESS_EVERY_S
-
-        tr, a = self.tr, self.a
-        cfg, rt, fam, dev = tr.cfg, tr.rt, tr.family, tr.rt.device
+        ctx, a = self.ctx, self.a
+        cfg, rt, fam, dev, stepper = ctx.cfg, ctx.rt, ctx.family, ctx.rt.device, ctx.stepper
         x0_all = s.latents[:, -1]
-        N, B, G = x0_all.shape[0], tr.train_batch, cfg.train.gradient_accumulation_steps
+        N, B, G = x0_all.shape[0], ctx.shape.train_batch, cfg.train.gradient_accumulation_steps
         nb = N // B
         perm, idx_all, noise_all = self.draws(epoch, nb, B, x0_all.shape[1:])
         perm = perm.to(dev)
-        rt.sync()  # the permutation materialised before it indexes (loop.train_epoch: torch_xla 2.9)
+        rt.sync()  # the permutation materialised before it indexes (ppo_epoch.py: torch_xla 2.9)
         x0, adv = x0_all.index_select(0, perm), s.advantages.index_select(0, perm)
         cond = tuple(c.index_select(0, perm) for c in s.cond)
         rt.sync()
@@ -232,7 +219,8 @@ class AwmEpochTrainer:
                 xb, zb, ib, cb, _ = batch(b)
                 old[b] = self.score(xb, zb, ib, cb)
         rt.sync()
-        logs, stats, said = [], None, time.monotonic()
+        # a window of G train batches: accelerate's accumulation, each batch's loss over the window
+        stepper.begin(epoch, window=G, total=nb)
         for b in range(nb):
             xb, zb, ib, cb, ab = batch(b)
             extra = {}
@@ -244,22 +232,9 @@ class AwmEpochTrainer:
                         extra["v_slow"] = self.forward(xb, zb, ib, cb)[0]
             own = torch.tensor(b < G).to(dev)
             old_lp = old.pop(b) if b in old else torch.zeros(self.K * xb.shape[0]).to(dev)
-            last = (b + 1) % G == 0
-            with contextlib.nullcontext() if last else rt.no_gradient_sync(fam.model):
-                out = self.step_loss(xb, zb, ib, cb, ab, old_lp, own, **extra)
-                (out[0] / G).backward()  # accelerate's accumulation: each batch's loss over the window
-            step = torch.stack([o.detach().float() for o in out])
-            stats = step if stats is None else stats + step
-            if last:
-                logs.append(tr._update(epoch, stats / G))
-                stats = None
-            else:
-                rt.sync()
-            if time.monotonic() - said > PROGRESS_EVERY_S:
-                said = time.monotonic()
-                tr.events.emit(ev.TrainingProgress(epoch, b + 1, nb, len(logs)))
-            tr.state.end_batch()
-        tr.events.emit(ev.TrainingBatch(epoch, nb, nb, len(logs)))
+            stepper.micro_step(lambda: self.step_loss(xb, zb, ib, cb, ab, old_lp, own, **extra))
+            ctx.state.end_batch()
+        stepper.batch_done()
         if self.slow is not None:
-            self.slow.update(tr.state.global_step)  # after the epoch (awm:1409-1418)
-        return logs
+            self.slow.update(ctx.state.global_step)  # after the epoch (awm:1409-1418)
+        return stepper.finish()

@@ -7,7 +7,7 @@ nft.py, awm.py), registered in ddpo_tpu/catalog/algorithms.py; the loop finds th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from torch import Tensor
@@ -31,30 +31,76 @@ class TrainPlan:
         return {"kept_fraction": self.kept / n if n else 0.0, "actual_batch_size": self.kept // self.num_batches}
 
 
-class Algorithm(Protocol):
-    """What the loop asks of an algorithm (DDPO and GRPO below follow it; a new one is registered in the catalog)."""
+class Algorithm:
+    """What the loop asks of an algorithm. Subclass it (DDPO, GRPO below; a new one is registered in the catalog) and
+    override what the algorithm does; every hook here has a default that does nothing, so the loop calls them all
+    without asking which exist. `ctx` is the run's training/stepper.py EpochContext (config, runtime, family,
+    state, events, stepper)."""
 
-    name: str
-    stat_names: tuple[str, ...]   # the scalars loss() returns, in order (logged per update)
-    needs_reference: bool         # loss() takes the reference policy's step means (a KL term)
-    key_tokens: int               # tokens of a prompt's key (per-prompt statistics, groups)
-    shuffle_timesteps: bool       # each sample's trained timesteps in a random order
-    epoch_metrics: dict[str, float | int]
-    ode_sampling: bool            # sample with the family's noise-free step (no log-probs to re-score)
+    name: str = ""
+    stat_names: tuple[str, ...] = ("loss",)  # the scalars a micro-step returns, in order (logged per update)
+    needs_reference: bool = False  # loss() takes the reference policy's step means (a KL term)
+    needs_old_mean: bool = False   # loss() takes the sampling policy's step means (GRPO-Guard)
+    key_tokens: int = 77           # tokens of a prompt's key (per-prompt statistics, groups)
+    shuffle_timesteps: bool = False  # each sample's trained timesteps in a random order
+    ode_sampling: bool = False     # sample with the family's noise-free step (no log-probs to re-score)
 
-    def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]: ...
-    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray: ...
-    def rekey(self, key_of) -> None: ...
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.epoch_metrics: dict[str, float | int] = {}  # the last epoch's figures for its metrics line
+
+    # --- sampling and advantages ------------------------------------------------------------------------------
+    def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
+        """Each sampling batch's prompts."""
+        raise NotImplementedError
+
+    def advantages(self, keys: list[str], rewards: np.ndarray, scores: dict | None = None,
+                   components: dict | None = None) -> np.ndarray:
+        """(N,) advantages of an epoch's rewards; `keys` each sample's prompt key, `scores` what image_scores gave
+        the samples, `components` reward=weighted's unweighted components (GDPO)."""
+        raise NotImplementedError
+
+    def rekey(self, key_of) -> None:
+        """A statistic restored from a checkpoint keyed by raw text takes the tokenizer's keys."""
+
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray
-                   ) -> TrainPlan | None: ...
+                   ) -> TrainPlan | None:
+        """Which samples the epoch trains, in which order, with which weight; None: all, shuffled, weight 1."""
+        return None
+
+    def image_scores(self, ctx):
+        """A scorer (images, prompts) -> {name: rows} the loop runs beside the reward (GARDO), or None."""
+        return None
+
+    def kl_gate(self, rewards: np.ndarray, scores: dict | None) -> np.ndarray | None:
+        """(N,) 1 where a sample carries the KL (GARDO's gate), None: every sample."""
+        return None
+
+    # --- training ---------------------------------------------------------------------------------------------
+    def make_epoch_trainer(self, ctx):
+        """Its own training of an epoch (training/ppo_epoch.py EpochTrainer); None: PPO's re-scoring of the recorded
+        steps (PpoEpochTrainer), which calls loss()."""
+        return None
+
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor, reference_mean: Tensor | None = None,
-             weights: Tensor | None = None) -> tuple[Tensor, ...]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-    def make_epoch_trainer(self, trainer) -> Any: ...  # its own training of an epoch; None = the loop's PPO steps
-    # optional (GRPO's GARDO options; docs/architecture.md): reference_policy(trainer), after_training(epoch, steps),
-    # image_scores(trainer) -> (images, prompts) -> {name: rows} | None; with it, advantages(..., scores=) and
-    # kl_gate(rewards, scores) -> (N,) | None, the gate reaching loss(..., kl_gate=) as the KL's row weights
+             weights: Tensor | None = None, **options) -> tuple[Tensor, ...]:
+        """(loss, *statistics) of re-scored steps, each a mean over the terms (PpoEpochTrainer)."""
+        raise NotImplementedError(f"algorithm={self.name} does not re-score recorded steps: its epochs are its "
+                                  f"epoch trainer's")
+
+    def reference_policy(self, ctx):
+        """The KL reference's context (GARDO's reset copy), or None: the family's adapter-off model."""
+        return None
+
+    def after_training(self, epoch: int, steps: list[dict]) -> None:
+        """After an epoch's updates (GARDO: their KL decides the next reset)."""
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 __all__ = ["Algorithm", "TrainPlan"]

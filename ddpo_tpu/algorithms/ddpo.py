@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from ddpo_tpu.algorithms.base import TrainPlan
+from ddpo_tpu.algorithms.base import Algorithm, TrainPlan
 from ddpo_tpu.algorithms.ppo import ppo_loss
 from ddpo_tpu.algorithms.stat_tracking import PerPromptStatTracker, global_advantages
 from ddpo_tpu.families.base import StepScore
 
 
-class DDPO:
+class DDPO(Algorithm):
     ode_sampling = False            # the SDE samples: its steps are the policy's actions
     name = "ddpo"
     stat_names = ("loss", "approx_kl", "clipfrac")  # the scalars loss() returns, in order (logged per update)
@@ -24,8 +24,7 @@ class DDPO:
     key_tokens = 77
 
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.epoch_metrics: dict[str, float | int] = {}  # the last epoch's figures for its metrics line
+        super().__init__(cfg)
         st = cfg.stat_tracking
         self.tracker = PerPromptStatTracker(st.buffer_size, st.min_count)
         self.shuffle_timesteps = cfg.algorithm.shuffle_timesteps  # each sample's time axis in random order
@@ -55,9 +54,6 @@ class DDPO:
         t = self.cfg.train
         loss, info = ppo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, weights)
         return loss, info["approx_kl"], info["clipfrac"]
-
-    def make_epoch_trainer(self, trainer) -> None:
-        return None  # the loop's clipped-objective micro-steps
 
     def state_dict(self) -> dict[str, Any]:
         return self.tracker.state_dict()

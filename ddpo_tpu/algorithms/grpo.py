@@ -30,8 +30,7 @@ Semantics follow the reference:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,54 +39,13 @@ from torch import Tensor
 from ddpo_tpu.algorithms.base import TrainPlan
 from ddpo_tpu.algorithms.guards import (AdaptiveReference, ImageScores, UncertaintyGate, diversity_advantages,
                                        rank_uncertainty)
-from ddpo_tpu.algorithms.multi_reward import group_or_gdpo
+from ddpo_tpu.algorithms.groups import GROUP_STD_EPS, GroupAlgorithm, group_advantages, zero_std_ratio
 from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
 from ddpo_tpu.families.base import StepScore
+from ddpo_tpu.random_streams import GRPO_PLAN
 
 __all__ = ["GRPO", "PLAN_STREAM", "GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "ratio_norm_loss", "TrainPlan",
            "zero_advantage_plan", "zero_std_ratio"]
-
-GROUP_STD_EPS = 1e-4  # flow_grpo's PerPromptStatTracker: std + 1e-4
-
-
-def group_advantages(
-    rewards: np.ndarray | Sequence[float],
-    group_ids: np.ndarray | Sequence,
-    eps: float = GROUP_STD_EPS,
-    clip: float | None = None,
-    global_std: bool = False,
-) -> np.ndarray:
-    """Group-relative advantages: ``(r - mean_g) / (std_g + eps)`` per group ``g`` (e.g. the prompt).
-
-    ``rewards`` is (B,) or (B, ...) (the reference repeats each reward over the trained timesteps: (B, T)); statistics
-    are over the samples of a group along axis 0, in float64, ``std`` the population std. ``group_ids`` (B,) are
-    hashable labels (prompts or ints). ``global_std=True`` divides by the std of all rewards instead.
-    ``clip`` clamps the result to ``[-clip, clip]``. Returns float32, the shape of ``rewards``.
-    """
-    r = np.asarray(rewards, dtype=np.float64)
-    if r.ndim < 1:
-        raise ValueError(f"rewards must have a batch axis, got shape {r.shape}")
-    groups = np.asarray(group_ids)
-    if groups.ndim != 1 or groups.shape[0] != r.shape[0]:
-        raise ValueError(f"group_ids must be 1-D with one label per reward ({r.shape[0]}), got shape {groups.shape}")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    adv = np.zeros_like(r)
-    if r.shape[0] == 0:
-        return adv.astype(np.float32)
-    _, inverse = np.unique(groups, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    all_std = np.std(r, axis=0, keepdims=True)
-    for g in range(int(inverse.max()) + 1):
-        mask = inverse == g
-        group = r[mask]
-        mean = np.mean(group, axis=0, keepdims=True)
-        std = all_std if global_std else np.std(group, axis=0, keepdims=True)
-        adv[mask] = (group - mean) / (std + eps)
-    if clip is not None:
-        adv = np.clip(adv, -clip, clip)
-    return adv.astype(np.float32)
-
 
 def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     """Per-sample closed-form KL penalty of Flow-GRPO: ``mean over non-batch dims of (mean - ref_mean)^2 / (2 std^2)``.
@@ -229,57 +187,27 @@ def zero_advantage_plan(advantages: np.ndarray, num_batches: int, updates: int, 
     return TrainPlan(orders, weights, k, num_batches)
 
 
-def zero_std_ratio(rewards: np.ndarray, group_ids: Sequence) -> float:
-    """The share of groups whose rewards all equal (std 0), as flow_grpo's calculate_zero_std_ratio logs it."""
-    r = np.asarray(rewards, dtype=np.float64)
-    _, inverse = np.unique(np.asarray(group_ids), return_inverse=True)
-    inverse = inverse.reshape(-1)
-    if r.size == 0:
-        return 0.0
-    stds = np.array([np.std(r[inverse == g]) for g in range(int(inverse.max()) + 1)])
-    return float(np.count_nonzero(stds == 0) / len(stds))
+PLAN_STREAM = GRPO_PLAN  # the host generator of GRPO's zero-advantage plan (ddpo_tpu/random_streams.py)
 
 
-PLAN_STREAM = 3  # the host generator of GRPO's zero-advantage plan: (seed, epoch, 3), apart from the loop's 0-2
-
-
-class GRPO:
+class GRPO(GroupAlgorithm):
     ode_sampling = False            # the SDE samples: its steps are the policy's actions
     name = "grpo"
     stat_names = ("loss", "approx_kl", "clipfrac", "kl")
 
-    # flow_grpo keys groups by tokenizers[0]'s decoding of the prompt ids padded/truncated to 256 tokens
-    key_tokens = 256
-
     def __init__(self, cfg):
-        self.cfg = cfg
-        self.epoch_metrics: dict[str, float | int] = {}
-        self.needs_reference = cfg.algorithm.kl_beta > 0
+        super().__init__(cfg)
+        a = cfg.algorithm
+        self.needs_reference = a.kl_beta > 0
         # GRPO-Guard's RatioNorm compares with the sampling policy's step means (the loop keeps its weights)
-        self.needs_old_mean = bool(getattr(cfg.algorithm, "ratio_norm", False))
+        self.needs_old_mean = a.ratio_norm
         # flow_grpo trains the first int(T x timestep_fraction) steps in order (the last, least noisy, are left out)
         self.shuffle_timesteps = False
-        a = cfg.algorithm
         self.adaptive = (AdaptiveReference(a.reference_reset_kl, a.reference_reset_every)
-                         if getattr(a, "reference_reset_kl", None) is not None else None)
+                         if a.reference_reset_kl is not None else None)
         # GARDO's gated KL (kl_gate_rewards) and diversity-aware advantages (diversity_features): guards.py
-        self.gate = UncertaintyGate(a.kl_gate_share) if getattr(a, "kl_gate_rewards", None) else None
-        self.diversity = getattr(a, "diversity_features", None) is not None
-
-    def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
-        """flow_grpo's DistributedKRepeatSampler, batch by batch: batch_size / group_size distinct prompts, each
-        repeated group_size times, shuffled over the batch (and so over the replicas, which take contiguous slices
-        of it). Every group lies inside one sampling batch; batches draw independently (a prompt drawn again in
-        another batch joins its group, as the reference's per-epoch stat tracker merges it)."""
-        g = self.cfg.algorithm.group_size
-        if batch_size % g:
-            raise ValueError(f"algorithm.group_size={g} does not divide the sampling batch of {batch_size}")
-        out = []
-        for _ in range(batches):
-            distinct = source.sample_distinct(batch_size // g, rng)
-            order = rng.permutation(batch_size)
-            out.append([distinct[i // g] for i in order])
-        return out
+        self.gate = UncertaintyGate(a.kl_gate_share) if a.kl_gate_rewards else None
+        self.diversity = a.diversity_features is not None
 
     def advantages(self, keys: list[str], rewards: np.ndarray, scores: dict | None = None,
                    components: dict | None = None) -> np.ndarray:
@@ -287,13 +215,13 @@ class GRPO:
         components (algorithm.advantage_aggregation=gdpo)."""
         if self.diversity:
             return diversity_advantages(rewards, keys, scores["features"])
-        return group_or_gdpo(self.cfg, keys, rewards, components, group_advantages)
+        return super().advantages(keys, rewards, scores, components)
 
-    def image_scores(self, trainer) -> ImageScores | None:
+    def image_scores(self, ctx) -> ImageScores | None:
         """What GARDO scores per image besides the reward (its auxiliary rewards, its features), or None."""
         if self.gate is None and not self.diversity:
             return None
-        return ImageScores(self.cfg.algorithm, self.cfg.model.cache_dir, trainer.rt.device)
+        return ImageScores(self.cfg.algorithm, self.cfg.model.cache_dir, ctx.rt.device)
 
     def kl_gate(self, rewards: np.ndarray, scores: dict | None) -> np.ndarray | None:
         """(N,) 1 where a sample carries the KL (GARDO's gate over the epoch), None: every sample. Samples with a
@@ -309,15 +237,11 @@ class GRPO:
         self.epoch_metrics.update({"kl_gate_share": self.gate.share, "kl_gated": float(gate.mean())})
         return gate
 
-    def rekey(self, key_of) -> None:
-        pass  # no state across epochs
-
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> TrainPlan | None:
         """flow_grpo's zero-advantage filter as an order and loss weights (algorithm.drop_zero_advantage), from a
         host generator of (seed, epoch); the epoch's kept fraction and share of zero-std groups for its metrics."""
         cfg = self.cfg
-        finite = np.isfinite(rewards)
-        self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
+        self.note_zero_std(keys, rewards)
         if self.adaptive is not None and self.adaptive.due(epoch):  # after sampling, as train_sd3_gardo.py resets
             self.epoch_metrics["reference_reset"] = 1
         if not cfg.algorithm.drop_zero_advantage:
@@ -346,12 +270,9 @@ class GRPO:
                                self.cfg.algorithm.kl_beta, weights, guard, kl_gate)
         return loss, info["approx_kl"], info["clipfrac"], info["kl"]
 
-    def make_epoch_trainer(self, trainer) -> None:
-        return None
-
-    def reference_policy(self, trainer):
+    def reference_policy(self, ctx):
         """The KL's reference context: GARDO's reset copy of the policy, or None (the family's adapter-off model)."""
-        return self.adaptive.attach(trainer) if self.adaptive is not None else None
+        return self.adaptive.attach(ctx) if self.adaptive is not None else None
 
     def after_training(self, epoch: int, steps: list[dict]) -> None:
         if self.adaptive is not None:

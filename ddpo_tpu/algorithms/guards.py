@@ -27,10 +27,11 @@ class AdaptiveReference:
         self.flagged, self.last = False, 0
         self.copy = None
 
-    def attach(self, trainer):
+    def attach(self, ctx):
+        """The copy, registered in the training state (ctx: the run's EpochContext); its swapped_in context."""
         from ddpo_tpu.training.state import EMA
 
-        self.copy = trainer.state.copies.setdefault(self.NAME, EMA(trainer.state.params, 0.0, 1, trainer.rt))
+        self.copy = ctx.state.copies.setdefault(self.NAME, EMA(ctx.state.params, 0.0, 1, ctx.rt))
         return self.copy.swapped_in
 
     def observe(self, steps: list[dict]) -> None:

@@ -27,9 +27,6 @@ trained weights (train.ema) steps once per optimizer step, as there.
 
 from __future__ import annotations
 
-import contextlib
-import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,7 +34,9 @@ from torch import Tensor
 
 from ddpo_tpu.algorithms.ppo import weighted_mean
 from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
-from ddpo_tpu.rundir import events as ev
+from ddpo_tpu.algorithms.groups import GroupAlgorithm
+from ddpo_tpu.random_streams import SHUFFLE, stream_seed
+from ddpo_tpu.training.ppo_epoch import EpochTrainer
 from ddpo_tpu.training.state import EMA
 
 OLD = "nft_old"            # the old policy's name in TrainState.copies (and in the checkpoint's optimizer state)
@@ -89,54 +88,23 @@ class OldPolicy(EMA):
         return 1.0 - d
 
 
-class NFT:
-    """The algorithm's part of the loop: GRPO's prompts and group advantages; the training is NftEpochTrainer's."""
+class NFT(GroupAlgorithm):
+    """The algorithm's part of the loop: GRPO's prompts and group advantages; the training is NftEpochTrainer's. Its
+    old policy is checkpointed with the optimizer (TrainState.copies), so it has no state of its own."""
 
     name = "nft"
     stat_names = ("loss", "positive_loss", "negative_loss", "kl")
-    needs_reference = False
-    key_tokens = 256                # groups keyed as GRPO's
-    shuffle_timesteps = False
 
     def __init__(self, cfg):
-        from ddpo_tpu.algorithms.grpo import GRPO
-
-        self.cfg = cfg
-        self.epoch_metrics: dict[str, float | int] = {}
+        super().__init__(cfg)
         self.ode_sampling = cfg.algorithm.ode_sampling
-        self._groups = GRPO.epoch_prompts  # the same group sampling (reads only cfg.algorithm.group_size)
-
-    def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:
-        return self._groups(self, source, batches, batch_size, rng)
-
-    def advantages(self, keys: list[str], rewards: np.ndarray, components: dict | None = None) -> np.ndarray:
-        """components: reward=weighted's unweighted components (algorithm.advantage_aggregation=gdpo)."""
-        from ddpo_tpu.algorithms.grpo import group_advantages
-        from ddpo_tpu.algorithms.multi_reward import group_or_gdpo
-
-        return group_or_gdpo(self.cfg, keys, rewards, components, group_advantages)
-
-    def rekey(self, key_of) -> None:
-        pass
 
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> None:
-        from ddpo_tpu.algorithms.grpo import zero_std_ratio
-
-        finite = np.isfinite(rewards)
-        self.epoch_metrics = {"zero_std_ratio": zero_std_ratio(rewards[finite], [k for k, f in zip(keys, finite) if f])}
+        self.note_zero_std(keys, rewards)
         return None  # every sample, weight 1 (a zero advantage is r = 1/2, still a term)
 
-    def loss(self, *args, **kwargs):
-        raise NotImplementedError("DiffusionNFT does not re-score recorded steps: its epochs are NftEpochTrainer's")
-
-    def make_epoch_trainer(self, trainer) -> "NftEpochTrainer":
-        return NftEpochTrainer(trainer)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # the old policy is checkpointed with the optimizer (TrainState.copies)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+    def make_epoch_trainer(self, ctx) -> "NftEpochTrainer":
+        return NftEpochTrainer(ctx)
 
 
 def _flat(x0: Tensor, noise: Tensor, times: Tensor, cols: Tensor, cond) -> tuple[Tensor, Tensor, Tensor, tuple]:
@@ -153,25 +121,25 @@ def draw_training_times(gen: torch.Generator, n: int, steps: int, train: int) ->
     return torch.argsort(torch.rand(n, steps, generator=gen), dim=1)[:, :train]
 
 
-class NftEpochTrainer:
+class NftEpochTrainer(EpochTrainer):
     """Trains an epoch on the forward process: fixed shapes, times (schedule indices) and noise uploaded as data from
-    the host generator of (seed, epoch, STREAM_SHUFFLE, inner), each function compiled once (rt.compile_step)."""
+    the host generator of (seed, epoch, SHUFFLE, inner), each function compiled once (rt.compile_step); the
+    optimizer steps are the Stepper's (training/stepper.py), a micro-step counting its K timesteps."""
 
-    def __init__(self, trainer):
+    def __init__(self, ctx):
         from ddpo_tpu.algorithms.nft_rollout import integer_timesteps, make_rollout_step
 
-        self.tr = trainer
-        cfg, rt, fam = trainer.cfg, trainer.rt, trainer.family
+        self.ctx = ctx
+        cfg, rt, fam = ctx.cfg, ctx.rt, ctx.family
         a = cfg.algorithm
-        self.old = trainer.state.copies.setdefault(
-            OLD, OldPolicy(trainer.state.params, a.decay_rate, a.decay_max, rt, a.decay_start))
-        autocast = lambda: rt.autocast(trainer.mixed)
-        velocity = fam.make_velocity(autocast)
+        self.old = ctx.state.copies.setdefault(
+            OLD, OldPolicy(ctx.state.params, a.decay_rate, a.decay_max, rt, a.decay_start))
+        velocity = fam.make_velocity(ctx.autocast)
         if a.ode_sampling:  # the rollouts: the official solver and timesteps (the loop's sampling step otherwise)
             tables = integer_timesteps(fam.tables) if integer_rollout_timesteps(cfg) else fam.tables
-            step = rt.compile_step(make_rollout_step(fam, autocast, tables, cfg.sample.ode_solver))
+            step = rt.compile_step(make_rollout_step(fam, ctx.autocast, tables, cfg.sample.ode_solver))
             step.multistep = True
-            trainer.denoise_step = step
+            self.sampling_step = step
 
         def old_velocity(x0, noise, times, cond):
             cols = torch.arange(times.shape[1], device=times.device)
@@ -198,29 +166,26 @@ class NftEpochTrainer:
         return self.old.swapped_in()
 
     def train_epoch(self, epoch: int, s) -> list[dict[str, float]]:
-        from ddpo_tpu.training.loop import PROGRESS_EVERY_S, STREAM_SHUFFLE, stream_seed
-
-        tr = self.tr
-        cfg, rt, dev = tr.cfg, tr.rt, tr.rt.device
-        tr.family.model.train()
+        ctx = self.ctx
+        cfg, rt, dev, shape, stepper = ctx.cfg, ctx.rt, ctx.rt.device, ctx.shape, ctx.stepper
+        ctx.family.model.train()
         x0_all = s.latents[:, -1]
-        N, T, K, S = x0_all.shape[0], tr.train_timesteps, tr.fused, tr.family.num_steps
-        logs, micro, said = [], 0, time.monotonic()
-        total = cfg.train.num_inner_epochs * N * T // tr.train_batch
-        stats = torch.zeros(len(NFT.stat_names)).to(dev)
+        N, T, K, S = x0_all.shape[0], shape.train_timesteps, shape.fused, ctx.family.num_steps
+        B = shape.train_batch
+        stepper.begin(epoch, window=shape.window, total=cfg.train.num_inner_epochs * N * T // B)
         for inner in range(cfg.train.num_inner_epochs):
-            gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner))
+            gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, SHUFFLE, inner))
             perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
             noise = torch.randn((N, T, *x0_all.shape[1:]), generator=gen)  # per train position, on the host
             times_all = draw_training_times(gen, N, S, T)                   # per shuffled sample
-            rt.sync()  # the permutation materialised before it indexes (loop.train_epoch: torch_xla 2.9)
+            rt.sync()  # the permutation materialised before it indexes (ppo_epoch.py: torch_xla 2.9)
             x0, adv, w = (x.index_select(0, perm) for x in (x0_all, s.advantages, s.weights))
             cond = tuple(c.index_select(0, perm) for c in s.cond)
             rt.sync()
-            for b in range(N // tr.train_batch):
+            for b in range(N // B):
                 # this process's rows of the global train batch (all of them unless distributed)
-                rows = slice(b * tr.train_batch, (b + 1) * tr.train_batch)
-                sel = torch.arange(rows.start, rows.stop)[rt.local_rows(tr.train_batch)].to(dev)
+                rows = slice(b * B, (b + 1) * B)
+                sel = torch.arange(rows.start, rows.stop)[rt.local_rows(B)].to(dev)
                 pick = lambda x: x.index_select(0, sel)
                 xb, cb, ab, wb = pick(x0), tuple(map(pick, cond)), pick(adv), pick(w)
                 zb = rt.shard_batch(noise[rows].to(dev, dtype=x0.dtype))  # the global batch's noise -> its layout
@@ -232,24 +197,11 @@ class NftEpochTrainer:
                     cols = torch.arange(j, j + K).to(dev)  # data: one graph for every j
                     v_ref = None
                     if self.ref_velocity is not None:
-                        with torch.no_grad(), tr.family.reference():
+                        with torch.no_grad(), ctx.family.reference():
                             v_ref = self.ref_velocity(xb, zb, tb, cols, cb)
-                    last = (micro + K) % tr.window == 0
-                    with contextlib.nullcontext() if last else rt.no_gradient_sync(tr.family.model):
-                        loss, *rest = self.step_loss(xb, zb, v_old, tb, cols, cb, ab, wb, v_ref)
-                        (loss / (tr.window // K)).backward()  # as loop.train_epoch: each time weighs 1 / window
-                    stats = stats + K * torch.stack([loss.detach(), *rest])
-                    micro += K
-                    if micro % tr.window == 0:
-                        logs.append(tr._update(epoch, stats / tr.window))
-                        stats = torch.zeros(len(NFT.stat_names)).to(dev)
-                    else:
-                        rt.sync()
-                    if time.monotonic() - said > PROGRESS_EVERY_S:
-                        said = time.monotonic()
-                        tr.events.emit(ev.TrainingProgress(epoch, micro, total, len(logs)))
-                if micro % tr.window == 0:  # the EMA steps once per optimizer step (train_nft_sd3.py:1024)
-                    tr.state.end_batch()
-                tr.events.emit(ev.TrainingBatch(epoch, micro, total, len(logs)))
-        self.old.update(tr.state.global_step)  # the next epoch's sampling (and old) policy
-        return logs
+                    stepper.micro_step(lambda: self.step_loss(xb, zb, v_old, tb, cols, cb, ab, wb, v_ref), units=K)
+                if stepper.window_closed:  # the EMA steps once per optimizer step (train_nft_sd3.py:1024)
+                    ctx.state.end_batch()
+                stepper.batch_done()
+        self.old.update(ctx.state.global_step)  # the next epoch's sampling (and old) policy
+        return stepper.finish()

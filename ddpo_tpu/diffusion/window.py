@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-WINDOW_STREAM = 4  # the host generator stream of random windows: (seed, epoch, 4, batch), apart from the loop's 0-3
+from ddpo_tpu.random_streams import SDE_WINDOW
 
 
 def sde_window_at(w, num_steps: int, seed: int, epoch: int, batch: int) -> tuple[int, int] | None:
@@ -28,6 +28,6 @@ def sde_window_at(w, num_steps: int, seed: int, epoch: int, batch: int) -> tuple
         cycle = (hi - w.size - w.start) // w.stride + 1  # moves from `start` until the next would leave the range
         start = w.start + (epoch // w.shift_every) % cycle * w.stride
     else:
-        rng = np.random.default_rng([seed, epoch, WINDOW_STREAM, batch])
+        rng = np.random.default_rng([seed, epoch, SDE_WINDOW, batch])
         start = lo + int(rng.integers(positions))
     return start, start + w.size

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-STREAM_EVAL = 3  # the evaluation's seed stream (loop.py's streams are 0-2)
+from ddpo_tpu.random_streams import EVALUATION
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def prompt_key(prompt: str) -> int:
 
 def image_seed(seed: int, prompt: str, index: int) -> int:
     """The noise seed of image `index` of `prompt` under evaluation.seed (a 63-bit torch generator seed)."""
-    return int(np.random.SeedSequence([seed, STREAM_EVAL, prompt_key(prompt), index])
+    return int(np.random.SeedSequence([seed, EVALUATION, prompt_key(prompt), index])
                .generate_state(1, dtype=np.uint64)[0] >> 1)
 
 

@@ -16,8 +16,6 @@ training/reporting.py's; the process around the Trainer (errors to one line, exi
 
 from __future__ import annotations
 
-import contextlib
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +28,13 @@ from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.algorithms.multi_reward import component_weights
+from ddpo_tpu.random_streams import NOISE, PROMPTS, stream_seed
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
-from ddpo_tpu.training.epoch_data import (EpochSamples, batch_mean_weights, drawn_rows, epoch_samples, extras_means,
-                                          gather_extras, train_batches)
+from ddpo_tpu.training.epoch_data import EpochSamples, drawn_rows, epoch_samples, extras_means, gather_extras
+from ddpo_tpu.training.ppo_epoch import PpoEpochTrainer
+from ddpo_tpu.training.stepper import EpochContext, NonFinite, Stepper, StepShape
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
-from ddpo_tpu.training.state import EMA, TrainState
+from ddpo_tpu.training.state import TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.diffusion.window import sde_window_at
 from ddpo_tpu.families import Cond, load_family
@@ -42,14 +42,6 @@ from ddpo_tpu.rewards.base import RewardScores, score_with
 from ddpo_tpu.rewards.remote import RewardInterrupted
 from ddpo_tpu.rundir.files import RunDir
 from ddpo_tpu.runtime import Runtime
-
-STREAM_PROMPTS, STREAM_NOISE, STREAM_SHUFFLE = 0, 1, 2
-PROGRESS_EVERY_S = 30.0  # at most one progress event per phase this often (sampling also reports each batch)
-
-
-def stream_seed(seed: int, epoch: int, stream: int, sub: int = 0, *more: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch, stream, sub, *more]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
 
 @dataclass
 class SampledEpoch:
@@ -71,48 +63,6 @@ def make_algorithm(cfg):
     from ddpo_tpu.catalog import ALGORITHMS, load_object
 
     return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
-
-
-class NonFinite(RuntimeError):
-    """A non-finite loss, gradient, reward or advantage: the run stops with its last checkpoint intact."""
-
-
-def _flat_step_inputs(cur, nxt, idx, cond, cols):
-    """Columns `cols` (K timesteps) of a train batch of B samples as B x K samples, sample-major (so each
-    data-parallel shard keeps its own samples)."""
-    B, K = cur.shape[0], cols.shape[0]
-    flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
-    return flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond), flat
-
-
-def make_micro_step_loss(score_step, loss, sqrt_dt=None):
-    """The clipped-objective loss of K timesteps (columns `cols` of the time axis) of one train batch, fused into
-    one guided forward of B x K samples. Returns the algorithm's (loss, *statistics), each a mean over the B x K
-    terms. A plain function of tensors: the runtime compiles it once."""
-
-    def micro_step_loss(cur, nxt, old_lp, idx, cond, adv, cols, uncond, reference_mean=None, w=None, old_mean=None,
-                        kl_gate=None):
-        x, i, x_prev, c, flat = _flat_step_inputs(cur, nxt, idx, cond, cols)
-        K = cols.shape[0]
-        # old_mean: the sampling policy's step means (GRPO-Guard), with each row's sqrt(-dt) from the flow tables
-        guard = {} if old_mean is None else {"old_mean": old_mean, "sqrt_dt": sqrt_dt(i), "steps": i}
-        if kl_gate is not None:  # (B,) GARDO: the KL's row weights (0 on the samples that do not carry it)
-            guard["kl_gate"] = kl_gate.repeat_interleave(K)
-        # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
-        return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
-                    w.repeat_interleave(K) if w is not None else None, **guard)
-
-    return micro_step_loss
-
-
-def make_reference_mean(score_step):
-    """The step means of the same B x K samples under the reference policy (run inside family.reference())."""
-
-    def reference_mean(cur, nxt, old_lp, idx, cond, adv, cols, uncond):
-        x, i, x_prev, c, _ = _flat_step_inputs(cur, nxt, idx, cond, cols)
-        return score_step(x, i, x_prev, c, uncond).mean
-
-    return reference_mean
 
 
 class Trainer:
@@ -143,51 +93,45 @@ class Trainer:
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
         # algorithm.advantage_aggregation=gdpo (group algorithms, reward=weighted): the components' weights by key
-        gdpo = getattr(cfg.algorithm, "advantage_aggregation", "sum") == "gdpo"  # a key of the group algorithms only
+        gdpo = cfg.algorithm.model_dump().get("advantage_aggregation") == "gdpo"  # a key of the group algorithms only
         self.gdpo_weights = component_weights(cfg.reward) if gdpo else None
-        # what the algorithm scores per image besides the reward (GARDO's auxiliary rewards and features), or None
-        own_scores = getattr(self.algorithm, "image_scores", None)
-        self.image_scores = own_scores(self) if own_scores is not None else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
         # each rank trains the samples it drew (training/epoch_data.py): the distributed execution's key
         self.keep_samples_on_rank = (cfg.tpu_topology.execution == "distributed" and rt.process_count > 1
                                      and cfg.distributed.keep_samples_on_rank)
-        self.train_batch = cfg.train.batch_size * rt.replicas
-        self.train_timesteps = num_train_timesteps(cfg)
-        self.window = cfg.train.gradient_accumulation_steps * self.train_timesteps  # trained timesteps per update
-        self.fused = fused_timesteps(cfg)  # timesteps per forward/backward (divides train_timesteps)
+        T = num_train_timesteps(cfg)
+        # the optimizer steps' shape: fused timesteps per forward/backward (divides T), trained timesteps per update
+        self.shape = StepShape(train_timesteps=T, fused=fused_timesteps(cfg),
+                               train_batch=cfg.train.batch_size * rt.replicas,
+                               window=cfg.train.gradient_accumulation_steps * T)
+        self.stepper = Stepper(cfg, rt, self.family.model, self.state, self.events, self.algorithm.stat_names,
+                               out.path, report_step=lambda rec: self.report.step(rec),
+                               saved_state=lambda: self.checkpoints.saved_state())
+        # what an epoch trainer and the algorithm's hooks may use of the run
+        self.ctx = EpochContext(cfg, rt, self.family, self.state, self.events, self.stepper, self.shape, self.mixed)
+        # what the algorithm scores per image besides the reward (GARDO's auxiliary rewards and features), or None
+        self.image_scores = self.algorithm.image_scores(self.ctx)
         with torch.no_grad():
             neg = self.family.encode([""])  # each (1, ...): the unconditional prompt
             # expanded once and materialised here: a view created per epoch would join (and change) the next graph
             expand = lambda n: tuple(rt.shard_batch(c.expand(n, *c.shape[1:]).contiguous()) for c in neg)
-            self.uncond_sample, self.uncond_train = expand(self.global_batch), expand(self.train_batch * self.fused)
+            self.uncond_sample = expand(self.global_batch)
+            uncond_train = expand(self.shape.train_batch * self.shape.fused)
         rt.sync()
         # the two functions every step runs, compiled once by backends that can (xla.step_compiler)
-        autocast = lambda: rt.autocast(self.mixed)
+        autocast = self.ctx.autocast
         self.denoise_step = rt.compile_step(self.family.make_denoise_step(
             autocast, deterministic=self.algorithm.ode_sampling))
         # an SDE window: the steps outside it are the ODE's, a graph of its own (the same for every window position)
         self.ode_step = (rt.compile_step(self.family.make_denoise_step(autocast, deterministic=True))
                          if cfg.sample.sde_window.size is not None else None)
-        score_step = self.family.make_score_step(autocast)
-        old_mean = getattr(self.algorithm, "needs_old_mean", False)
-        tables = getattr(self.family, "tables", None) if old_mean else None
-        sqrt_dt = (lambda i: torch.sqrt(tables.sigmas_at(i)[0] - tables.sigmas_at(i)[1])) if tables else None
-        self.micro_step_loss = rt.compile_step(make_micro_step_loss(score_step, self.algorithm.loss, sqrt_dt))
-        # GRPO's KL term: the same forward with the adapter off (a graph of its own, forward only)
-        step_mean = (rt.compile_step(make_reference_mean(score_step))
-                     if self.algorithm.needs_reference or old_mean else None)
-        self.reference_mean = step_mean if self.algorithm.needs_reference else None
-        # GRPO-Guard: the step means of the weights that sampled the epoch (a copy taken when training starts)
-        self.sampling_copy = (self.state.copies.setdefault("sampling_policy", EMA(self.state.params, 0.0, 1, rt))
-                              if old_mean else None)
-        self.old_mean = step_mean if old_mean else None
-        # the reference's context: the algorithm's own (GARDO's reset copy) or the adapter-off model
-        own = getattr(self.algorithm, "reference_policy", None)
-        self.reference_policy = (own(self) if own is not None else None) or self.family.reference
-        # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT), trains its epochs itself
-        self.epoch_trainer = self.algorithm.make_epoch_trainer(self)
-        if self.epoch_trainer is not None and self.keep_samples_on_rank:  # refused at compose time too
+        # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT, AWM), brings its own
+        # epoch trainer; the others re-score the recorded steps (training/ppo_epoch.py)
+        self.epoch_trainer = (self.algorithm.make_epoch_trainer(self.ctx)
+                              or PpoEpochTrainer(self.ctx, self.algorithm, uncond_train))
+        if self.epoch_trainer.sampling_step is not None:  # DiffusionNFT's ODE solver samples its rollouts
+            self.denoise_step = self.epoch_trainer.sampling_step
+        if self.keep_samples_on_rank and not isinstance(self.epoch_trainer, PpoEpochTrainer):  # refused at compose
             raise ValueError(f"algorithm={cfg.algorithm.name} trains the whole epoch: distributed.keep_samples_on_rank "
                              "must be false")
         self.checkpoints = CheckpointManager(cfg, rt, out, self.events, self.tree, self.stop, family=self.family,
@@ -215,14 +159,14 @@ class Trainer:
     def fit(self) -> None:
         cfg, rt = self.cfg, self.rt
         self.report.start(self.checkpoints.run_id, self.start_epoch, self.state.layout(), self.global_batch,
-                          self.train_timesteps)
+                          self.shape.train_timesteps)
         for epoch in range(self.start_epoch, cfg.num_epochs):
             clock = PhaseClock(rt, self.events, epoch)
             if epoch == 0 and self.global_step == 0 and self.evaluation_due(ev.BEFORE_TRAINING):
                 with clock.measure("evaluation_before"), rt.compiling("evaluation", epoch, self.events):
                     self.evaluate(ev.BEFORE_TRAINING)  # the "before" of every later evaluation
-            policy = self.epoch_trainer.sampling_policy() if self.epoch_trainer else contextlib.nullcontext()
-            with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events), policy:
+            with clock.measure("sampling"), rt.compiling("sampling", epoch, self.events), \
+                    self.epoch_trainer.sampling_policy():
                 sampled = self.sample_epoch(epoch)
             with clock.measure("reward"):
                 rewards = self.gather_rewards(epoch, sampled)
@@ -231,8 +175,7 @@ class Trainer:
             self.events.emit(ev.PhaseStart(epoch, "training"))
             with clock.measure("training"), rt.compiling("training", epoch, self.events):
                 steps = self.train_epoch(epoch, samples)
-            if hasattr(self.algorithm, "after_training"):  # GARDO: the updates' KL decides the next reset
-                self.algorithm.after_training(epoch, steps)
+            self.algorithm.after_training(epoch, steps)  # GARDO: the updates' KL decides the next reset
             del samples
             if self.evaluation_due(epoch):
                 with clock.measure("evaluation"), rt.compiling("evaluation", epoch, self.events):
@@ -294,8 +237,8 @@ class Trainer:
     def sample_epoch(self, epoch: int) -> SampledEpoch:
         cfg, rt = self.cfg, self.rt
         self.events.emit(ev.PhaseStart(epoch, "sampling"))
-        prompt_rng = np.random.default_rng(stream_seed(cfg.seed, epoch, STREAM_PROMPTS))
-        noise_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_NOISE))
+        prompt_rng = np.random.default_rng(stream_seed(cfg.seed, epoch, PROMPTS))
+        noise_gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, NOISE))
         self.family.model.eval()
         out = SampledEpoch([], [], [], [], None)
         n = cfg.sample.num_batches_per_epoch
@@ -395,98 +338,5 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, s: EpochSamples) -> list[dict[str, float]]:
-        if self.epoch_trainer is not None:
-            return self.epoch_trainer.train_epoch(epoch, s)
-        cfg, rt = self.cfg, self.rt
-        self.family.model.train()
-        if self.sampling_copy is not None:  # nothing has trained since sampling: these are the sampling weights
-            self.sampling_copy.reset()
-        N, T = s.log_probs.shape
-        dev = rt.device
-        logs = []
-        micro, said = 0, time.monotonic()
-        batches, rows_of = train_batches(s, rt, self.train_batch)  # this process's rows of each train batch
-        total = cfg.train.num_inner_epochs * batches * self.train_timesteps
-        n_stats = len(self.algorithm.stat_names)
-        stats = torch.zeros(n_stats).to(dev)  # uploaded data, not a pending constant that would join the next graph
-        for inner in range(cfg.train.num_inner_epochs):
-            # own rows: a shuffle of this process's samples, its own (as the references' per-process randperm)
-            rank = (rt.process_index,) if s.own_rows else ()
-            gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, STREAM_SHUFFLE, inner, *rank))
-            # shuffles: random keys from the host generator, argsort + gather on the device (fixed shapes)
-            perm = torch.argsort(torch.rand(N, generator=gen).to(dev))
-            if s.orders is not None:  # the algorithm's batches (GRPO: flow_grpo's, zero-advantage samples off)
-                perm = s.orders[inner]
-            if self.algorithm.shuffle_timesteps:
-                tperm = torch.argsort(torch.rand((N, T), generator=gen).to(dev), dim=1)
-            else:
-                tperm = torch.arange(T).expand(N, T).contiguous().to(dev)
-            # materialise the permutations first: on torch_xla 2.9 (PJRT CPU) an index_select whose index is a
-            # pending sort aborts the process (xla/shape.h "buffer != nullptr"); one small graph, same every epoch
-            rt.sync()
-            lat = s.latents.index_select(0, perm)
-            gat = lambda x: torch.gather(x, 1, tperm.view(N, T, *([1] * (x.dim() - 2))).expand(N, T, *x.shape[2:]))
-            cur, nxt = gat(lat[:, :-1]), gat(lat[:, 1:])
-            old_lp = gat(s.log_probs.index_select(0, perm))
-            idx = gat(s.step_indices.index_select(0, perm))
-            cond = tuple(c.index_select(0, perm) for c in s.cond)
-            adv = s.advantages.index_select(0, perm)
-            w = s.weights.index_select(0, perm)
-            # GARDO: the KL's mean over each train batch's gated (kept) samples, as a plain weighted mean; own rows:
-            # over this process's part of the batch, as each of flow_grpo's processes takes it
-            span = self.train_batch // rt.process_count if s.own_rows else self.train_batch
-            gate = batch_mean_weights(s.kl_gate.index_select(0, perm) * w, span) if s.kl_gate is not None else None
-            rt.sync()
-            uncond = self.uncond_train if cfg.train.cfg else None
-            K = self.fused
-            for b in range(batches):
-                sel = rows_of(b).to(dev)  # this process's rows of the train batch (all of them unless distributed)
-                pick = lambda x: x.index_select(0, sel)
-                batch = (pick(cur), pick(nxt), pick(old_lp), pick(idx), tuple(map(pick, cond)), pick(adv))
-                wb, gb = pick(w), (pick(gate) if gate is not None else None)
-                for j in range(0, self.train_timesteps, K):
-                    # this micro-step's K timesteps, uploaded as data: one graph for every j
-                    cols = torch.arange(j, j + K).to(dev)
-                    ref = None
-                    if self.reference_mean is not None:
-                        with torch.no_grad(), self.reference_policy():
-                            ref = self.reference_mean(*batch, cols, uncond)
-                    old = None
-                    if self.old_mean is not None:
-                        with torch.no_grad(), self.sampling_copy.swapped_in():
-                            old = self.old_mean(*batch, cols, uncond)
-                    last = (micro + K) % self.window == 0  # the accumulation window's last micro-step
-                    with contextlib.nullcontext() if last else rt.no_gradient_sync(self.family.model):
-                        loss, *rest = self.micro_step_loss(*batch, cols, uncond, ref, wb, old, gb)
-                        # the mean over K x B terms is the mean of K per-timestep means: scaled back to their sum,
-                        # each timestep weighs what it weighs unfused (1 / trained timesteps per update)
-                        (loss / (self.window // K)).backward()
-                    stats = stats + K * torch.stack([loss.detach(), *rest])
-                    micro += K
-                    if micro % self.window == 0:
-                        logs.append(self._update(epoch, stats / self.window))
-                        stats = torch.zeros(n_stats).to(dev)  # uploaded data, as above
-                    else:
-                        rt.sync()
-                    if time.monotonic() - said > PROGRESS_EVERY_S:  # a long phase is not a silent one
-                        said = time.monotonic()
-                        self.events.emit(ev.TrainingProgress(epoch, micro, total, len(logs)))
-                self.state.end_batch()
-                self.events.emit(ev.TrainingBatch(epoch, micro, total, len(logs)))
-        return logs
-
-    def _update(self, epoch: int, stats: torch.Tensor) -> dict[str, float]:
-        rt = self.rt
-        with (rt.profile(self.out.path, self.global_step) if self.global_step in self.cfg.xla.profile_steps
-              else contextlib.nullcontext()):
-            norm = self.state.update(self.cfg.train.max_grad_norm)
-        stats = rt.mean_over_replicas(stats)  # distributed: each rank's mean of its rows -> the global batch's
-        host = rt.to_host(torch.cat([stats, norm.reshape(1).float()])).tolist()  # one copy per optimizer step
-        if not all(np.isfinite(host)):
-            raise NonFinite(f"non-finite loss or gradient at global step {self.global_step} (loss {host[0]}, "
-                            f"grad norm {host[-1]}): stopped; {self.checkpoints.saved_state()}. Try a lower "
-                            f"train.learning_rate or train.mixed_precision=no")
-        rec = {"kind": "step", "epoch": epoch, "global_step": self.global_step,
-               **dict(zip(self.algorithm.stat_names, host)), "grad_norm": host[-1]}
-        self.report.step(rec)
-        return rec
+        """The epoch's optimizer steps: the epoch trainer's (training/ppo_epoch.py, or the algorithm's own)."""
+        return self.epoch_trainer.train_epoch(epoch, s)
