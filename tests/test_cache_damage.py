@@ -173,11 +173,11 @@ def test_the_check_reads_the_cache_the_run_uses(tmp_path):
 
 COMPILE = """
 import torch
-def f(x, w):
-    return torch.tanh(x @ w).sum(dim=1)
+def f(x):
+    return torch.tanh(x * 0.5 + 1.0)
 g = torch.compile(f, backend="inductor", dynamic=False)
 with torch.no_grad():
-    print(float(g(torch.ones(4, 8), torch.full((8, 8), 0.1)).sum()))
+    print(float(g(torch.linspace(-1, 1, 64)).sum()))
 """
 
 
@@ -186,7 +186,8 @@ def test_a_truncated_kernel_crashes_the_same_compile_until_it_is_set_aside(tmp_p
     """The issue's failure and its fix, on a real inductor cache (torch 2.9, CPU): a warm cache whose kernel .so is
     cut short (what a SIGKILL during the compiler's write leaves) kills the same compile again (measured: SIGBUS, exit
     135, no message; random bytes: an ImportError traceback); after repair() the compile runs, rebuilds the kernel
-    whole, and the next check finds nothing."""
+    whole, and the next check finds nothing. About 55 CPU seconds (three processes that import torch, two C++
+    compiles): its wall time on a quiet 2-core machine."""
     cache = tmp_path / "inductor"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR")}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(cache), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
@@ -197,17 +198,18 @@ def test_a_truncated_kernel_crashes_the_same_compile_until_it_is_set_aside(tmp_p
     assert first.returncode == 0, first.stderr[-2000:]
     kernels = sorted(cache.glob("*/*.so"))
     assert kernels, sorted(str(p) for p in cache.rglob("*"))
-    whole = {k: k.read_bytes() for k in kernels}
-    for k in kernels:
-        k.write_bytes(whole[k][: len(whole[k]) // 3])
+    kernel = kernels[0]
+    whole = kernel.read_bytes()
+    kernel.write_bytes(whole[: len(whole) // 3])
     crashed = run()
-    assert crashed.returncode != 0  # the same command meets the same entries again
+    assert crashed.returncode != 0  # the same command meets the same entry again
     line = cc.repair(cache, KEY)
-    assert line and f"{len(kernels)} damaged entr" in line and "\n" not in line
+    assert line and "1 damaged entry" in line and str(kernel.relative_to(cache)) in line and "\n" not in line
     again = run()
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout == first.stdout
-    assert all(k.read_bytes()[:4] == b"\x7fELF" and len(k.read_bytes()) == len(whole[k]) for k in kernels)
+    rebuilt = kernel.read_bytes()
+    assert rebuilt[:4] == b"\x7fELF" and len(rebuilt) == len(whole)
     assert cc.find_damage(cache) == []
 
 

@@ -45,7 +45,7 @@ def pipeline_files(subfolders: Iterable[str]) -> tuple[str, ...]:
 
 
 def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str], build: Callable[[Path], object]) -> Path:
-    """Return cache_dir/name, calling build(tmp_dir) first if it is missing or incomplete."""
+    """Return cache_dir/name, calling build(tmp_dir) first if it is missing, incomplete or damaged (set aside)."""
     required = tuple(required)
     cache = Path(cache_dir).expanduser()
     final = cache / name
