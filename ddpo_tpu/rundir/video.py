@@ -16,20 +16,37 @@ FPS = 8
 SHEET_FRAMES = 8  # frames of each video a contact sheet shows (evenly spaced, first and last included)
 
 
+# What makes an mp4's bytes a function of its frames alone (tests/test_video_bytes.py). PyAV leaves the encoder's
+# thread count at 0 (auto: x264 takes 1.5 threads a CPU this process may use, capped by the frame height, and slices the
+# frames with thread_type SLICE): measured with PyAV 18.1 / libx264 core 164, a 9-frame 256x256 video encodes to other
+# bytes on 1 CPU (threads=1) than on 2 (threads=2 sliced_threads=1), so the same run on another machine, or under
+# another CPU mask, wrote other videos. One thread, for x264, its lookahead and the RGB->YUV conversion (which PyAV
+# runs with the encoder's thread count), makes the bytes the same on every machine with the same libx264; bitexact
+# keeps FFmpeg's version string out of the container and the stream.
+X264_OPTIONS = {"threads": "1", "lookahead_threads": "1", "sliced_threads": "0", "non_deterministic": "0"}
+
+
 def encode_mp4(video: np.ndarray, fps: int = FPS) -> bytes:
-    """uint8 (F, H, W, 3) -> the bytes of an H.264 mp4 in yuv420p (what browsers, wandb and players decode). 4:2:0
-    chroma needs an even size: an odd height or width gets its last row or column repeated."""
+    """uint8 (F, H, W, 3) -> the bytes of an H.264 mp4 in yuv420p (what browsers, wandb and players decode), the same
+    bytes for the same frames on every call and machine (X264_OPTIONS). 4:2:0 chroma needs an even size: an odd
+    height or width gets its last row or column repeated."""
     import av
 
     f, h, w, _ = video.shape
     video = np.pad(video, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
+    with av.open(buf, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream("libx264", rate=Fraction(fps))
         stream.height, stream.width = video.shape[1:3]
         stream.pix_fmt = "yuv420p"
-        for frame in video:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        stream.codec_context.thread_count = 1  # also the RGB->YUV conversion's threads (PyAV's reformatter)
+        stream.codec_context.thread_type = "NONE"
+        stream.codec_context.flags |= av.codec.context.Flags.bitexact
+        stream.options = {"x264-params": ":".join(f"{k}={v}" for k, v in X264_OPTIONS.items())}
+        for i, frame in enumerate(video):
+            picture = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+            picture.pts = i  # the frame's own index, not the encoder's running count
+            container.mux(stream.encode(picture))
         container.mux(stream.encode())  # flush the frames the encoder still holds
     return buf.getvalue()
 
