@@ -8,7 +8,7 @@
 #   .whl/ref-ddpo-pytorch/  kvablack/ddpo-pytorch's own pins that matter (diffusers 0.17.1: LoRAAttnProcessor API)
 #   .whl/ref-flow-grpo/     yifan123/flow_grpo's own pins that matter (diffusers 0.33.1)
 #   .whl/ref-common/        what both references share (transformers 4.40.0, tokenizers 0.19.1, ml-collections)
-# torch is never downloaded: the machine's own is kept (README, "Bring your own torch").
+# torch is never downloaded: the machine's own is kept (docs/running.md, "Bring your own torch").
 # Usage: [DDPO_PYTORCH=CLONE FLOW_GRPO=CLONE] bash scripts/device_wheels.sh [DEST]
 #   (DEST default .whl, git-ignored; ~50 MB; the `run` call carries it)
 set -euo pipefail

@@ -198,7 +198,7 @@ def build_digits_pipeline(out_dir: str | os.PathLike, seed: int = SEED, log=prin
 
 def ensure_digits_model(cache_dir: str | os.PathLike, seed: int = SEED) -> pathlib.Path:
     """cache_dir/digits-sd-{version}-seed{seed}, pretrained on first use (about 10 minutes on a
-    2-core machine, 7 CPU-minutes, once per machine: README)."""
+    2-core machine, 7 CPU-minutes, once per machine: docs/running.md)."""
     from ddpo_tpu.models import tiny
     from ddpo_tpu.models.build_cache import build_once
 

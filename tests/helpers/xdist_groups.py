@@ -21,7 +21,7 @@ from xdist.scheduler import LoadScopeScheduling
 GROUPS_DIR_KEY = "ddpo_tpu_test_groups_dir"  # in each worker's workerinput
 
 # Seconds of the 20 longest slow tests (setup + call: a module fixture's runs count on the test that built them), from
-# the slow tier under `-n 2 --dist loadgroup` on the shared 2-core machine, 2026-11-26 (load 6-9; README "Tests").
+# the slow tier under `-n 2 --dist loadgroup` on the shared 2-core machine, 2026-11-26 (load 6-9; docs/testing.md).
 # Only the order depends on them: a stale or missing entry makes the end less even, never a test wrong.
 MEASURED_S: dict[str, float] = {
     "tests/test_xla.py::test_no_new_compilations_after_the_first_epoch": 820,
