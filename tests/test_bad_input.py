@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -166,7 +165,6 @@ def test_lora_target_table_matches_every_builders_model():
     from diffusers import SD3Transformer2DModel
     from peft.tuners.lora import LoraModel  # noqa: F401 -- the layers peft adapts: Linear and Conv
 
-    from ddpo_tpu.launch import lora_targets
     from ddpo_tpu.models import sd3, tiny
 
     from tests.helpers import block_layers

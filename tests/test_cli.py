@@ -4,7 +4,6 @@ before anything is written or started."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -14,7 +13,6 @@ import yaml
 
 from ddpo_tpu.config.compose import conf_dir
 from tests.helpers import clean_env, timed_run
-from ddpo_tpu.env import OWNED_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60

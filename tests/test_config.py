@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import subprocess
 import sys

@@ -13,7 +13,7 @@ import pytest
 
 from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.display.console import LineMatcher, ProgressView, quiet_third_party, start_lines
-from tests.helpers import REPO, clean_env, run_in_pty
+from tests.helpers import clean_env, run_in_pty
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 BAR = "━"  # rich's bar glyph: a progress bar was drawn

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from ddpo_tpu.rundir import events as ev

@@ -5,7 +5,6 @@ to the weights of one node running both ranks (the same world size, ranks and gl
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

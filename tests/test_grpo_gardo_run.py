@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 from tests.test_grpo_gardo_gate import (ReferenceCompensator, reference_gardo_advantages, reference_gate,

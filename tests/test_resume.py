@@ -3,7 +3,6 @@ checkpoints and exits 75; resume refuses a changed config; non-finite rewards st
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -20,7 +20,7 @@ def vbench_background_consistency(image_features: torch.Tensor) -> float:
     """VBench@45e79ec vbench/background_consistency.py:43-56 for one video's (F, D) CLIP image features."""
     F = torch.nn.functional
     image_features = F.normalize(image_features, dim=-1, p=2)
-    video_sim = 0.0
+    video_sim, former_image_feature = 0.0, None  # the previous frame's (set at i == 0, read from i == 1)
     for i in range(len(image_features)):
         image_feature = image_features[i].unsqueeze(0)
         if i == 0:

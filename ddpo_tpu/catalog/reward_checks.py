@@ -8,9 +8,13 @@ import importlib.util
 import os
 import re
 import urllib.parse
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ddpo_tpu.problems import Fix, Problem
+
+if TYPE_CHECKING:  # catalog/rewards.py imports this module: the key classes are for the annotations only
+    from ddpo_tpu.catalog.rewards import (AestheticKeys, DigitClassifierKeys, GenevalKeys, HPSv2Keys, ImageRewardKeys,
+                                          OcrKeys, VlmJudgeKeys)
 
 TINY = "tiny"  # clip_model / mlp_path / processor: the tiny local stand-in (rewards/from_config.py builds it)
 

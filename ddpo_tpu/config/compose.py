@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Iterable, Union, get_args, get_origin
 

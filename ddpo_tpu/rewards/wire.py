@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ddpo_tpu.rewards.base import RewardScores
+from ddpo_tpu.rewards.base import Metadata, RewardScores
 
 WIRE_VERSION = 1
 IMAGE_FORMATS = ("png", "raw")
