@@ -23,13 +23,13 @@ dtype=torch.long)` (pipeline_with_logprob.py:213): float32 sigma x 1000, truncat
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
+from ddpo_tpu.diffusion.sampling import autocast_context
 
 SOLVERS = ("euler", "dpm2")
 TRAIN_TIMESTEPS = 1000  # the SD3 pipeline's sigma -> timestep factor (hard-coded there too)
@@ -71,8 +71,8 @@ def make_rollout_step(family, autocast, tables: FlowTables, solver: str):
     table = torch.as_tensor(coef, dtype=torch.float32).to(tables.device) if coef is not None else None
 
     def step(x: Tensor, idx: Tensor, z: Tensor, cond, uncond, m_prev: Tensor):
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            v = family._velocity(x, idx, cond, None, tables)
+        with autocast_context(autocast):
+            v = family.velocity(x, idx, cond, None, tables)
         zero = torch.zeros(x.shape[0], device=x.device)
         if table is None:  # Euler: the flow_sde sampler's ODE step
             return tables.ode_step(v.float(), idx, x), zero, m_prev

@@ -44,12 +44,18 @@ def guided_noise_pred(unet, latents: Tensor, timesteps: Tensor, cond: Tensor, un
     return out_uncond + guidance_scale * (out_cond - out_uncond)
 
 
+def autocast_context(autocast):
+    """The context a step function computes its model call in: `autocast()` (the runtime's bf16 autocast) or
+    nothing when it is None (a test's plain float32 step)."""
+    return autocast() if autocast is not None else contextlib.nullcontext()
+
+
 def make_denoise_step(unet, tables: DDIMTables, *, eta: float, guidance_scale: float, autocast=None):
     """One guided DDIM step with its log-prob: (x_t, step index, noise, cond, uncond) -> (x_{t-1}, log pi).
     A plain function of tensors, so a backend can compile it once (Runtime.compile_step) and replay it every step."""
 
     def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Tensor, uncond: Tensor) -> tuple[Tensor, Tensor]:
-        with autocast() if autocast is not None else contextlib.nullcontext():
+        with autocast_context(autocast):
             eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond, uncond, guidance_scale)
             return tables.step(eps, idx, x, eta, noise=z)
 

@@ -56,9 +56,20 @@ class ModelFamily(abc.ABC):
     # what the step functions call: the model, or the runtime's data-parallel wrapper of it (DDP's forward arms its
     # gradient hooks); set by the trainer before the steps are made (Runtime.prepare_model)
     denoiser: torch.nn.Module | None = None
+    tables = None                    # the sampler's device tables for the run's schedule (DDIMTables, FlowTables)
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, cfg, rt) -> "ModelFamily":
+        """The family's model from the run config, trainable (LoRA or full), on the runtime's device."""
 
     def call_denoiser(self) -> torch.nn.Module:
         return self.denoiser if self.denoiser is not None else self.model
+
+    @abc.abstractmethod
+    def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:
+        """Per-prompt statistics keys (GRPO's groups, DDPO's tracker) as the reference makes them: its tokenizer's
+        decoding of the prompt's ids, `max_length` tokens unless the family's reference uses its own length."""
 
     @abc.abstractmethod
     def encode(self, prompts: list[str]) -> Cond:

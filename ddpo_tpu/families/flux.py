@@ -14,15 +14,15 @@ from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source
-from ddpo_tpu.families.sd3 import SD3Family
+from ddpo_tpu.families.flow import FlowFamily
 
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for FLUX's T5 prompt (train_flux.py compute_text_embeddings)
 
 
-class FluxFamily(SD3Family):
-    """SD 3's flow family with FLUX's conditioning, packing, schedule and one-pass velocity: the sampling step, the
-    score step (Flow-GRPO's step on ``FlowTables``), the per-prompt keys (CLIP-L's decoding, as train_flux.py) and the
-    reference policy (the adapter off) are SD3Family's."""
+class FluxFamily(FlowFamily):
+    """A flow family with FLUX's conditioning, packing, schedule and one-pass velocity: the sampling step, the score
+    step (Flow-GRPO's step on ``FlowTables``), the per-prompt keys (CLIP-L's decoding, as train_flux.py) and the
+    reference policy (the adapter off) are FlowFamily's."""
 
     name = "flux"
 
@@ -38,12 +38,12 @@ class FluxFamily(SD3Family):
         tokens = (self.latent_size // 2) ** 2
         channels = int(self.model.config.in_channels)  # 4 x the VAE's latent channels
         self.latent_shape = (tokens, channels)          # packed: what the sampler and trainer hold
-        self.tables = self._tables(cfg.sample.num_steps)
+        self.tables = self.make_tables(cfg.sample.num_steps)
         self.num_steps = self.tables.num_steps
         self.img_ids = latent_image_ids(self.latent_size, self.latent_size, rt.device, self.dtype)
         self.txt_ids = text_ids(T5_TOKENS, rt.device, self.dtype)
 
-    PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # moved to the device by SD3Family.load
+    PARTS = ("transformer", "vae", "text_encoder", "text_encoder_2")  # moved to the device by FlowFamily.load
 
     @staticmethod
     def load_components(m, dtype):
@@ -52,7 +52,7 @@ class FluxFamily(SD3Family):
         source, revision, local = checkpoint_source(m, ensure_tiny_flux)
         return load_flux(source, revision=revision, local_files_only=local, dtype=dtype)
 
-    def _tables(self, num_steps: int) -> FlowTables:
+    def make_tables(self, num_steps: int) -> FlowTables:
         from ddpo_tpu.models.flux import flux_tables
 
         return flux_tables(self.c.scheduler, num_steps, self.latent_shape[0], self.rt.device)
@@ -66,8 +66,8 @@ class FluxFamily(SD3Family):
             embeds, pooled = self.rt.shard_batch(embeds), self.rt.shard_batch(pooled)
         return embeds, pooled
 
-    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
-                  detach_uncond: bool = False) -> Tensor:
+    def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                 detach_uncond: bool = False) -> Tensor:
         """The one guided pass; `uncond` (which the loop always hands the sampling step) is ignored: train.cfg and
         train.cfg_detach_uncond are false for this family (config/components.py)."""
         from ddpo_tpu.models.flux import flux_velocity
@@ -78,9 +78,6 @@ class FluxFamily(SD3Family):
             guidance = torch.full((x.shape[0],), float(self.cfg.sample.guidance_scale), device=x.device)
         return flux_velocity(self.call_denoiser(), x, (tables or self.tables).timestep_at(idx), guidance, cond[0],
                              cond[1], self.img_ids, self.txt_ids)
-
-    def schedule(self, num_steps: int) -> FlowTables:
-        return self.tables if num_steps == self.num_steps else self._tables(num_steps)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:

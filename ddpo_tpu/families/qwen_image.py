@@ -20,16 +20,16 @@ from torch import Tensor
 from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.sd1 import decoded_prompts
-from ddpo_tpu.families.sd3 import SD3Family
+from ddpo_tpu.families.flow import FlowFamily
 
 TINY_PIXELS = 32  # the tiny build's images (8 x 8 latents, 16 packed tokens)
 PROMPT_KEY_TOKENS = 256  # train_qwenimage.py: per-prompt statistics keys are the tokenizer's decoding at max_length 256
 
 
-class QwenImageFamily(SD3Family):
-    """SD 3's flow family with Qwen-Image's conditioning, packing, schedule and guided velocity: the sampling step,
-    the score step (Flow-GRPO's step on ``FlowTables``), the forward-process velocity (DiffusionNFT) and the reference
-    policy (the adapter off) are SD3Family's."""
+class QwenImageFamily(FlowFamily):
+    """A flow family with Qwen-Image's conditioning, packing, schedule and guided velocity: the sampling step, the
+    score step (Flow-GRPO's step on ``FlowTables``), the forward-process velocity (DiffusionNFT) and the reference
+    policy (the adapter off) are FlowFamily's."""
 
     name = "qwen_image"
 
@@ -47,11 +47,11 @@ class QwenImageFamily(SD3Family):
         self.latent_size = 2 * (int(pixels) // (factor * 2))
         side = self.latent_size // 2
         self.latent_shape = (side * side, int(self.model.config.in_channels))  # packed: (tokens, 4 x 16)
-        self.tables = self._tables(cfg.sample.num_steps)
+        self.tables = self.make_tables(cfg.sample.num_steps)
         self.num_steps = self.tables.num_steps
         self.shapes = lambda batch: img_shapes(batch, side, side)
 
-    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by SD3Family.load
+    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by FlowFamily.load
 
     @staticmethod
     def load_components(m, dtype):
@@ -60,15 +60,12 @@ class QwenImageFamily(SD3Family):
         source, revision, local = checkpoint_source(m, ensure_tiny_qwen_image)
         return load_qwen_image(source, revision=revision, local_files_only=local, dtype=dtype)
 
-    def _tables(self, num_steps: int) -> FlowTables:
+    def make_tables(self, num_steps: int) -> FlowTables:
         from ddpo_tpu.models.flux import flux_tables
 
         # QwenImagePipeline sets the schedule as FluxPipeline (linspace(1, 1/N, N), mu from the token count): the
         # scheduler's own config (exponential shift, shift_terminal) does the rest inside set_timesteps
         return flux_tables(self.c.scheduler, num_steps, self.latent_shape[0], self.rt.device)
-
-    def schedule(self, num_steps: int) -> FlowTables:
-        return self.tables if num_steps == self.num_steps else self._tables(num_steps)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Cond:
@@ -85,8 +82,8 @@ class QwenImageFamily(SD3Family):
         and cut to 256 tokens."""
         return decoded_prompts(self.c.tokenizer, prompts, PROMPT_KEY_TOKENS)
 
-    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
-                  detach_uncond: bool = False) -> Tensor:
+    def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                 detach_uncond: bool = False) -> Tensor:
         from ddpo_tpu.models.qwen_image import qwen_velocity
 
         neg = uncond if uncond is not None else (None, None)

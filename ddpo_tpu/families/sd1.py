@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.ddim import DDIMTables
-from ddpo_tpu.diffusion.sampling import decode_to_uint8, guided_noise_pred, make_denoise_step
+from ddpo_tpu.diffusion.sampling import autocast_context, decode_to_uint8, guided_noise_pred, make_denoise_step
 from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
 
 
@@ -58,7 +58,7 @@ class SD1Family(ModelFamily):
             return lambda x, idx, z, cond, uncond: step(x, idx, z, cond[0], uncond[0])
 
         def ddim_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
-            with autocast() if autocast is not None else contextlib.nullcontext():
+            with autocast_context(autocast):
                 eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond[0], uncond[0], s.guidance_scale)
             # eta 0: the step is its mean (DDIM's deterministic sampler); a point mass has no log-density
             _, _, mean, _ = tables.step(eps, idx, x, 0.0, noise=z, full=True)
@@ -71,7 +71,7 @@ class SD1Family(ModelFamily):
         detach = self.cfg.train.cfg_detach_uncond  # train time only: sampling has no gradient
 
         def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
-            with autocast() if autocast is not None else contextlib.nullcontext():
+            with autocast_context(autocast):
                 eps = guided_noise_pred(unet, x, tables.timestep_at(idx), cond[0],
                                         uncond[0] if uncond is not None else None, s.guidance_scale, detach)
             _, log_prob, mean, std = tables.step(eps.float(), idx, x, s.eta, prev_sample=x_prev, full=True)

@@ -14,16 +14,15 @@ pipeline and compute_log_prob do; the unconditional prompt is "" encoded like an
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.diffusion.wan_sde import wan_sde_step
-from ddpo_tpu.families.base import Cond, StepScore, checkpoint_source, encode_distinct
+from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.sd1 import decoded_prompts
-from ddpo_tpu.families.sd3 import SD3Family
+from ddpo_tpu.families.flow import FlowFamily
 
 
 def video_size(model, builder_frame, default_frame) -> tuple[int, int, int]:
@@ -35,10 +34,10 @@ def video_size(model, builder_frame, default_frame) -> tuple[int, int, int]:
     return int(model.num_frames), height, width
 
 
-class WanFamily(SD3Family):
-    """SD 3's flow family with Wan's parts, video latents and step: loading (``load`` with this
-    ``load_components``), the schedule for another step count, the forward-process velocity (DiffusionNFT) and the
-    reference policy (the adapter off) are SD3Family's."""
+class WanFamily(FlowFamily):
+    """A flow family with Wan's parts, video latents and step (flow_grpo's Wan SDE step, ``policy_step``): loading
+    (``load`` with this ``load_components``), the sampling and score steps, the schedule for another step count, the
+    forward-process velocity (DiffusionNFT) and the reference policy (the adapter off) are FlowFamily's."""
 
     name = "wan"
 
@@ -53,7 +52,7 @@ class WanFamily(SD3Family):
         self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
         self.num_steps = self.tables.num_steps
 
-    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by SD3Family.load
+    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by FlowFamily.load
 
     @staticmethod
     def load_components(m, dtype):
@@ -76,8 +75,8 @@ class WanFamily(SD3Family):
 
         return decoded_prompts(self.c.tokenizer, prompts, TEXT_TOKENS)
 
-    def _velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
-                  detach_uncond: bool = False) -> Tensor:
+    def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                 detach_uncond: bool = False) -> Tensor:
         from ddpo_tpu.models.wan import wan_velocity
 
         timestep = (tables or self.tables).timestep_at(idx)
@@ -85,29 +84,10 @@ class WanFamily(SD3Family):
                             uncond[0] if uncond is not None else None,
                             self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
 
-    def make_denoise_step(self, autocast, tables: FlowTables | None = None, deterministic: bool = False):
-        tables = tables or self.tables
-
-        def denoise_step(x: Tensor, idx: Tensor, z: Tensor, cond: Cond, uncond: Cond):
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                v = self._velocity(x, idx, cond, uncond, tables)
-            if deterministic:  # the reference's determistic branch: the Euler ODE step, no log-density
-                return tables.ode_step(v.float(), idx, x), torch.zeros(x.shape[0], device=x.device)
-            prev, log_prob, _, _ = wan_sde_step(tables, v.float(), idx, x, noise=z)
-            return prev, log_prob
-
-        return denoise_step
-
-    def make_score_step(self, autocast):
-        detach = self.cfg.train.cfg_detach_uncond  # train time only: sampling has no gradient
-
-        def score_step(x: Tensor, idx: Tensor, x_prev: Tensor, cond: Cond, uncond: Cond | None) -> StepScore:
-            with autocast() if autocast is not None else contextlib.nullcontext():
-                v = self._velocity(x, idx, cond, uncond, detach_uncond=detach)
-            _, log_prob, mean, std = wan_sde_step(self.tables, v.float(), idx, x, prev_sample=x_prev)
-            return StepScore(log_prob, mean, std)
-
-        return score_step
+    def policy_step(self, tables: FlowTables, v: Tensor, idx: Tensor, x: Tensor, noise: Tensor | None = None,
+                    prev_sample: Tensor | None = None):
+        """flow_grpo's Wan SDE step (its deterministic branch is FlowFamily's Euler ODE step)."""
+        return wan_sde_step(tables, v, idx, x, noise=noise, prev_sample=prev_sample)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
