@@ -268,7 +268,12 @@ class Trainer:
         fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
-        return fn(images, prompts, metadata) if self.pool is None else self.pool.submit(fn, images, prompts, metadata)
+        from ddpo_tpu.launch.progress import REWARD, marked, waiting  # what the rank watch names when it hangs
+
+        if self.pool is None:
+            with waiting(REWARD, f"reward.name={self.cfg.reward.name}, {len(images)} images"):
+                return fn(images, prompts, metadata)
+        return self.pool.submit(marked(fn), images, prompts, metadata)
 
     def _sample_batch(self, prompts: list[str], gen: torch.Generator | None, evaluation: bool = False,
                       sde_window: tuple[int, int] | None = None, noise: tuple | None = None, uncond=None,
@@ -322,7 +327,10 @@ class Trainer:
             self.rt.sync()
         try:
             # per batch, every process's rows in order (distributed: gathered from the ranks)
-            done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
+            from ddpo_tpu.launch.progress import REWARD, waiting
+
+            with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}"):  # each call done is progress
+                done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
             if self.image_scores is not None:
                 sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
                                   for k in done[0][1]}

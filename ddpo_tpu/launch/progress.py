@@ -1,0 +1,139 @@
+"""What this rank's main thread is waiting on, and when it last made progress (torch-free, stdlib only).
+
+The rank watch (launch/rankwatch.py) sees a stopped or frozen process from its heartbeat, but a main thread blocked
+forever while its process runs (a reward server that never answers, a write on a hung disk) keeps beating: today
+the job then ends only when a peer's collective times out, and the traceback blames that peer. So the main thread
+labels its waits, at a few places:
+
+    with waiting(REWARD, "reward.name=ocr"):  ...   # training/loop.py: a reward call, or its future awaited
+    with waiting(COLLECTIVE, "all_gather_object"): ...  # runtime/distributed.py: the runtime's collectives
+    with waiting(CHECKPOINT, "epoch 3"): ...            # training/checkpointing.py: the checkpoint's writes
+
+Entering and leaving a wait is progress. The rank's beat thread (RankBeat) copies `snapshot()` into its beat file
+every beat: the innermost wait, how long it has lasted, and seconds since the last progress. The launcher's watch then
+ends the job naming the rank whose main thread has made no progress within a wait for `distributed.hang_timeout_s`,
+and that wait. Time outside any wait (a compile, a long step) is never called a hang here: the beat covers a process
+that stops, and a busy main thread is busy.
+
+Progress inside a long wait: `advanced()` (any thread: the reward pool marks each finished call, which is what the
+main thread's wait for the pool's futures waits on), and, for a checkpoint write, the bytes this process has written
+(/proc/self/io write_bytes, grown as pages are dirtied, and wchar, grown per write call), read by the beat thread: a
+10 GB checkpoint on a slow disk keeps progressing, a write stuck on a hung disk does not.
+
+Cost on the main thread: a lock, a monotonic clock read and a list append/pop per wait; no I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+COLLECTIVE = "collective"
+REWARD = "reward"
+CHECKPOINT = "checkpoint"
+
+# how each kind reads in the watch's line ("waiting on ...")
+PHRASES = {COLLECTIVE: "a collective", REWARD: "the reward call", CHECKPOINT: "the checkpoint write"}
+_WRITES = {CHECKPOINT}  # waits whose progress the bytes this process writes show
+
+_lock = threading.Lock()
+_stack: list[tuple[str, str, float]] = []  # (kind, what, since) of the main thread's waits, innermost last
+_progress = time.monotonic()
+_io_seen: int | None = None
+
+
+def _on_main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+class waiting:  # noqa: N801 -- used as a context manager, named as one
+    """The main thread waits on `kind` (COLLECTIVE, REWARD, CHECKPOINT) for `what` (a short detail: the call, the
+    key, the epoch). Other threads' waits are not the main thread's: ignored."""
+
+    __slots__ = ("kind", "what", "_mine")
+
+    def __init__(self, kind: str, what: str = ""):
+        self.kind, self.what, self._mine = kind, what, False
+
+    def __enter__(self) -> waiting:
+        global _progress
+        if _on_main():
+            self._mine = True
+            now = time.monotonic()
+            with _lock:
+                _stack.append((self.kind, self.what, now))
+                _progress = now
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _progress
+        if self._mine:
+            with _lock:
+                if _stack:
+                    _stack.pop()
+                _progress = time.monotonic()
+
+
+def advanced() -> None:
+    """What the main thread waits on moved (a pooled reward call finished): progress, from any thread."""
+    global _progress
+    with _lock:
+        _progress = time.monotonic()
+
+
+def marked(fn):
+    """`fn` that marks progress when it returns: a pooled reward call, which the main thread's wait is for."""
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            advanced()
+
+    return call
+
+
+def _written() -> int | None:
+    """Bytes this process has written so far (write_bytes + wchar of /proc/self/io), None where there is none."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["write_bytes"]) + int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def snapshot() -> dict:
+    """What the beat file carries: {"idle_s": seconds since the last progress} plus, inside a wait, "wait" (its
+    kind), "what" and "wait_s" (how long it has lasted). Called by the beat thread: inside a write, the bytes
+    written since its last call count as progress."""
+    global _io_seen
+    with _lock:
+        top = _stack[-1] if _stack else None
+    if top is not None and top[0] in _WRITES:
+        written = _written()
+        if written is not None and _io_seen is not None and written != _io_seen:
+            advanced()
+        _io_seen = written
+    else:
+        _io_seen = None  # the first look inside the next write only takes its count
+    now = time.monotonic()
+    with _lock:
+        out = {"idle_s": round(now - _progress, 2)}
+        if _stack:
+            kind, what, since = _stack[-1]
+            out.update(wait=kind, what=what, wait_s=round(now - since, 2))
+    return out
+
+
+def describe(kind: str, what: str = "") -> str:
+    """'the reward call (reward.name=ocr)': a wait as the watch's line names it."""
+    phrase = PHRASES.get(kind, kind)
+    return f"{phrase} ({what})" if what else phrase
+
+
+def reset() -> None:
+    """Forget every wait (tests; a forked child starts clean)."""
+    global _progress, _io_seen
+    with _lock:
+        _stack.clear()
+        _progress, _io_seen = time.monotonic(), None
