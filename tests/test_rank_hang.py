@@ -71,6 +71,26 @@ def test_only_the_main_threads_waits_count_and_a_pooled_call_marks_progress():
         assert progress.snapshot()["idle_s"] < 0.2
 
 
+def test_a_wait_for_a_pooled_call_that_hung_before_it_counts_from_the_calls_start():
+    """The loop waits for the reward pool's futures after sampling: a call stuck since before that wait has made no
+    progress since it started; with nothing pending the wait counts from its own start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(progress.marked(release.wait))
+        time.sleep(0.4)
+        with progress.waiting(progress.REWARD, "the pool's futures", since=progress.pool_activity()):
+            assert progress.snapshot()["idle_s"] >= 0.4
+            release.set()
+            future.result()
+            assert progress.snapshot()["idle_s"] < 0.2  # the call ended: progress
+    assert progress.pool_activity() is None
+    time.sleep(0.2)
+    with progress.waiting(progress.REWARD, "nothing pending", since=progress.pool_activity()):
+        assert progress.snapshot()["idle_s"] < 0.2
+
+
 def test_bytes_written_inside_a_checkpoint_write_are_progress(tmp_path):
     """A long write on a working disk keeps progressing; the same wait without writes does not."""
     with progress.waiting(progress.CHECKPOINT, "epoch 3"):

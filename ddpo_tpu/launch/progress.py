@@ -50,19 +50,20 @@ class waiting:  # noqa: N801 -- used as a context manager, named as one
     """The main thread waits on `kind` (COLLECTIVE, REWARD, CHECKPOINT) for `what` (a short detail: the call, the
     key, the epoch). Other threads' waits are not the main thread's: ignored."""
 
-    __slots__ = ("kind", "what", "_mine")
+    __slots__ = ("kind", "what", "since", "_mine")
 
-    def __init__(self, kind: str, what: str = ""):
-        self.kind, self.what, self._mine = kind, what, False
+    def __init__(self, kind: str, what: str = "", since: float | None = None):
+        self.kind, self.what, self.since, self._mine = kind, what, since, False
 
     def __enter__(self) -> waiting:
+        """`since`: the last progress of what this wait is for, when it began before the wait (pool_activity())."""
         global _progress
         if _on_main():
             self._mine = True
             now = time.monotonic()
             with _lock:
                 _stack.append((self.kind, self.what, now))
-                _progress = now
+                _progress = now if self.since is None else min(now, self.since)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -81,15 +82,36 @@ def advanced() -> None:
         _progress = time.monotonic()
 
 
+_pool_t = time.monotonic()  # the last start or end of a pooled call (marked)
+_pending = 0  # pooled calls submitted and not yet ended
+
+
 def marked(fn):
-    """`fn` that marks progress when it returns: a pooled reward call, which the main thread's wait is for."""
+    """`fn` about to be submitted to a pool whose results the main thread will wait for (the reward calls): pending
+    from here; its start and its end are the pool's activity, its end progress."""
+    global _pending
+    with _lock:
+        _pending += 1
+
     def call(*args, **kwargs):
+        global _pool_t, _pending
+        _pool_t = time.monotonic()
         try:
             return fn(*args, **kwargs)
         finally:
+            with _lock:
+                _pending -= 1
+                _pool_t = time.monotonic()
             advanced()
 
     return call
+
+
+def pool_activity() -> float | None:
+    """When a pooled call last started or ended, while one is pending (else None): the main thread's wait for the
+    pool has made no progress since (a call that hung in the pool before that wait counts from its start)."""
+    with _lock:
+        return _pool_t if _pending > 0 else None
 
 
 def _written() -> int | None:
@@ -133,7 +155,8 @@ def describe(kind: str, what: str = "") -> str:
 
 def reset() -> None:
     """Forget every wait (tests; a forked child starts clean)."""
-    global _progress, _io_seen
+    global _progress, _io_seen, _pool_t, _pending
     with _lock:
         _stack.clear()
-        _progress, _io_seen = time.monotonic(), None
+        _progress = _pool_t = time.monotonic()
+        _io_seen, _pending = None, 0

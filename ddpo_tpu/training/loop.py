@@ -327,9 +327,10 @@ class Trainer:
             self.rt.sync()
         try:
             # per batch, every process's rows in order (distributed: gathered from the ranks)
-            from ddpo_tpu.launch.progress import REWARD, waiting
+            from ddpo_tpu.launch.progress import REWARD, pool_activity, waiting
 
-            with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}"):  # each call done is progress
+            # the rank watch names this wait when the pool's calls stop moving (each call's start and end is progress)
+            with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}", since=pool_activity()):
                 done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
             if self.image_scores is not None:
                 sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
