@@ -256,8 +256,9 @@ def test_a_rank_whose_reward_call_never_returns_is_named_and_the_same_command_re
     """Rank 1's reward call blocks from its third call on (epoch 1, after the checkpoint of epoch 0) while its
     process beats; rank 0 waits for it in the rewards' gather. The job ends within the bound (plus the 2 s beat, the
     watch's half second and the teardown) in one `error:` line naming rank 1 and its reward call, no traceback, exit
-    1; the same command then resumes from epoch 0's checkpoint and finishes. Before the wait labels, the job ended
-    only when rank 0's collective timed out, in a gloo traceback blaming rank 0."""
+    1 (measured 12.9 s from the hang to the end with the bound at 10 s, on 2 busy cores); the same command then
+    resumes from epoch 0's checkpoint and finishes. Before the wait labels, the job ended only when rank 0's
+    collective timed out (distributed.timeout_s), blaming rank 0 ("rank 0 (pid ...) exited with code 1")."""
     flag = tmp_path / "hang"
     flag.write_text("")
     env = clean_env(HANG_TEST_FLAG=str(flag), HANG_TEST_AFTER="2")
@@ -278,7 +279,7 @@ def test_a_rank_whose_reward_call_never_returns_is_named_and_the_same_command_re
     assert "waiting on the reward call (reward.name=ocr" in errors[0], errors[0]
     assert f"distributed.hang_timeout_s={HANG_S}" in errors[0], errors[0]
     assert "Traceback" not in out, out[-3000:]
-    assert took < HANG_S + 15, f"the job ended {took:.0f} s after rank 1's reward call hung"
+    assert took < HANG_S + 10, f"the job ended {took:.0f} s after rank 1's reward call hung"
     assert [r for r in ev.read_events(run_dir) if r["event"] == "error"], "no error event"
     flag.unlink()  # the server answers again: the same command resumes
     again = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=env,

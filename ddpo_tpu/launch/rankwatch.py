@@ -5,9 +5,13 @@ is the one that waited, not the one that hung (gloo's traceback then blames rank
 (rank 0 writing a 10 GB checkpoint while the others wait at a barrier) must not end the job. So each rank proves it
 is alive instead, whatever its main thread is doing:
 
-- Every rank runs a daemon thread that touches `ranks/rank<N>.alive` (its pid and host inside) every
+- Every rank runs a daemon thread that rewrites `ranks/rank<N>.alive` (its pid and host inside) every
   RANK_BEAT_S seconds. A compile, a long step or a wait in a collective keeps beating; a stopped process (SIGSTOP, a
   debugger) or a frozen one does not.
+- The beat also carries what the rank's main thread waits on (a reward call, a collective, a checkpoint write) and the
+  seconds since its last progress (launch/progress.py). A main thread stuck in a wait while its process beats (a
+  reward server that never answers) ends the job once it has made no progress for the bound, named with that wait;
+  its peers, waiting for it in a collective just as long, are not blamed (RankWatch._check_waits).
 - Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second, and at the other nodes' ranks'
   beats in the shared run dir: a rank stopped, or whose beat is older than `distributed.hang_timeout_s`, ends the
   job at once, in one line naming the rank, its pid and the key
