@@ -91,20 +91,42 @@ def test_a_wait_for_a_pooled_call_that_hung_before_it_counts_from_the_calls_star
         assert progress.snapshot()["idle_s"] < 0.2
 
 
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_cpu_spent_inside_a_reward_call_is_progress_but_not_inside_a_collective():
+    """A reward scored in this process (a detector for minutes) is working; a rank spinning in a collective (CUDA's
+    spin-wait) is not: the peer it waits for is the one to name."""
+    with progress.waiting(progress.REWARD, "reward.name=geneval"):
+        progress.snapshot()  # the beat's first look takes the counts
+        time.sleep(0.3)
+        _spin(progress.CPU_PROGRESS_S + 0.1)
+        assert progress.snapshot()["idle_s"] < 0.1
+        time.sleep(0.3)
+        assert progress.snapshot()["idle_s"] >= 0.3  # waiting, not computing
+    with progress.waiting(progress.COLLECTIVE, "all_reduce"):
+        progress.snapshot()
+        _spin(progress.CPU_PROGRESS_S + 0.1)
+        assert progress.snapshot()["idle_s"] >= progress.CPU_PROGRESS_S
+
+
 def test_bytes_written_inside_a_checkpoint_write_are_progress(tmp_path):
     """A long write on a working disk keeps progressing; the same wait without writes does not."""
     with progress.waiting(progress.CHECKPOINT, "epoch 3"):
         progress.snapshot()  # the beat's first look takes the count
         time.sleep(0.4)
         with open(tmp_path / "big", "wb") as f:
-            f.write(b"x" * 2**20)
+            f.write(b"x" * 2**21)
         assert progress.snapshot()["idle_s"] < 0.2
         time.sleep(0.4)
         assert progress.snapshot()["idle_s"] >= 0.4  # nothing written since
     with progress.waiting(progress.REWARD, "not a write"):
         progress.snapshot()
         time.sleep(0.3)
-        (tmp_path / "other").write_bytes(b"y" * 2**20)
+        (tmp_path / "other").write_bytes(b"y" * 2**21)
         assert progress.snapshot()["idle_s"] >= 0.3  # a reward call's progress is not the process's writes
 
 

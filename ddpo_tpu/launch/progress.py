@@ -15,16 +15,22 @@ ends the job naming the rank whose main thread has made no progress within a wai
 and that wait. Time outside any wait (a compile, a long step) is never called a hang here: the beat covers a process
 that stops, and a busy main thread is busy.
 
-Progress inside a long wait: `advanced()` (any thread: the reward pool marks each finished call, which is what the
-main thread's wait for the pool's futures waits on), and, for a checkpoint write, the bytes this process has written
-(/proc/self/io write_bytes, grown as pages are dirtied, and wchar, grown per write call), read by the beat thread: a
-10 GB checkpoint on a slow disk keeps progressing, a write stuck on a hung disk does not.
+Progress inside a long wait, besides its entry and exit:
+- the reward pool's calls (`marked`): each start and end; the main thread's wait for the pool's futures counts from
+  the last of them (`pool_activity`), so a call stuck since before that wait is measured from its start;
+- inside a reward call or a checkpoint write, read by the beat thread every beat: the CPU time the process spent
+  (CPU_PROGRESS_S or more since the last look: a reward scored in this process, a checkpoint serialised or hashed)
+  and, for a write, the bytes it read or wrote (/proc/self/io; write_bytes grows as pages are dirtied, within one
+  large write call). A 10 GB checkpoint on a slow disk or a detector scoring for minutes keeps progressing; a
+  socket that never answers, a write stuck on a hung disk do not. Never for a collective: a rank spinning in one
+  (CUDA's spin-wait) is not moving, and the peer it waits for is the one to name.
 
 Cost on the main thread: a lock, a monotonic clock read and a list append/pop per wait; no I/O.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -34,12 +40,15 @@ CHECKPOINT = "checkpoint"
 
 # how each kind reads in the watch's line ("waiting on ...")
 PHRASES = {COLLECTIVE: "a collective", REWARD: "the reward call", CHECKPOINT: "the checkpoint write"}
-_WRITES = {CHECKPOINT}  # waits whose progress the bytes this process writes show
+_IO = {CHECKPOINT}  # waits whose progress the bytes this process reads or writes show
+_CPU = {CHECKPOINT, REWARD}  # ... and the CPU time it spends (a reward scored in this process, a hash, a serialisation)
+CPU_PROGRESS_S = 0.2  # CPU seconds between two looks of the beat thread (2 s apart) that count as work
+IO_PROGRESS_BYTES = 1 << 20  # bytes read or written between two looks that count (the beat's own file is < 8 KiB)
 
 _lock = threading.Lock()
 _stack: list[tuple[str, str, float]] = []  # (kind, what, since) of the main thread's waits, innermost last
 _progress = time.monotonic()
-_io_seen: int | None = None
+_seen: tuple[int | None, float] | None = None  # (I/O bytes, CPU seconds) at the beat thread's last look
 
 
 def _on_main() -> bool:
@@ -114,30 +123,38 @@ def pool_activity() -> float | None:
         return _pool_t if _pending > 0 else None
 
 
-def _written() -> int | None:
-    """Bytes this process has written so far (write_bytes + wchar of /proc/self/io), None where there is none."""
+def _io_bytes() -> int | None:
+    """Bytes this process has read and written so far (/proc/self/io: rchar and wchar per call, read_bytes and
+    write_bytes as the disk sees them), None where there is none."""
     try:
         with open("/proc/self/io") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["write_bytes"]) + int(fields["wchar"])
+        return sum(int(fields[k]) for k in ("rchar", "wchar", "read_bytes", "write_bytes"))
     except (OSError, KeyError, ValueError):
         return None
 
 
+def _cpu_s() -> float:
+    t = os.times()  # every thread of this process
+    return t.user + t.system
+
+
 def snapshot() -> dict:
     """What the beat file carries: {"idle_s": seconds since the last progress} plus, inside a wait, "wait" (its
-    kind), "what" and "wait_s" (how long it has lasted). Called by the beat thread: inside a write, the bytes
-    written since its last call count as progress."""
-    global _io_seen
+    kind), "what" and "wait_s" (how long it has lasted). Called by the beat thread: inside a reward call or a
+    checkpoint write, the CPU time the process spent since its last call (and for a write, the bytes it read or
+    wrote) count as progress."""
+    global _seen
     with _lock:
         top = _stack[-1] if _stack else None
-    if top is not None and top[0] in _WRITES:
-        written = _written()
-        if written is not None and _io_seen is not None and written != _io_seen:
-            advanced()
-        _io_seen = written
+    if top is not None and top[0] in _CPU:
+        seen = (_io_bytes() if top[0] in _IO else None, _cpu_s())
+        if _seen is not None and ((seen[0] is not None and seen[0] - _seen[0] >= IO_PROGRESS_BYTES)
+                                  or seen[1] - _seen[1] >= CPU_PROGRESS_S):
+            advanced()  # the process is reading, writing or computing: the wait is moving
+        _seen = seen
     else:
-        _io_seen = None  # the first look inside the next write only takes its count
+        _seen = None  # the first look inside the next such wait only takes its counts
     now = time.monotonic()
     with _lock:
         out = {"idle_s": round(now - _progress, 2)}
@@ -155,8 +172,8 @@ def describe(kind: str, what: str = "") -> str:
 
 def reset() -> None:
     """Forget every wait (tests; a forked child starts clean)."""
-    global _progress, _io_seen, _pool_t, _pending
+    global _progress, _seen, _pool_t, _pending
     with _lock:
         _stack.clear()
         _progress = _pool_t = time.monotonic()
-        _io_seen, _pending = None, 0
+        _seen, _pending = None, 0

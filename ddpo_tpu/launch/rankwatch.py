@@ -54,7 +54,9 @@ class RankBeat:
         from ddpo_tpu.launch.progress import snapshot
 
         info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid(), **snapshot(), **extra}
-        tmp = self.path.with_name(f".{self.path.name}.tmp")  # whole or not at all: the watch reads it any time
+        # whole or not at all (the watch reads it any time); one fixed name per rank, not the `.*.*.tmp` of
+        # interrupted writes, which rank 0's start clears while the other ranks already beat
+        tmp = self.path.with_name(f".{self.path.name}.next")
         tmp.write_text(json.dumps(info) + "\n")
         os.replace(tmp, self.path)
 
