@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,9 +46,8 @@ def test_a_wait_is_labelled_while_it_lasts_and_its_end_is_progress():
 
 
 def test_a_wait_that_raises_is_left_all_the_same():
-    with pytest.raises(ValueError):
-        with progress.waiting(progress.CHECKPOINT, "epoch 0"):
-            raise ValueError("disk")
+    with pytest.raises(ValueError), progress.waiting(progress.CHECKPOINT, "epoch 0"):
+        raise ValueError("disk")
     assert "wait" not in progress.snapshot()
 
 
@@ -128,6 +128,36 @@ def test_bytes_written_inside_a_checkpoint_write_are_progress(tmp_path):
         time.sleep(0.3)
         (tmp_path / "other").write_bytes(b"y" * 2**21)
         assert progress.snapshot()["idle_s"] >= 0.3  # a reward call's progress is not the process's writes
+
+
+def test_the_loops_reward_calls_are_labelled_in_the_main_thread_and_the_pool():
+    """training/loop.py: a reward call scored in place is a reward wait; with reward.host_workers its call runs in
+    the pool (marked: pending until it ends) and the main thread's wait for it is the reward wait of the epoch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from ddpo_tpu.training import loop
+
+    seen = []
+
+    def reward(images, prompts):
+        seen.append((threading.current_thread() is threading.main_thread(), progress.snapshot(),
+                     progress.pool_activity()))
+        return np.zeros(len(prompts), dtype=np.float32)
+
+    fake = SimpleNamespace(prompts=SimpleNamespace(metadata=lambda p: None), reward=reward, image_scores=None,
+                           pool=None, cfg=SimpleNamespace(reward=SimpleNamespace(name="ocr")))
+    images = np.zeros((2, 4, 4, 3), dtype=np.uint8)
+    loop.Trainer._score(fake, images, ["a", "b"])
+    main, snap, pending = seen.pop()
+    assert main and snap["wait"] == "reward" and snap["what"] == "reward.name=ocr, 2 images" and pending is None
+    with ThreadPoolExecutor(1) as fake.pool:
+        future = loop.Trainer._score(fake, images, ["a", "b"])
+        future.result()
+    main, _snap, pending = seen.pop()
+    assert not main and pending is not None  # the pool's call was pending while it ran
+    assert progress.pool_activity() is None
 
 
 def test_the_beat_file_carries_the_wait_and_the_time_since_progress(tmp_path):
@@ -289,7 +319,7 @@ def test_a_rank_whose_reward_call_never_returns_is_named_and_the_same_command_re
             f"distributed.hang_timeout_s={HANG_S}", "distributed.timeout_s=30", f"output_root={tmp_path}/runs"]
     run_dir = tmp_path / "runs" / "smoke"
     proc = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     ended = time.time()
     out = proc.stdout + proc.stderr
     assert (tmp_path / "hang.hung").exists(), out[-3000:]
@@ -298,14 +328,14 @@ def test_a_rank_whose_reward_call_never_returns_is_named_and_the_same_command_re
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, out[-3000:]
     assert "rank 1 (pid " in errors[0] and "made no progress for" in errors[0], errors[0]
-    assert "waiting on the reward call (reward.name=ocr" in errors[0], errors[0]
+    assert "waiting on the reward call (reward.name=ocr, epoch 1)" in errors[0], errors[0]  # the gather's wait
     assert f"distributed.hang_timeout_s={HANG_S}" in errors[0], errors[0]
     assert "Traceback" not in out, out[-3000:]
     assert took < HANG_S + 10, f"the job ended {took:.0f} s after rank 1's reward call hung"
     assert [r for r in ev.read_events(run_dir) if r["event"] == "error"], "no error event"
     flag.unlink()  # the server answers again: the same command resumes
     again = subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     resumed = [e["epoch"] for e in ev.read_events(run_dir) if e["event"] == "resumed"]
     assert resumed and resumed[-1] >= 0
@@ -314,7 +344,7 @@ def test_a_rank_whose_reward_call_never_returns_is_named_and_the_same_command_re
 
 @pytest.mark.slow
 @pytest.mark.parametrize("at", [0, 1], ids=["abandoned", "finished"])
-def test_sigterm_during_the_evaluation_before_training_records_it_once(tmp_path, model_cache, at):
+def test_sigterm_during_the_evaluation_before_training_records_it_once(tmp_path, at):
     """SIGTERM (to the command) during the evaluation before training, at its first reward call (the pass is
     abandoned at its next batch) or its last (it finishes and is recorded, and the stop comes in epoch 0's sampling):
     exit 75, then the same command finishes with the evaluation before training recorded once in metrics.jsonl."""
@@ -324,7 +354,7 @@ def test_sigterm_during_the_evaluation_before_training_records_it_once(tmp_path,
     args = ["+experiment=smoke", *OCR, *_quoted_prompts(tmp_path), "reward.host_workers=0", "num_epochs=1",
             "sample.batch_size=2", "sample.num_batches_per_epoch=1", "train.batch_size=1",
             "train.gradient_accumulation_steps=1", "evaluation.every_n_epochs=1", "evaluation.batch_size=1",
-            "evaluation.prompts=['a \"STOP\" sign', 'a \"GO\" sign']", f"model.cache_dir={model_cache}"]
+            "evaluation.prompts=['a \"STOP\" sign', 'a \"GO\" sign']"]
     first = run_train(args, tmp_path, **env)
     assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
     assert not stop.exists()

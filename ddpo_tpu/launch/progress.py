@@ -55,16 +55,16 @@ def _on_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-class waiting:  # noqa: N801 -- used as a context manager, named as one
+class waiting:  # a context manager, named as one
     """The main thread waits on `kind` (COLLECTIVE, REWARD, CHECKPOINT) for `what` (a short detail: the call, the
     key, the epoch). Other threads' waits are not the main thread's: ignored."""
 
-    __slots__ = ("kind", "what", "since", "_mine")
+    __slots__ = ("_mine", "kind", "since", "what")
 
     def __init__(self, kind: str, what: str = "", since: float | None = None):
         self.kind, self.what, self.since, self._mine = kind, what, since, False
 
-    def __enter__(self) -> waiting:
+    def __enter__(self) -> None:
         """`since`: the last progress of what this wait is for, when it began before the wait (pool_activity())."""
         global _progress
         if _on_main():
@@ -73,7 +73,6 @@ class waiting:  # noqa: N801 -- used as a context manager, named as one
             with _lock:
                 _stack.append((self.kind, self.what, now))
                 _progress = now if self.since is None else min(now, self.since)
-        return self
 
     def __exit__(self, *exc) -> None:
         global _progress

@@ -268,9 +268,9 @@ class Trainer:
         fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
-        from ddpo_tpu.launch.progress import REWARD, marked, waiting  # what the rank watch names when it hangs
+        from ddpo_tpu.launch.progress import REWARD, marked, waiting
 
-        if self.pool is None:
+        if self.pool is None:  # the rank watch names this call when it hangs
             with waiting(REWARD, f"reward.name={self.cfg.reward.name}, {len(images)} images"):
                 return fn(images, prompts, metadata)
         return self.pool.submit(marked(fn), images, prompts, metadata)
