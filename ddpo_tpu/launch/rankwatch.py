@@ -5,9 +5,13 @@ is the one that waited, not the one that hung (gloo's traceback then blames rank
 (rank 0 writing a 10 GB checkpoint while the others wait at a barrier) must not end the job. So each rank proves it
 is alive instead, whatever its main thread is doing:
 
-- Every rank runs a daemon thread that touches `ranks/rank<N>.alive` (its pid and host inside) every
+- Every rank runs a daemon thread that rewrites `ranks/rank<N>.alive` (its pid and host inside) every
   RANK_BEAT_S seconds. A compile, a long step or a wait in a collective keeps beating; a stopped process (SIGSTOP, a
   debugger) or a frozen one does not.
+- The beat also carries what the rank's main thread waits on (a reward call, a collective, a checkpoint write) and the
+  seconds since its last progress (launch/progress.py). A main thread stuck in a wait while its process beats (a
+  reward server that never answers) ends the job once it has made no progress for the bound, named with that wait;
+  its peers, waiting for it in a collective just as long, are not blamed (RankWatch._check_waits).
 - Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second, and at the other nodes' ranks'
   beats in the shared run dir: a rank stopped, or whose beat is older than `distributed.hang_timeout_s`, ends the
   job at once, in one line naming the rank, its pid and the key
@@ -38,15 +42,23 @@ def beat_path(run_dir: Path, rank: int) -> Path:
 
 
 class RankBeat:
-    """This rank's heartbeat file, touched by a daemon thread while the process runs."""
+    """This rank's heartbeat file, written by a daemon thread while the process runs: its pid, host and launcher,
+    and what its main thread waits on with the seconds since its last progress (launch/progress.py's snapshot)."""
 
     def __init__(self, run_dir: Path, rank: int, interval: float = RANK_BEAT_S):
         self.path, self.interval = beat_path(run_dir, rank), interval
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's beat and end()'s last word never interleave
 
     def _write(self, **extra) -> None:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid(), **extra}
-        self.path.write_text(json.dumps(info) + "\n")
+        from ddpo_tpu.launch.progress import snapshot
+
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid(), **snapshot(), **extra}
+        # whole or not at all (the watch reads it any time); one fixed name per rank, not the `.*.*.tmp` of
+        # interrupted writes, which rank 0's start clears while the other ranks already beat
+        tmp = self.path.with_name(f".{self.path.name}.next")
+        tmp.write_text(json.dumps(info) + "\n")
+        os.replace(tmp, self.path)
 
     def start(self) -> RankBeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,31 +68,50 @@ class RankBeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                os.utime(self.path)
-            except OSError:  # a disk that refuses it: the launcher may then call the rank silent, which it is
-                pass
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._write()
+                except OSError:  # a full disk takes no new file but may take a touch
+                    try:
+                        os.utime(self.path)
+                    except OSError:  # a disk that refuses it: the launcher may then call the rank silent, which it is
+                        pass
 
     def end(self) -> None:
         """The rank's work is done: from here its teardown (the process group's, the interpreter's, which stops
         daemon threads such as this one) is torchrun's to time, not a hang."""
-        self._stop.set()
-        try:
-            self._write(ended=True)
-        except OSError:
-            pass
+        with self._lock:
+            self._stop.set()
+            try:
+                self._write(ended=True)
+            except OSError:
+                pass
+
+
+def read_state(run_dir: Path, rank: int) -> dict | None:
+    """A rank's beat file as of now, or None before its first beat: pid, host, launcher, ended, age (seconds since
+    its last beat), and what its main thread waits on: wait (its kind, None outside a wait), what, and idle (seconds
+    since its last progress: as written, plus the file's age)."""
+    path = beat_path(run_dir, rank)
+    try:
+        info = json.loads(path.read_text())
+        age = time.time() - path.stat().st_mtime
+        return {"pid": int(info["pid"]), "host": str(info["host"]), "launcher": int(info.get("launcher", 0)),
+                "ended": bool(info.get("ended", False)), "age": age, "wait": info.get("wait"),
+                "what": str(info.get("what", "")), "idle": float(info.get("idle_s", 0.0)) + max(age, 0.0)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_beat(run_dir: Path, rank: int) -> tuple[int, str, float, int, bool] | None:
     """(pid, host, seconds since its last beat, its launcher's pid, whether it has ended its work) of a rank, or
     None before its first beat."""
-    path = beat_path(run_dir, rank)
-    try:
-        info = json.loads(path.read_text())
-        return (int(info["pid"]), str(info["host"]), time.time() - path.stat().st_mtime,
-                int(info.get("launcher", 0)), bool(info.get("ended", False)))
-    except (OSError, ValueError, KeyError, TypeError):
+    state = read_state(run_dir, rank)
+    if state is None:
         return None
+    return state["pid"], state["host"], state["age"], state["launcher"], state["ended"]
 
 
 def _gone(pid: int, host: str) -> bool:
@@ -186,7 +217,7 @@ class RankWatch:
             else:
                 self._stopped_since.pop(proc.pid, None)
                 if beat is not None and beat[0] == proc.pid and beat[2] > self.bound_s:
-                    why = f"has not beaten for {beat[2]:.0f} s (frozen)"
+                    why = f"has not beaten for {beat[2]:.0f} s (frozen{_last_wait(self.run_dir, rank)})"
             if why is None:
                 continue
             self.fired = (f"rank {rank} (pid {proc.pid}) {why}, over {HANG_KEY}={self.bound_s:g}: the job was ended "
@@ -195,8 +226,41 @@ class RankWatch:
                 _kill(other)
             return self.fired
         if not self.ending:
-            return self._check_other_nodes({proc.pid for _, proc, _ in live}, ranks)
+            return (self._check_other_nodes({proc.pid for _, proc, _ in live}, ranks)
+                    or self._check_waits({rank: proc.pid for rank, proc, _ in live}, ranks))
         return None
+
+    def _check_waits(self, ours: dict[int, int], ranks: list) -> str | None:
+        """A rank whose main thread has made no progress inside a wait (launch/progress.py) for longer than the
+        bound, its process still beating: a reward call or a checkpoint write that never returns. Its peers then wait
+        for it in a collective, just as long: a rank in a collective is named only when every rank of the job is
+        (nobody can move: the one that has waited longest), otherwise the rank stuck elsewhere is (the longest
+        stuck, when several are). Time outside a wait (a compile, a long step) is never a hang here."""
+        from ddpo_tpu.launch.progress import COLLECTIVE, describe
+
+        known = set(ours) | set(range(self.world))
+        stuck = {}
+        for rank in sorted(known):
+            state = read_state(self.run_dir, rank)
+            if state is None or state["ended"] or state["age"] > STALE_S:
+                continue  # no beat of this job yet, its work done, or silent: the beat checks above judge it
+            if rank in ours and state["pid"] != ours[rank]:
+                continue  # a previous attempt's file
+            if state["wait"] and state["idle"] > self.bound_s:
+                stuck[rank] = state
+        blocking = {r: s for r, s in stuck.items() if s["wait"] != COLLECTIVE}
+        if not blocking and len(stuck) < len(known):
+            return None
+        rank, state = max((blocking or stuck).items(), key=lambda kv: (kv[1]["idle"], -kv[0]))
+        here = rank in ours
+        who = f"rank {rank} (pid {state['pid']}" + (")" if here else f" on {state['host']})")
+        self.fired = (f"{who} made no progress for {state['idle']:.0f} s, waiting on "
+                      f"{describe(state['wait'], state['what'])}, over {HANG_KEY}={self.bound_s:g}: the job was "
+                      f"ended (every rank of this node killed); the same command{'' if here else 's'} "
+                      f"resume{'s' if here else ''} from the last checkpoint")
+        for _, other in ranks:
+            _kill(other)
+        return self.fired
 
     def _check_other_nodes(self, ours: set[int], ranks: list) -> str | None:
         """Another node's rank whose beat (read from the shared run dir) went stale: its node was killed, stopped or
@@ -217,6 +281,16 @@ class RankWatch:
                     _kill(other)
                 return self.fired
         return None
+
+
+def _last_wait(run_dir: Path, rank: int) -> str:
+    """', last seen waiting on the reward call (...)' from a silent rank's last beat, or ''."""
+    from ddpo_tpu.launch.progress import describe
+
+    state = read_state(run_dir, rank)
+    if state is None or not state["wait"]:
+        return ""
+    return f", last seen waiting on {describe(state['wait'], state['what'])}"
 
 
 def _kill(proc) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ddpo_tpu.config.distributed import compile_backend
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu import env as envmod
+from ddpo_tpu.launch.progress import COLLECTIVE, waiting
 from ddpo_tpu.runtime.base import Counters, Runtime, StateLayout
 
 
@@ -99,30 +100,35 @@ class DistributedRuntime(Runtime):
     def gather_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         out = torch.empty((tensor.shape[0] * self.process_count, *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor.contiguous())
+        with waiting(COLLECTIVE, "all_gather_into_tensor"):  # the rank watch names what it waits on
+            dist.all_gather_into_tensor(out, tensor.contiguous())
         self._gathered += out.numel() * out.element_size()
         return out
 
     def gather_rows(self, array: np.ndarray) -> np.ndarray:
         """Host arrays of this rank's rows -> the global rows in rank order, on every rank."""
         parts: list = [None] * self.process_count
-        dist.all_gather_object(parts, np.asarray(array))
+        with waiting(COLLECTIVE, "all_gather_object"):
+            dist.all_gather_object(parts, np.asarray(array))
         whole = np.concatenate(parts)
         self._gathered += whole.nbytes
         return whole
 
     def mean_over_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        with waiting(COLLECTIVE, "all_reduce"):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)  # gloo has no AVG
         return out / self.process_count
 
     def any_process(self, flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        with waiting(COLLECTIVE, "all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t.item())
 
     def barrier(self) -> None:
-        dist.barrier()
+        with waiting(COLLECTIVE, "barrier"):
+            dist.barrier()
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -173,7 +179,10 @@ class DistributedRuntime(Runtime):
 
     def to_full(self, tensor: torch.Tensor) -> torch.Tensor:
         """A whole tensor from a (possibly FSDP-split) one: DTensor.full_tensor(), a collective every rank runs."""
-        return tensor.full_tensor() if isinstance(tensor, _dtensor()) else tensor
+        if not isinstance(tensor, _dtensor()):
+            return tensor
+        with waiting(COLLECTIVE, "full_tensor"):  # one per tensor: each gathered one is progress
+            return tensor.full_tensor()
 
     def place_like(self, value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """A whole host tensor laid out as `like` (split over the fsdp ranks when like is an FSDP2 DTensor)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ddpo_tpu.launch.progress import CHECKPOINT, waiting
 from ddpo_tpu.training import checkpoint_files as ckpt
 from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.rundir.checkpoint_layout import CHECKPOINTS
@@ -139,19 +140,20 @@ class CheckpointManager:
                 final_ema = self._host_trainable()
         if not self.rt.is_main:
             return None
-        # the weights first: an epoch whose checkpoint is in place has its weights files too
-        self.out.save_weights(f"epoch_{epoch:04d}", trainable)
-        if last:
-            self.out.save_weights("final", trainable)
-        if final_ema is not None:
-            self.out.save_weights("final_ema", final_ema)
-        if last:  # the final weights also as users load them (diffusers, peft): training/export.py
-            self._export("final", trainable)
+        with waiting(CHECKPOINT, f"epoch {epoch}"):  # the rank watch names a write that stops moving
+            # the weights first: an epoch whose checkpoint is in place has its weights files too
+            self.out.save_weights(f"epoch_{epoch:04d}", trainable)
+            if last:
+                self.out.save_weights("final", trainable)
             if final_ema is not None:
-                self._export("final_ema", final_ema)
-        return ckpt.prepare(self.root, epoch=epoch, global_step=self.state.global_step, trainable=trainable,
-                            optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
-                            tree=self.tree)
+                self.out.save_weights("final_ema", final_ema)
+            if last:  # the final weights also as users load them (diffusers, peft): training/export.py
+                self._export("final", trainable)
+                if final_ema is not None:
+                    self._export("final_ema", final_ema)
+            return ckpt.prepare(self.root, epoch=epoch, global_step=self.state.global_step, trainable=trainable,
+                                optimizer=optimizer, tracker=self.algorithm.state_dict(), run_id=self.run_id,
+                                tree=self.tree)
 
     def _export(self, name: str, state: dict) -> None:
         """A convenience copy of saved weights: its failure (a hub config missing, an old diffusers) costs one warning
@@ -171,9 +173,10 @@ class CheckpointManager:
     def commit(self, epoch: int, pending: ckpt.Pending | None) -> None:
         """The rename that marks `epoch` done (main process; the others only note it), then the bucket copy."""
         if pending is not None:
-            path = pending.commit(self.cfg.checkpoint_limit)
-            self.events.emit(ev.CheckpointSaved(epoch, self.state.global_step, str(path)))
-            self.out.publish((path.name, pending.data, epoch))  # bucket copy: the epoch's files, then the checkpoint
+            with waiting(CHECKPOINT, f"epoch {epoch}, its commit"):
+                path = pending.commit(self.cfg.checkpoint_limit)
+                self.events.emit(ev.CheckpointSaved(epoch, self.state.global_step, str(path)))
+                self.out.publish((path.name, pending.data, epoch))  # bucket copy: the files, then the checkpoint
         self.last_saved_epoch = epoch
 
     def saved_state(self) -> str:

@@ -211,7 +211,12 @@ class Trainer:
         fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
-        return fn(images, prompts, metadata) if self.pool is None else self.pool.submit(fn, images, prompts, metadata)
+        from ddpo_tpu.launch.progress import REWARD, marked, waiting
+
+        if self.pool is None:  # the rank watch names this call when it hangs
+            with waiting(REWARD, f"reward.name={self.cfg.reward.name}, {len(images)} images"):
+                return fn(images, prompts, metadata)
+        return self.pool.submit(marked(fn), images, prompts, metadata)
 
     def _sample_batch(self, prompts: list[str], gen: torch.Generator | None, evaluation: bool = False,
                       sde_window: tuple[int, int] | None = None, noise: tuple | None = None, uncond=None,
@@ -265,7 +270,11 @@ class Trainer:
             self.rt.sync()
         try:
             # per batch, every process's rows in order (distributed: gathered from the ranks)
-            done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
+            from ddpo_tpu.launch.progress import REWARD, pool_activity, waiting
+
+            # the rank watch names this wait when the pool's calls stop moving (each call's start and end is progress)
+            with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}", since=pool_activity()):
+                done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
             if self.image_scores is not None:
                 sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
                                   for k in done[0][1]}
