@@ -119,7 +119,7 @@ def test_the_flow_ode_step_is_the_schedulers_euler_step(tmp_path):
     for i in (0, 5, 11):
         idx = torch.full((2,), i)
         prev, log_prob = step(x, idx, torch.randn_like(x), cond, uncond)
-        v = family._velocity(x, idx, cond, uncond, family.schedule(12))
+        v = family.velocity(x, idx, cond, uncond, family.schedule(12))
         want = sched.step(v, sched.timesteps[i], x, return_dict=False)[0]
         sched._step_index = None  # step() advances its own index; each check starts from timestep i
         torch.testing.assert_close(prev, want, rtol=1e-6, atol=1e-6)

@@ -1,5 +1,5 @@
 """A rank whose main thread stops making progress while its process stays healthy (issue 43 item 2): the wait labels
-(ddpo_tpu/launch/progress.py), their way into the beat file (launch/rankwatch.py's RankBeat) and the watch that names
+(ddpo_tpu/waits.py), their way into the beat file (launch/rankwatch.py's RankBeat) and the watch that names
 the stuck rank and its wait (RankWatch); end to end, a two-process run whose rank 1 reward call never returns, and
 a SIGTERM during the evaluation before training followed by the same command."""
 
@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpo_tpu.launch import progress, rankwatch
+from ddpo_tpu import waits as progress
+from ddpo_tpu.launch import rankwatch
 from ddpo_tpu.rundir import events as ev
 from tests.helpers import clean_env, read_metrics, run_train
 
@@ -147,7 +148,7 @@ def test_the_loops_reward_calls_are_labelled_in_the_main_thread_and_the_pool():
         return np.zeros(len(prompts), dtype=np.float32)
 
     fake = SimpleNamespace(prompts=SimpleNamespace(metadata=lambda p: None), reward=reward, image_scores=None,
-                           pool=None, cfg=SimpleNamespace(reward=SimpleNamespace(name="ocr")))
+                           pool=None, cfg=SimpleNamespace(reward=SimpleNamespace(name="ocr")), reward_bound_s=0.0)
     images = np.zeros((2, 4, 4, 3), dtype=np.uint8)
     loop.Trainer._score(fake, images, ["a", "b"])
     main, snap, pending = seen.pop()
@@ -242,6 +243,51 @@ def test_the_rank_stuck_in_its_reward_call_is_named_not_the_peer_waiting_for_it(
         assert watch.check() is None  # fires once
     finally:
         _end(*ranks)
+
+
+def test_a_reward_that_gives_up_by_its_own_timeouts_gets_that_long_per_request(tmp_path):
+    """A reward wait carrying its own bound (a server's timeout_s x attempts): not a hang within it though over
+    distributed.hang_timeout_s; past it, named with the bound it went over."""
+    ranks = [_rank_child(0), _rank_child(1)]
+    try:
+        watch = rankwatch.RankWatch(tmp_path, bound_s=5, world=2)
+        _beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=40)
+        _beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=30, bound_s=124)
+        assert watch.check() is None  # 30 s on one request of a server allowed 124 s: slow, not stuck
+        _beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=130, bound_s=124)
+        line = watch.check()
+        assert line.startswith(f"rank 1 (pid {ranks[1].pid}) made no progress for 130 s, waiting on the reward call "
+                               f"(reward.name=remote, epoch 1), over the 124 s its own timeouts allow one request")
+    finally:
+        _end(*ranks)
+
+
+def test_a_wait_carries_its_bound_into_the_beat_and_a_request_answered_is_progress():
+    with progress.waiting(progress.REWARD, "reward.name=remote", bound_s=124.0):
+        time.sleep(0.3)
+        before = progress.snapshot()
+        progress.advanced()  # what the HTTP client calls after each answered request
+        after = progress.snapshot()
+    assert before["bound_s"] == after["bound_s"] == 124.0
+    assert before["idle_s"] >= 0.3 > after["idle_s"]
+    with progress.waiting(progress.COLLECTIVE, "barrier"):
+        assert "bound_s" not in progress.snapshot()
+
+
+def test_a_rewards_own_request_bound_follows_its_timeouts():
+    """timeout_s x (retries + 1) plus the doubling backoffs (b, 2b, ... < b 2^retries); a managed process: a request
+    and one restart; weighted: its slowest component; a reward without timeouts: none."""
+    from ddpo_tpu.catalog.reward_checks import request_bound_s
+    from ddpo_tpu.config.compose import compose_and_validate
+
+    remote = compose_and_validate(["+experiment=smoke", "reward=remote"]).cfg.reward.model_dump()
+    assert request_bound_s(remote) == remote["timeout_s"] * (remote["retries"] + 1) + remote["backoff_s"] * 2 ** 3
+    assert request_bound_s({"name": "jpeg_compressibility", "process": {"python": None}}) == 0.0
+    managed = {"name": "pickscore", "process": {"python": "/env/bin/python", "request_timeout_s": 600.0,
+                                                "startup_timeout_s": 300.0}}
+    assert request_bound_s(managed) == 900.0
+    assert request_bound_s({"name": "weighted", "components": [remote, {"name": "jpeg_compressibility"}]}) == \
+        request_bound_s(remote)
 
 
 def test_ranks_in_collectives_are_not_blamed_while_a_peer_is_busy(tmp_path):

@@ -322,3 +322,21 @@ def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, ev
                     f"name none (e.g. {example!r})", Fix.of({f"{prefix}.target": 7}, note="(one digit for every "
                                                              "prompt), or prompts that each name a digit "
                                                              "(prompts.file=digits.txt)"))]
+
+
+def request_bound_s(reward: dict) -> float:
+    """The longest one request of a reward (its config as a dict) may take by its own settings before it gives up
+    itself, 0 where it sets none: a server's or chat endpoint's timeout_s x (retries + 1) plus its doubling backoffs,
+    a managed process's request_timeout_s plus one restart (startup_timeout_s); reward=weighted: the longest of its
+    components'. The rank watch gives a reward wait that long when it exceeds distributed.hang_timeout_s
+    (ddpo_tpu/waits.py): a slow server that answers within its own timeouts is not a hang."""
+    bounds = [0.0]
+    if reward.get("timeout_s"):
+        retries = int(reward.get("retries") or 0)
+        backoff = float(reward.get("backoff_s") or 0.0)
+        bounds.append(float(reward["timeout_s"]) * (retries + 1) + backoff * 2 ** retries)
+    process = reward.get("process") or {}
+    if process.get("python"):
+        bounds.append(float(process["request_timeout_s"]) + float(process["startup_timeout_s"]))
+    bounds += [request_bound_s(c) for c in reward.get("components") or []]
+    return max(bounds)

@@ -9,7 +9,7 @@ is alive instead, whatever its main thread is doing:
   RANK_BEAT_S seconds. A compile, a long step or a wait in a collective keeps beating; a stopped process (SIGSTOP, a
   debugger) or a frozen one does not.
 - The beat also carries what the rank's main thread waits on (a reward call, a collective, a checkpoint write) and the
-  seconds since its last progress (launch/progress.py). A main thread stuck in a wait while its process beats (a
+  seconds since its last progress (ddpo_tpu/waits.py). A main thread stuck in a wait while its process beats (a
   reward server that never answers) ends the job once it has made no progress for the bound, named with that wait;
   its peers, waiting for it in a collective just as long, are not blamed (RankWatch._check_waits).
 - Each node's launcher (ddpo_tpu/torchrun.py) looks at its ranks every half second, and at the other nodes' ranks'
@@ -43,7 +43,7 @@ def beat_path(run_dir: Path, rank: int) -> Path:
 
 class RankBeat:
     """This rank's heartbeat file, written by a daemon thread while the process runs: its pid, host and launcher,
-    and what its main thread waits on with the seconds since its last progress (launch/progress.py's snapshot)."""
+    and what its main thread waits on with the seconds since its last progress (ddpo_tpu/waits.py's snapshot)."""
 
     def __init__(self, run_dir: Path, rank: int, interval: float = RANK_BEAT_S):
         self.path, self.interval = beat_path(run_dir, rank), interval
@@ -51,7 +51,7 @@ class RankBeat:
         self._lock = threading.Lock()  # the thread's beat and end()'s last word never interleave
 
     def _write(self, **extra) -> None:
-        from ddpo_tpu.launch.progress import snapshot
+        from ddpo_tpu.waits import snapshot
 
         info = {"pid": os.getpid(), "host": socket.gethostname(), "launcher": os.getppid(), **snapshot(), **extra}
         # whole or not at all (the watch reads it any time); one fixed name per rank, not the `.*.*.tmp` of
@@ -100,7 +100,8 @@ def read_state(run_dir: Path, rank: int) -> dict | None:
         age = time.time() - path.stat().st_mtime
         return {"pid": int(info["pid"]), "host": str(info["host"]), "launcher": int(info.get("launcher", 0)),
                 "ended": bool(info.get("ended", False)), "age": age, "wait": info.get("wait"),
-                "what": str(info.get("what", "")), "idle": float(info.get("idle_s", 0.0)) + max(age, 0.0)}
+                "what": str(info.get("what", "")), "idle": float(info.get("idle_s", 0.0)) + max(age, 0.0),
+                "bound": float(info.get("bound_s", 0.0))}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -231,12 +232,12 @@ class RankWatch:
         return None
 
     def _check_waits(self, ours: dict[int, int], ranks: list) -> str | None:
-        """A rank whose main thread has made no progress inside a wait (launch/progress.py) for longer than the
+        """A rank whose main thread has made no progress inside a wait (ddpo_tpu/waits.py) for longer than the
         bound, its process still beating: a reward call or a checkpoint write that never returns. Its peers then wait
         for it in a collective, just as long: a rank in a collective is named only when every rank of the job is
         (nobody can move: the one that has waited longest), otherwise the rank stuck elsewhere is (the longest
         stuck, when several are). Time outside a wait (a compile, a long step) is never a hang here."""
-        from ddpo_tpu.launch.progress import COLLECTIVE, describe
+        from ddpo_tpu.waits import COLLECTIVE, describe
 
         known = set(ours) | set(range(self.world))
         stuck = {}
@@ -246,7 +247,8 @@ class RankWatch:
                 continue  # no beat of this job yet, its work done, or silent: the beat checks above judge it
             if rank in ours and state["pid"] != ours[rank]:
                 continue  # a previous attempt's file
-            if state["wait"] and state["idle"] > self.bound_s:
+            # a wait may allow itself longer (a reward that gives up by its own timeouts: ddpo_tpu/waits.py)
+            if state["wait"] and state["idle"] > max(self.bound_s, state["bound"]):
                 stuck[rank] = state
         blocking = {r: s for r, s in stuck.items() if s["wait"] != COLLECTIVE}
         if not blocking and len(stuck) < len(known):
@@ -254,8 +256,10 @@ class RankWatch:
         rank, state = max((blocking or stuck).items(), key=lambda kv: (kv[1]["idle"], -kv[0]))
         here = rank in ours
         who = f"rank {rank} (pid {state['pid']}" + (")" if here else f" on {state['host']})")
+        over = (f"{HANG_KEY}={self.bound_s:g}" if state["bound"] <= self.bound_s
+                else f"the {state['bound']:g} s its own timeouts allow one request")
         self.fired = (f"{who} made no progress for {state['idle']:.0f} s, waiting on "
-                      f"{describe(state['wait'], state['what'])}, over {HANG_KEY}={self.bound_s:g}: the job was "
+                      f"{describe(state['wait'], state['what'])}, over {over}: the job was "
                       f"ended (every rank of this node killed); the same command{'' if here else 's'} "
                       f"resume{'s' if here else ''} from the last checkpoint")
         for _, other in ranks:
@@ -285,7 +289,7 @@ class RankWatch:
 
 def _last_wait(run_dir: Path, rank: int) -> str:
     """', last seen waiting on the reward call (...)' from a silent rank's last beat, or ''."""
-    from ddpo_tpu.launch.progress import describe
+    from ddpo_tpu.waits import describe
 
     state = read_state(run_dir, rank)
     if state is None or not state["wait"]:

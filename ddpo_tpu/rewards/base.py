@@ -31,6 +31,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from ddpo_tpu.waits import advanced
+
 __all__ = [
     "RewardError",
     "Reward",
@@ -138,6 +140,7 @@ class Reward(abc.ABC):
                     ims = np.concatenate([ims, np.repeat(ims[-1:], step - real, axis=0)])
                     ps = ps + [ps[-1]] * (step - real)
                 parts.append(np.asarray(score_chunk(ims, ps))[:real])
+                advanced()  # a chunk scored: a rank waiting on this reward is moving (ddpo_tpu/waits.py)
         except Exception as exc:  # transformers / torch failures, named as this reward's
             raise self._error(f"scoring failed: {type(exc).__name__}: {exc}") from exc
         return np.concatenate(parts).astype(np.float32, copy=False)

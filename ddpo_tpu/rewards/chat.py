@@ -46,6 +46,7 @@ from ddpo_tpu.rewards.remote import (
     _is_loopback,
     _Transient,
 )
+from ddpo_tpu.waits import advanced
 
 __all__ = ["ChatClient", "ENV_NAME", "RewardInterrupted", "chat_endpoint"]
 
@@ -193,6 +194,7 @@ class ChatClient:
             except _Transient as exc:
                 last = exc
                 continue
+            advanced()  # a request answered: a rank waiting on this reward is moving (ddpo_tpu/waits.py)
             return self._check_reply(payload, index)
         assert last is not None
         raise self._fail(self._give_up_message(last))

@@ -88,6 +88,7 @@ from ddpo_tpu.rewards.base import Metadata, Reward, RewardScores, register_rewar
 from ddpo_tpu.rewards.wire import (IMAGE_FORMATS, WIRE_VERSION, _TEXT_LIMIT, _excerpt, decode_image,  # noqa: F401
                                    decode_request, encode_image, encode_reply, encode_request, parse_reply,
                                    parse_rewards)
+from ddpo_tpu.waits import advanced
 
 __all__ = [
     "WIRE_VERSION",
@@ -278,6 +279,7 @@ class RemoteReward(Reward):
                     + (" (metadata must be JSON: strings, numbers, lists, objects)" if metadata is not None else "")
                 ) from exc
             chunk = self._score_chunk(body, stop - start, start)
+            advanced()  # a request answered: a rank waiting on this reward is moving (ddpo_tpu/waits.py)
             out[start:stop] = chunk.values
             for name, column in chunk.extras.items():
                 extras.setdefault(name, np.full(n, np.nan, dtype=np.float32))[start:stop] = column

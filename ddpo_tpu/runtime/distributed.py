@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ddpo_tpu.config.distributed import compile_backend
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu import env as envmod
-from ddpo_tpu.launch.progress import COLLECTIVE, waiting
+from ddpo_tpu.waits import COLLECTIVE, waiting
 from ddpo_tpu.runtime.base import Counters, Runtime, StateLayout
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ddpo_tpu.launch.progress import CHECKPOINT, waiting
+from ddpo_tpu.waits import CHECKPOINT, waiting
 from ddpo_tpu.training import checkpoint_files as ckpt
 from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.rundir.checkpoint_layout import CHECKPOINTS

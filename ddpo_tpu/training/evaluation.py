@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ddpo_tpu.training.eval_plan import EvalItem, EvalPlan, make_plan
+from ddpo_tpu.waits import REWARD, waiting
 
 PREFIX_SEP = "/"
 
@@ -170,7 +171,9 @@ class Evaluator:
                 lp, lm = [it.prompt for it in local], [it.metadata for it in local]
                 real = plan.real[b]
                 for label, reward in self.panel:
-                    s = score_with(t.reward if reward is None else reward, images, lp, lm)
+                    # the rank watch names a call that stops moving (ddpo_tpu/waits.py); the run's reward's bound
+                    with waiting(REWARD, f"evaluation reward {label}, {len(lp)} images", bound_s=t.reward_bound_s):
+                        s = score_with(t.reward if reward is None else reward, images, lp, lm)
                     scores[label].append(rt.gather_rows(np.asarray(s.values, dtype=np.float64))[:real])
                     ex = gather_extras(rt, [s])
                     extras[label].append({k: v[:real] for k, v in ex.items()})

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ddpo_tpu.rundir import events as ev
+from ddpo_tpu.catalog.reward_checks import request_bound_s
 from ddpo_tpu.config.batch import num_train_timesteps
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
 from ddpo_tpu.config.schema import RunConfig
@@ -92,6 +93,8 @@ class Trainer:
                                                                  device=rt.device, log_dir=out.path,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
+        # how long one of the reward's requests may take by its own timeouts (the rank watch waits that long)
+        self.reward_bound_s = request_bound_s(cfg.reward.model_dump())
         # algorithm.advantage_aggregation=gdpo (group algorithms, reward=weighted): the components' weights by key
         gdpo = cfg.algorithm.model_dump().get("advantage_aggregation") == "gdpo"  # a key of the group algorithms only
         self.gdpo_weights = component_weights(cfg.reward) if gdpo else None
@@ -211,10 +214,11 @@ class Trainer:
         fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
-        from ddpo_tpu.launch.progress import REWARD, marked, waiting
+        from ddpo_tpu.waits import REWARD, marked, waiting
 
         if self.pool is None:  # the rank watch names this call when it hangs
-            with waiting(REWARD, f"reward.name={self.cfg.reward.name}, {len(images)} images"):
+            with waiting(REWARD, f"reward.name={self.cfg.reward.name}, {len(images)} images",
+                         bound_s=self.reward_bound_s):
                 return fn(images, prompts, metadata)
         return self.pool.submit(marked(fn), images, prompts, metadata)
 
@@ -270,10 +274,11 @@ class Trainer:
             self.rt.sync()
         try:
             # per batch, every process's rows in order (distributed: gathered from the ranks)
-            from ddpo_tpu.launch.progress import REWARD, pool_activity, waiting
+            from ddpo_tpu.waits import REWARD, pool_activity, waiting
 
             # the rank watch names this wait when the pool's calls stop moving (each call's start and end is progress)
-            with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}", since=pool_activity()):
+            with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}", since=pool_activity(),
+                         bound_s=self.reward_bound_s):
                 done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
             if self.image_scores is not None:
                 sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])

@@ -5,11 +5,14 @@ forever while its process runs (a reward server that never answers, a write on a
 the job then ends only when a peer's collective times out, and the traceback blames that peer. So the main thread
 labels its waits, at a few places:
 
-    with waiting(REWARD, "reward.name=ocr"):  ...   # training/loop.py: a reward call, or its future awaited
+    with waiting(REWARD, "reward.name=ocr", bound_s=...):  ...  # training/loop.py: a reward call, or its future
     with waiting(COLLECTIVE, "all_gather_object"): ...  # runtime/distributed.py: the runtime's collectives
     with waiting(CHECKPOINT, "epoch 3"): ...            # training/checkpointing.py: the checkpoint's writes
 
-Entering and leaving a wait is progress. The rank's beat thread (RankBeat) copies `snapshot()` into its beat file
+Entering and leaving a wait is progress, and so is each request a reward completes (`advanced()` from its
+chunk loop, its HTTP client, its chat client). A wait may carry its own bound (`bound_s`): a reward that gives up by
+its own timeouts (a server's timeout_s x its retries, a managed process's request and restart) is given that long for
+one request before the watch calls it a hang, when that is longer than distributed.hang_timeout_s. The rank's beat thread (RankBeat) copies `snapshot()` into its beat file
 every beat: the innermost wait, how long it has lasted, and seconds since the last progress. The launcher's watch then
 ends the job naming the rank whose main thread has made no progress within a wait for `distributed.hang_timeout_s`,
 and that wait. Time outside any wait (a compile, a long step) is never called a hang here: the beat covers a process
@@ -46,7 +49,7 @@ CPU_PROGRESS_S = 0.2  # CPU seconds between two looks of the beat thread (2 s ap
 IO_PROGRESS_BYTES = 1 << 20  # bytes read or written between two looks that count (the beat's own file is < 8 KiB)
 
 _lock = threading.Lock()
-_stack: list[tuple[str, str, float]] = []  # (kind, what, since) of the main thread's waits, innermost last
+_stack: list[tuple[str, str, float, float]] = []  # (kind, what, since, bound_s) of the main thread's waits, innermost last
 _progress = time.monotonic()
 _seen: tuple[int | None, float] | None = None  # (I/O bytes, CPU seconds) at the beat thread's last look
 
@@ -59,10 +62,10 @@ class waiting:  # a context manager, named as one
     """The main thread waits on `kind` (COLLECTIVE, REWARD, CHECKPOINT) for `what` (a short detail: the call, the
     key, the epoch). Other threads' waits are not the main thread's: ignored."""
 
-    __slots__ = ("_mine", "kind", "since", "what")
+    __slots__ = ("_mine", "bound_s", "kind", "since", "what")
 
-    def __init__(self, kind: str, what: str = "", since: float | None = None):
-        self.kind, self.what, self.since, self._mine = kind, what, since, False
+    def __init__(self, kind: str, what: str = "", since: float | None = None, bound_s: float = 0.0):
+        self.kind, self.what, self.since, self.bound_s, self._mine = kind, what, since, bound_s, False
 
     def __enter__(self) -> None:
         """`since`: the last progress of what this wait is for, when it began before the wait (pool_activity())."""
@@ -71,7 +74,7 @@ class waiting:  # a context manager, named as one
             self._mine = True
             now = time.monotonic()
             with _lock:
-                _stack.append((self.kind, self.what, now))
+                _stack.append((self.kind, self.what, now, self.bound_s))
                 _progress = now if self.since is None else min(now, self.since)
 
     def __exit__(self, *exc) -> None:
@@ -158,8 +161,10 @@ def snapshot() -> dict:
     with _lock:
         out = {"idle_s": round(now - _progress, 2)}
         if _stack:
-            kind, what, since = _stack[-1]
+            kind, what, since, bound = _stack[-1]
             out.update(wait=kind, what=what, wait_s=round(now - since, 2))
+            if bound:
+                out["bound_s"] = bound
     return out
 
 
