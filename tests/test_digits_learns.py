@@ -60,6 +60,7 @@ def test_the_classifier_reads_the_digits():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the demo's curves (and its first digits build: minutes): not in CI (docs/testing.md)
 @pytest.mark.parametrize("algorithm", ["ddpo", "grpo"])
 def test_the_digits_demo_learns_far_above_a_frozen_control(tmp_path, algorithm):
     from digits_demo import train

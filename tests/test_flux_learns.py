@@ -10,7 +10,9 @@ import pytest
 
 from tests.helpers.learning import smoke_rewards, z
 
-pytestmark = pytest.mark.slow
+# FLUX's learning curve is the extended tier's (docs/testing.md): CI runs GRPO's on SD 3 (test_flow_grpo_learns.py)
+# and FLUX's own parts against diffusers (test_flux_parity.py) and compiled on XLA (test_xla_families.py)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 WINDOW = 5  # epochs at each end of the run
 # Measured here (rise of the last 5 epochs' mean reward over the first 5, in pooled standard errors): seed 0 z = 5.6
