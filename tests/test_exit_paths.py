@@ -33,6 +33,7 @@ BASE = ["+experiment=smoke", "num_epochs=2", "save_freq=1", "reward.host_workers
 TOPOLOGIES = {"one": [], "two": ["tpu_topology=cpu_dist2", "distributed.compile=none", "sample.batch_size=2",
                                  "train.batch_size=1"]}
 EXIT_FAILED = 1
+EXIT_CONFIG = 2
 WORKER = "ddpo_tpu.worker"
 
 
@@ -216,6 +217,12 @@ def test_a_disk_fault_mid_run_is_one_line_and_the_same_command_resumes(tmp_path,
     assert ("no space left" in line.lower()) == (fault == "full"), line
     assert ("Read-only file system" in line) == (fault == "read_only"), line
     assert_checkpoint_intact(mounts.view(run_dir), 0)
+    # the same command before the disk is fixed: refused by the front end in one line, nothing started
+    started = len([e for e in ev.read_events(mounts.view(run_dir)) if e["event"] == "worker_started"])
+    code, out = finish(start(args, tmp_path, wrap=mounts.command), timeout=120)
+    assert_one_line(code, out, str(run_dir), want_code=EXIT_CONFIG)
+    assert "nothing was started" in out, out[-4000:]
+    assert len([e for e in ev.read_events(mounts.view(run_dir)) if e["event"] == "worker_started"]) == started
     if fault == "full":
         mounts.free()
     else:
@@ -225,6 +232,28 @@ def test_a_disk_fault_mid_run_is_one_line_and_the_same_command_resumes(tmp_path,
     resumed = [e["epoch"] for e in ev.read_events(mounts.view(run_dir)) if e["event"] == "resumed"]
     assert resumed[-1:] == [0], resumed
     assert_checkpoint_intact(mounts.view(run_dir), 1)
+
+
+# the run dir's files and folders that each write path of an epoch writes (docs/operations.md, "The weights a run
+# leaves", "Preemption, resume"): one made read-only at a time, the rest of the run dir left writable
+WRITE_PATHS = {"events": "events.jsonl", "metrics": "metrics.jsonl", "samples": "samples", "checkpoint": "checkpoints",
+               "weights": "weights"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(WRITE_PATHS))
+def test_each_write_path_turning_read_only_is_one_line(tmp_path, mounts, path):
+    """Only one write path of the run refuses (a read-only bind mount over that file or folder) while epoch 1
+    samples: the run ends at that write with the one line naming it, no traceback after it (the rest of the
+    run dir, where the ending writes go, stays writable), exit 1, and the checkpoint of epoch 0 intact."""
+    run_dir = mounts.root / "faulty"
+    proc = start([*BASE, f"output_root={mounts.root}"], tmp_path, wrap=mounts.command)
+    into_epoch_1(mounts.view(run_dir), proc)
+    target = run_dir / WRITE_PATHS[path]
+    mounts.read_only(target)
+    code, out = finish(proc)
+    assert_one_line(code, out, str(target), "Read-only file system", "the same command")
+    assert_checkpoint_intact(mounts.view(run_dir), 0)
 
 
 # --- the pieces, without a run ---------------------------------------------------------------------------------------
