@@ -171,7 +171,10 @@ def _ranks(front_end: int) -> list:
     """The processes running the worker under this front end (one, or torchrun's ranks)."""
     import psutil
 
-    return [p for p in psutil.Process(front_end).children(recursive=True) if p.cmdline()[1:3] == ["-m", WORKER]]
+    def module(cmd: list[str]) -> str:  # python [-u] -m MODULE ...: torchrun's own command runs ddpo_tpu.torchrun
+        return cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else ""
+
+    return [p for p in psutil.Process(front_end).children(recursive=True) if module(p.cmdline()) == WORKER]
 
 
 @pytest.mark.slow
