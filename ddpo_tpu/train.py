@@ -238,8 +238,8 @@ def _probe_write(run_dir: Path) -> None:
 
 
 def _fail_on_disk(e: OSError, run_dir: Path) -> None:
-    """A write of the front end's the run dir's disk refused: one line, exit 2 (nothing was started); anything
-    else is not a disk's answer and keeps its traceback."""
+    """A write of the front end's that the run dir's disk refused (read-only, full): one line, exit 2 (nothing was
+    started). Any other OSError is not the disk's answer and keeps its traceback."""
     from ddpo_tpu.worker import STORAGE_ERRORS, storage_error_line
 
     if e.errno not in STORAGE_ERRORS:
