@@ -16,7 +16,8 @@ connection closes and names it (launch/rankwatch.py's lost_peers). A rank that i
 the job within distributed.hang_timeout_s, named by this launcher (launch/rankwatch.py's RankWatch).
 
 One line per failure: a rank that reported its own cause (an `error` event: disk full, non-finite loss, a lost peer)
-is not reported again as "rank N exited with code 1".
+is not reported again as "rank N exited with code 1". A full disk refuses that event too, so the rank also says it
+by its exit code (launch/process.py's EXIT_RANK_SAID_WHY), which needs no disk.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ def _size(path) -> int:
 
 def outcome(failures: dict, reported: bool = False, own=None) -> tuple[int, str]:
     """(exit code, a line or "") from torchrun's failures: rank -> ProcessFailure (exitcode, pid, timestamp).
-    `reported`: a rank already said why the job failed, in its own line; no second one. A rank other than 0 that
-    gave its cause in its log (`own`: rank -> that line or "") has it quoted."""
-    from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED
+    `reported`: a rank already said why the job failed, in its own line; no second one. Rank 0 ending with
+    EXIT_RANK_SAID_WHY said it on the console (its output is the console's), which holds when the disk refused the
+    `error` event behind `reported`. A rank other than 0 that gave its cause in its log (`own`: rank -> that line or
+    "") has it quoted: only its log has it."""
+    from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, EXIT_RANK_SAID_WHY
 
     codes = {rank: f.exitcode for rank, f in failures.items()}
     stopped = {EXIT_PREEMPTED, -signal.SIGTERM, 128 + signal.SIGTERM}  # a rank torchrun ended after another stopped
@@ -85,10 +88,12 @@ def outcome(failures: dict, reported: bool = False, own=None) -> tuple[int, str]
     for documented in (EXIT_BUSY, EXIT_CONFIG):
         if documented in codes.values():
             return documented, ""
-    if reported:
+    if reported or codes.get(0) == EXIT_RANK_SAID_WHY:
         return EXIT_FAILED, ""
     rank, first = min(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    if first.exitcode < 0:
+    if first.exitcode == EXIT_RANK_SAID_WHY:
+        how = "failed and said why in its output"  # in its log only, which the disk may have refused
+    elif first.exitcode < 0:
         how = f"was killed by {signal.Signals(-first.exitcode).name}"
     else:
         how = f"exited with code {first.exitcode}"

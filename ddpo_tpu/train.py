@@ -211,9 +211,40 @@ def _lock_run_dir(run_dir: Path, suffix: str = ""):
     if key not in _run_dir_locks:
         try:
             _run_dir_locks[key] = RunDirLock(key, suffix=suffix).acquire()
+            _probe_write(key)
         except RunDirBusy as e:
             _fail([str(e)], process.EXIT_BUSY)
+        except OSError as e:
+            _fail_on_disk(e, key)
     return _run_dir_locks[key]
+
+
+PROBE_BYTES = 1 << 16  # more than the files the front end and Hydra write before the training process starts
+
+
+def _probe_write(run_dir: Path) -> None:
+    """A run dir whose disk refuses writes (read-only, full) is refused before Hydra writes its files there (its
+    error would be a traceback): a probe file of PROBE_BYTES, written, synced and removed."""
+    from ddpo_tpu.rundir.files import atomic_write_bytes
+
+    probe = run_dir / ".write_probe"
+    try:
+        atomic_write_bytes(probe, b"\0" * PROBE_BYTES)
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+def _fail_on_disk(e: OSError, run_dir: Path) -> None:
+    """A write of the front end's that the run dir's disk refused (read-only, full): one line, exit 2 (nothing was
+    started). Any other OSError is not the disk's answer and keeps its traceback."""
+    from ddpo_tpu.worker import STORAGE_ERRORS, storage_error_line
+
+    if e.errno not in STORAGE_ERRORS:
+        raise e
+    _fail([storage_error_line(e, run_dir)])
 
 
 def _unlock_run_dir(run_dir: Path) -> None:
@@ -252,13 +283,16 @@ def _job(cfg) -> None:
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
                   f"the same command again)", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
-    # settings a resume changed, kept in resumes.jsonl (node 0's config.yaml is the run's; other nodes keep their own)
-    resumed = saved_run.record_changes(run_dir, validated.tree) if not node else None
-    OmegaConf.save(OmegaConf.create(validated.tree), run_dir / f"config{node}.yaml")
-    if not node:
-        (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
-    child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
-    (run_dir / f"env{node}.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
+    try:
+        # settings a resume changed, kept in resumes.jsonl (node 0's config.yaml is the run's; other nodes keep theirs)
+        resumed = saved_run.record_changes(run_dir, validated.tree) if not node else None
+        OmegaConf.save(OmegaConf.create(validated.tree), run_dir / f"config{node}.yaml")
+        if not node:
+            (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
+        child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
+        (run_dir / f"env{node}.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
+    except OSError as e:  # the disk turned read-only or full since the probe: one line, nothing started
+        _fail_on_disk(e, run_dir)
     if url is not None and writer:
         try:
             storage.upload_files(run_dir, url, ["config.yaml", "parity.json", "env.json"],

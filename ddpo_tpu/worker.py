@@ -190,7 +190,7 @@ def main() -> int:
 
     heartbeat = Heartbeat(run_dir).start() if ranks is None or ranks[0] == 0 else None
     try:
-        return run(validated, run_dir)
+        code = run(validated, run_dir)
     finally:
         if ranks is not None:
             beat.end()
@@ -198,11 +198,21 @@ def main() -> int:
             heartbeat.stop()
         for lock in reversed(locks):
             lock.release()
+    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_RANK_SAID_WHY
+
+    if ranks is not None and code == EXIT_FAILED:  # run() said its failure in one line before it returned 1
+        # its launcher adds no second line (launch/process.py); exiting at once, before the process group's and the
+        # interpreter's teardown, so that this code is what the launcher sees: a rank still tearing down when a
+        # peer has ended is killed (SIGKILL, launch/rankwatch.py) once its beat is stale, as on a read-only disk
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(EXIT_RANK_SAID_WHY)
+    return code
 
 
 # --- the training run (torch is imported from here on) -------------------------------------------------------------
 
-_STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+STORAGE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def storage_error_line(e: OSError, run_dir: Path) -> str:
@@ -302,7 +312,7 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
         events.emit(ev.Failed(str(e)))
         return EXIT_FAILED
     except OSError as e:
-        if e.errno not in _STORAGE_ERRORS:
+        if e.errno not in STORAGE_ERRORS:
             raise
         events.emit(ev.Failed(storage_error_line(e, run_dir)))
         return EXIT_FAILED
@@ -314,11 +324,12 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
         lost = rt.lost_peers(e, run_dir)
         if not lost:
             raise
-        if not all(ours for _, ours in lost):  # else our launcher saw it end and says how, in the job's one line
+        said = not all(ours for _, ours in lost)  # else our launcher saw it end and says how, in the job's one line
+        if said:
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:200]
             events.emit(ev.Failed(f"{', '.join(d for d, _ in lost)} went away mid-job (a collective with it failed: "
                                   f"{first}); the job stopped; the same command resumes from the last checkpoint"))
-        _exit_without_teardown(out)
+        _exit_without_teardown(out, said)
     finally:
         stop_reward_processes()
     return 0
@@ -332,12 +343,13 @@ def stop_reward_processes() -> None:
         managed.close_all()
 
 
-def _exit_without_teardown(out) -> None:
+def _exit_without_teardown(out, said: bool = False) -> None:
     """End a rank whose peer is gone: what is queued for the bucket goes up, then the process exits at once. The
     process group's teardown (and the interpreter's) can block on the dead peer's connections for as long as
-    torchrun's SIGTERM grace, and nothing is left to write: the checkpoints are whole."""
+    torchrun's SIGTERM grace, and nothing is left to write: the checkpoints are whole. `said`: its line is out (the
+    launcher adds none)."""
     from ddpo_tpu.rundir import storage
-    from ddpo_tpu.launch.process import EXIT_FAILED
+    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_RANK_SAID_WHY
 
     stop_reward_processes()
     try:
@@ -346,7 +358,7 @@ def _exit_without_teardown(out) -> None:
         pass
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(EXIT_FAILED)
+    os._exit(EXIT_RANK_SAID_WHY if said else EXIT_FAILED)
     return 0
 
 

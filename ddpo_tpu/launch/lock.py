@@ -364,6 +364,8 @@ class AcceleratorLock:
             else:
                 os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError:  # a disk that refuses the record (read-only, full): the close below still frees the lock
+            pass
         finally:
             os.close(fd)
             self._parent_record = None

@@ -23,6 +23,10 @@ EXIT_CONFIG = 2
 EXIT_BUSY = 3        # another training process holds this host's accelerator
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoint; the same command resumes
 DOCUMENTED = (EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BUSY, EXIT_PREEMPTED)
+# A distributed rank's failure that the rank has said in its own `error:` line: its launcher (ddpo_tpu/torchrun.py)
+# then adds none and exits 1. Internal between a rank and its launcher, never a code the front end returns. The exit
+# code is the channel because it needs no disk: the `error` event that says the same is lost when the disk is full.
+EXIT_RANK_SAID_WHY = 71
 
 
 def terminate_with_parent() -> None:

@@ -16,8 +16,11 @@ from ddpo_tpu.rundir.events import append_line  # torch- and numpy-free: ddpo-st
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:  # a disk that refuses (read-only, full): the error line names the file, not a temp name
+        raise OSError(e.errno, e.strerror, str(path)) from e
     try:
         # mkstemp makes 0600; the run's files follow the umask, so colleagues and TensorBoard read weights and samples
         os.fchmod(fd, 0o666 & ~current_umask())
