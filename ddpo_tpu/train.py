@@ -20,9 +20,9 @@ from pathlib import Path
 
 from ddpo_tpu.rundir import storage
 from ddpo_tpu.catalog import ALGORITHMS
-from ddpo_tpu.config.compose import Validated, conf_dir, moved, overridden_keys, validate
+from ddpo_tpu.config.compose import conf_dir, moved, overridden_keys, validate
 from ddpo_tpu.problems import ConfigError
-from ddpo_tpu import env as envmod
+from ddpo_tpu import compile_caches, env as envmod
 from ddpo_tpu.launch import machine, process, saved_run, xla_flags
 from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
 from ddpo_tpu.launch.lock import accelerator_lock_path
@@ -283,6 +283,14 @@ def _job(cfg) -> None:
                   f"{str(e).splitlines()[0][:200] if str(e) else ''}) (check the bucket and credentials, then run "
                   f"the same command again)", file=sys.stderr)
             sys.exit(process.EXIT_FAILED)
+    # torch.compile's cache on this node: a damaged entry is set aside (one warning line) before the training process
+    # meets it; one that cannot be moved is one error line, nothing started (ddpo_tpu/compile_caches.py)
+    try:
+        for line in compile_caches.check_before_start(validated.cfg):
+            print(line, file=sys.stderr, flush=True)
+    except compile_caches.CompileCacheDamaged as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(process.EXIT_FAILED)
     try:
         # settings a resume changed, kept in resumes.jsonl (node 0's config.yaml is the run's; other nodes keep theirs)
         resumed = saved_run.record_changes(run_dir, validated.tree) if not node else None

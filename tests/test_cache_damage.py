@@ -311,3 +311,37 @@ def test_a_real_tiny_model_with_a_truncated_weight_file_is_rebuilt_and_loads(tmp
     assert again == path and weights.read_bytes() == whole
     assert "is damaged (transformer/" in capsys.readouterr().err
     WanTransformer3DModel.from_pretrained(path, subfolder="transformer")
+
+
+def test_the_launcher_sets_a_damaged_entry_aside_before_the_training_process_starts(tmp_path):
+    """python -m ddpo_tpu.train on cpu_dist2 with a damaged entry in its torch.compile cache: the warning line comes
+    from the front end before the training process starts (its start line is not printed yet); the entry is moved.
+    The run is stopped there (the check is what is tested, not the training)."""
+    import signal
+    import time
+
+    from tests.helpers import REPO, clean_env
+
+    cache = tmp_path / "cache"
+    paths = _fake_inductor_cache(cache)
+    paths["fxgraph"].write_bytes(paths["fxgraph"].read_bytes()[:-5])
+    cmd = [sys.executable, "-m", "ddpo_tpu.train", "+experiment=smoke", "tpu_topology=cpu_dist2",
+           "sample.batch_size=4", "train.batch_size=2", f"distributed.compile_cache_dir={cache}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**clean_env(), "PYTHONPATH": str(REPO)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    seen, deadline = [], time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "damaged entr" in line:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    warning = [s for s in seen if "damaged entr" in s]
+    assert len(warning) == 1 and "distributed.compile_cache_dir" in warning[0], seen
+    assert not paths["fxgraph"].exists() and (cache / cc.DAMAGED_DIR).is_dir()
+    assert not any("ddpo_tpu: eager_cpu" in s or "process 0/" in s for s in seen[:seen.index(warning[0])])

@@ -10,9 +10,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpo_tpu.rundir.events import append_line  # torch- and numpy-free: ddpo-status imports this module
+
+if TYPE_CHECKING:  # annotations only: the module stays importable without numpy
+    import numpy as np
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
