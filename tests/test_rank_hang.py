@@ -288,6 +288,30 @@ def test_a_rewards_own_request_bound_follows_its_timeouts():
     assert request_bound_s(managed) == 900.0
     assert request_bound_s({"name": "weighted", "components": [remote, {"name": "jpeg_compressibility"}]}) == \
         request_bound_s(remote)
+    # ocr's timeout_s is its vlm recognizer's (a chat endpoint): no url, no server, no bound (CI's first run: a 120 s
+    # bound let the peer's 30 s collective fail first and blame rank 0)
+    from ddpo_tpu.catalog.rewards import OcrKeys
+
+    ocr = OcrKeys(name="ocr").model_dump()  # its defaults, as a run's reward config carries them
+    assert ocr["timeout_s"] > 0 and ocr["url"] is None and request_bound_s(ocr) == 0.0
+    assert request_bound_s({**ocr, "url": "http://127.0.0.1:8000/v1"}) == ocr["timeout_s"]
+
+
+def test_a_reward_waits_bound_stays_below_the_collective_timeout(tmp_path, model_cache):
+    """A remote reward allowed 1202 s a request by its own timeouts on a run whose collectives time out at 900 s:
+    the watch's bound for its wait is 720 s, so the rank stuck in it is named before its peers' collective fails."""
+    from types import SimpleNamespace
+
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.runtime import make_runtime
+    from ddpo_tpu.training import loop
+
+    v = compose_and_validate(["+experiment=smoke", f"model.cache_dir={model_cache}", "reward=remote",
+                              "reward.timeout_s=400", "reward.retries=2"])
+    assert v.cfg.distributed.timeout_s == 900
+    tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
+    assert tr.reward_bound_s == 0.8 * 900  # 400 x 3 + 0.5 x 4 = 1202 s by its own timeouts
 
 
 def test_ranks_in_collectives_are_not_blamed_while_a_peer_is_busy(tmp_path):

@@ -326,12 +326,13 @@ def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, ev
 
 def request_bound_s(reward: dict) -> float:
     """The longest one request of a reward (its config as a dict) may take by its own settings before it gives up
-    itself, 0 where it sets none: a server's or chat endpoint's timeout_s x (retries + 1) plus its doubling backoffs,
-    a managed process's request_timeout_s plus one restart (startup_timeout_s); reward=weighted: the longest of its
-    components'. The rank watch gives a reward wait that long when it exceeds distributed.hang_timeout_s
-    (ddpo_tpu/waits.py): a slow server that answers within its own timeouts is not a hang."""
+    itself, 0 where it sets none: a server's or chat endpoint's (a reward with a `url`: remote, vlm_judge, ocr's vlm
+    recognizer) timeout_s x (retries + 1) plus its doubling backoffs, a managed process's request_timeout_s plus one
+    restart (startup_timeout_s); reward=weighted: the longest of its components'. The rank watch gives a reward wait
+    that long when it exceeds distributed.hang_timeout_s (ddpo_tpu/waits.py): a slow server that answers within its
+    own timeouts is not a hang. A timeout_s that applies only with a url (ocr's) does not count without one."""
     bounds = [0.0]
-    if reward.get("timeout_s"):
+    if reward.get("timeout_s") and reward.get("url"):
         retries = int(reward.get("retries") or 0)
         backoff = float(reward.get("backoff_s") or 0.0)
         bounds.append(float(reward["timeout_s"]) * (retries + 1) + backoff * 2 ** retries)

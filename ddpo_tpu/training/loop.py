@@ -93,8 +93,9 @@ class Trainer:
                                                                  device=rt.device, log_dir=out.path,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
-        # how long one of the reward's requests may take by its own timeouts (the rank watch waits that long)
-        self.reward_bound_s = request_bound_s(cfg.reward.model_dump())
+        # how long one of the reward's requests may take by its own timeouts (the rank watch waits that long), kept
+        # well below the collective timeout: past it the peers' collective fails first and blames the wrong rank
+        self.reward_bound_s = min(request_bound_s(cfg.reward.model_dump()), 0.8 * cfg.distributed.timeout_s)
         # algorithm.advantage_aggregation=gdpo (group algorithms, reward=weighted): the components' weights by key
         gdpo = cfg.algorithm.model_dump().get("advantage_aggregation") == "gdpo"  # a key of the group algorithms only
         self.gdpo_weights = component_weights(cfg.reward) if gdpo else None
