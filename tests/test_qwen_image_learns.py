@@ -11,7 +11,9 @@ import pytest
 
 from tests.helpers.learning import assert_rises_over_frozen_control, smoke_rewards
 
-pytestmark = pytest.mark.slow
+# the extended tier (docs/testing.md): CI holds Qwen-Image's parts to the reference (test_qwen_image_parity.py)
+# and its graphs on XLA (test_xla_families.py)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 EPOCHS, WINDOW = 10, 3  # epochs of the smoke; epochs at each end of the run
 # Measured here (rise of the last 3 epochs' mean reward over the first 3, in pooled standard errors), seed 0: the

@@ -355,6 +355,7 @@ def test_compiled_sampler_equals_eager_and_compiles_once(model_cache):
     assert first > 0 and second == first, res
 
 
+@pytest.mark.extended  # SD 1.4's full block topology on XLA: CI runs the tiny UNet's graph discipline above
 def test_sd14_topology_trains_on_xla_with_a_fixed_graph_set(tmp_path, model_cache):
     """SD 1.4's topology (narrow) through the real launcher on XLA CPU: compiled steps, 2 fused timesteps, LoRA;
     the second epoch compiles nothing and each phase reports the main thread's CPU time."""
