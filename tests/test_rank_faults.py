@@ -16,6 +16,7 @@ import pytest
 
 from ddpo_tpu import torchrun
 from ddpo_tpu.launch import rankwatch
+from tests.helpers.beats import wait_for, write_beat
 
 
 def _rank_child(rank: int = 1) -> subprocess.Popen:
@@ -24,36 +25,19 @@ def _rank_child(rank: int = 1) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
 
 
-def _beat(run_dir, rank: int, pid: int, age_s: float = 0.0) -> None:
-    path = rankwatch.beat_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": pid, "host": os.uname().nodename}))
-    if age_s:
-        then = time.time() - age_s
-        os.utime(path, (then, then))
-
-
-def _wait_for(check, limit_s: float):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        out = check()
-        if out:
-            return out
-        time.sleep(0.1)
-    return None
 
 
 def test_a_stopped_rank_is_named_within_the_bound_and_killed(tmp_path):
     child = _rank_child()
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=1.0)
-        _beat(tmp_path, 1, child.pid)
+        write_beat(tmp_path, 1, child.pid)
         time.sleep(0.3)
-        _beat(tmp_path, 1, child.pid)  # beaten again: a busy machine may stretch the 0.3 s past the 1 s bound
+        write_beat(tmp_path, 1, child.pid)  # beaten again: a busy machine may stretch the 0.3 s past the 1 s bound
         assert watch.check() is None  # running and beating
         child.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
-        line = _wait_for(watch.check, 10)
+        line = wait_for(watch.check, 10)
         waited = time.monotonic() - t0
         assert line is not None and 1.0 <= waited < 3.0, (line, waited)
         assert f"rank 1 (pid {child.pid}) has been stopped" in line and "distributed.hang_timeout_s=1" in line
@@ -68,8 +52,8 @@ def test_a_stopped_rank_is_named_within_the_bound_and_killed(tmp_path):
 def test_a_rank_whose_beat_stopped_is_called_frozen(tmp_path):
     child = _rank_child(rank=3)
     try:
-        _beat(tmp_path, 3, child.pid, age_s=30)
-        line = _wait_for(rankwatch.RankWatch(tmp_path, bound_s=20).check, 10)
+        write_beat(tmp_path, 3, child.pid, age_s=30)
+        line = wait_for(rankwatch.RankWatch(tmp_path, bound_s=20).check, 10)
         assert line is not None and f"rank 3 (pid {child.pid}) has not beaten for 3" in line
         assert child.wait(timeout=5) == -signal.SIGKILL
     finally:
@@ -83,11 +67,11 @@ def test_once_a_rank_has_ended_a_silent_one_is_killed_without_a_line(tmp_path):
     ranks = [_rank_child(0), _rank_child(1)]
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=1)
-        _beat(tmp_path, 0, ranks[0].pid)
+        write_beat(tmp_path, 0, ranks[0].pid)
         assert watch.check() is None
         ranks[1].kill()
         ranks[1].wait()
-        _beat(tmp_path, 0, ranks[0].pid, age_s=30)
+        write_beat(tmp_path, 0, ranks[0].pid, age_s=30)
         assert watch.check() is None and watch.ending and watch.fired is None
         assert ranks[0].wait(timeout=5) == -signal.SIGKILL
     finally:
@@ -101,7 +85,7 @@ def test_a_rank_that_ended_its_work_is_left_to_torchrun(tmp_path):
     """A rank tearing down after its work (the interpreter stops its beat thread) is neither named nor killed."""
     child = _rank_child()
     try:
-        _beat(tmp_path, 1, child.pid, age_s=30)
+        write_beat(tmp_path, 1, child.pid, age_s=30)
         path = rankwatch.beat_path(tmp_path, 1)
         path.write_text(json.dumps({"pid": child.pid, "host": os.uname().nodename, "ended": True}))
         then = time.time() - 30
@@ -120,14 +104,14 @@ def test_another_nodes_rank_that_stops_beating_ends_the_job_here(tmp_path):
     this job: named within the bound, this node's ranks killed. A file left by a previous attempt is not a beat."""
     ours = _rank_child(0)
     try:
-        _beat(tmp_path, 1, 4242, age_s=600)  # the previous attempt's
+        write_beat(tmp_path, 1, 4242, age_s=600)  # the previous attempt's
         watch = rankwatch.RankWatch(tmp_path, bound_s=1, world=2)
         time.sleep(0.3)
-        _beat(tmp_path, 0, ours.pid)  # after the pause: a busy machine may stretch 0.3 s past the 1 s bound
+        write_beat(tmp_path, 0, ours.pid)  # after the pause: a busy machine may stretch 0.3 s past the 1 s bound
         assert watch.check() is None
-        _beat(tmp_path, 1, 4242)  # beating in this job ...
+        write_beat(tmp_path, 1, 4242)  # beating in this job ...
         assert watch.check() is None
-        line = _wait_for(lambda: (_beat(tmp_path, 0, ours.pid), watch.check())[1], 10)  # ... then no more
+        line = wait_for(lambda: (write_beat(tmp_path, 0, ours.pid), watch.check())[1], 10)  # ... then no more
         assert line is not None and line.startswith("rank 1 (pid 4242 on ") and "its node is gone" in line
         assert "distributed.hang_timeout_s=1" in line and ours.wait(timeout=5) == -signal.SIGKILL
     finally:
@@ -139,7 +123,7 @@ def test_another_nodes_rank_that_stops_beating_ends_the_job_here(tmp_path):
 def test_a_beat_of_a_previous_attempt_is_not_this_rank(tmp_path):
     child = _rank_child()
     try:
-        _beat(tmp_path, 1, child.pid + 100000, age_s=300)  # an old file: another pid
+        write_beat(tmp_path, 1, child.pid + 100000, age_s=300)  # an old file: another pid
         watch = rankwatch.RankWatch(tmp_path, bound_s=1)
         time.sleep(0.3)
         assert watch.check() is None and child.poll() is None
@@ -164,9 +148,9 @@ def test_the_rank_beat_thread_keeps_the_file_fresh(tmp_path):
 def test_lost_peers_names_the_rank_whose_process_is_gone(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    _beat(tmp_path, 0, os.getpid())
-    _beat(tmp_path, 1, gone.pid)
-    _beat(tmp_path, 2, os.getpid(), age_s=120)  # another host's rank that stopped beating: only its age says so
+    write_beat(tmp_path, 0, os.getpid())
+    write_beat(tmp_path, 1, gone.pid)
+    write_beat(tmp_path, 2, os.getpid(), age_s=120)  # another host's rank that stopped beating: only its age says so
     host = os.uname().nodename
     assert rankwatch.lost_peers(tmp_path, world=3, me=0, wait_s=0.5) == [
         (f"rank 1 (pid {gone.pid} on {host})", False), (f"rank 2 (pid {os.getpid()} on {host})", False)]
@@ -174,8 +158,8 @@ def test_lost_peers_names_the_rank_whose_process_is_gone(tmp_path):
     rankwatch.beat_path(tmp_path, 1).write_text(json.dumps({"pid": gone.pid, "host": host,
                                                             "launcher": os.getppid()}))
     assert rankwatch.lost_peers(tmp_path, world=2, me=0, wait_s=0.5) == [(f"rank 1 (pid {gone.pid} on {host})", True)]
-    _beat(tmp_path, 1, os.getpid())
-    _beat(tmp_path, 2, os.getpid())
+    write_beat(tmp_path, 1, os.getpid())
+    write_beat(tmp_path, 2, os.getpid())
     t0 = time.monotonic()
     assert rankwatch.lost_peers(tmp_path, world=3, me=0, wait_s=0.5) == []  # all alive: waited, nobody named
     assert time.monotonic() - t0 >= 0.5

@@ -5,7 +5,6 @@ a SIGTERM during the evaluation before training followed by the same command."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from ddpo_tpu import waits as progress
 from ddpo_tpu.launch import rankwatch
 from ddpo_tpu.rundir import events as ev
 from tests.helpers import clean_env, read_metrics, run_train
+from tests.helpers.beats import wait_for, write_beat
 
 
 @pytest.fixture(autouse=True)
@@ -182,8 +182,8 @@ def test_the_beat_file_carries_the_wait_and_the_time_since_progress(tmp_path):
 def test_a_silent_rank_is_named_with_its_last_wait(tmp_path):
     child = _rank_child(1)
     try:
-        _beat(tmp_path, 1, child.pid, age_s=30, wait="checkpoint", what="epoch 2", idle_s=1)
-        line = _wait_for(rankwatch.RankWatch(tmp_path, bound_s=20).check, 10)
+        write_beat(tmp_path, 1, child.pid, age_s=30, wait="checkpoint", what="epoch 2", idle_s=1)
+        line = wait_for(rankwatch.RankWatch(tmp_path, bound_s=20).check, 10)
         assert line is not None and f"rank 1 (pid {child.pid}) has not beaten for 3" in line
         assert "last seen waiting on the checkpoint write (epoch 2)" in line
     finally:
@@ -204,24 +204,6 @@ def _end(*children) -> None:
         child.wait()
 
 
-def _beat(run_dir, rank: int, pid: int, age_s: float = 0.0, **state) -> None:
-    """Rank `rank`'s beat file as RankBeat writes it (pid, host, its main thread's wait), `age_s` old."""
-    path = rankwatch.beat_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": pid, "host": os.uname().nodename, **state}))
-    if age_s:
-        then = time.time() - age_s
-        os.utime(path, (then, then))
-
-
-def _wait_for(check, limit_s: float):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        out = check()
-        if out:
-            return out
-        time.sleep(0.1)
-    return None
 
 
 def test_the_rank_stuck_in_its_reward_call_is_named_not_the_peer_waiting_for_it(tmp_path):
@@ -230,11 +212,11 @@ def test_the_rank_stuck_in_its_reward_call_is_named_not_the_peer_waiting_for_it(
     ranks = [_rank_child(0), _rank_child(1)]
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=5, world=2)
-        _beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=3)
-        _beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=ocr, epoch 1", idle_s=2)
+        write_beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=3)
+        write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=ocr, epoch 1", idle_s=2)
         assert watch.check() is None  # both within the bound
-        _beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=40)
-        _beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=ocr, epoch 1", idle_s=30)
+        write_beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=40)
+        write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=ocr, epoch 1", idle_s=30)
         line = watch.check()
         assert line == (f"rank 1 (pid {ranks[1].pid}) made no progress for 30 s, waiting on the reward call "
                         f"(reward.name=ocr, epoch 1), over distributed.hang_timeout_s=5: the job was ended (every "
@@ -251,10 +233,10 @@ def test_a_reward_that_gives_up_by_its_own_timeouts_gets_that_long_per_request(t
     ranks = [_rank_child(0), _rank_child(1)]
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=5, world=2)
-        _beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=40)
-        _beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=30, bound_s=124)
+        write_beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=40)
+        write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=30, bound_s=124)
         assert watch.check() is None  # 30 s on one request of a server allowed 124 s: slow, not stuck
-        _beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=130, bound_s=124)
+        write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=130, bound_s=124)
         line = watch.check()
         assert line.startswith(f"rank 1 (pid {ranks[1].pid}) made no progress for 130 s, waiting on the reward call "
                                f"(reward.name=remote, epoch 1), over the 124 s its own timeouts allow one request")
@@ -320,12 +302,12 @@ def test_ranks_in_collectives_are_not_blamed_while_a_peer_is_busy(tmp_path):
     ranks = [_rank_child(0), _rank_child(1)]
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=5, world=2)
-        _beat(tmp_path, 0, ranks[0].pid, wait="collective", what="barrier", idle_s=400)
-        _beat(tmp_path, 1, ranks[1].pid, idle_s=400)  # outside any wait: compiling
+        write_beat(tmp_path, 0, ranks[0].pid, wait="collective", what="barrier", idle_s=400)
+        write_beat(tmp_path, 1, ranks[1].pid, idle_s=400)  # outside any wait: compiling
         assert watch.check() is None
-        _beat(tmp_path, 1, ranks[1].pid, wait="checkpoint", what="epoch 0", idle_s=4)  # writing, within the bound
+        write_beat(tmp_path, 1, ranks[1].pid, wait="checkpoint", what="epoch 0", idle_s=4)  # writing, within the bound
         assert watch.check() is None
-        _beat(tmp_path, 1, ranks[1].pid, wait="collective", what="all_reduce", idle_s=9)
+        write_beat(tmp_path, 1, ranks[1].pid, wait="collective", what="all_reduce", idle_s=9)
         line = watch.check()
         assert line is not None and line.startswith(f"rank 0 (pid {ranks[0].pid}) made no progress for 400 s, "
                                                     f"waiting on a collective (barrier)")
@@ -340,8 +322,8 @@ def test_a_stale_or_foreign_beat_is_no_wait(tmp_path):
     ranks = [_rank_child(0), _rank_child(1)]
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=20, world=2)
-        _beat(tmp_path, 0, ranks[0].pid + 100000, wait="reward", idle_s=60)
-        _beat(tmp_path, 1, ranks[1].pid, age_s=rankwatch.STALE_S + 1, wait="reward", idle_s=60)  # silent, not frozen
+        write_beat(tmp_path, 0, ranks[0].pid + 100000, wait="reward", idle_s=60)
+        write_beat(tmp_path, 1, ranks[1].pid, age_s=rankwatch.STALE_S + 1, wait="reward", idle_s=60)  # silent, not frozen
         assert watch.check() is None and all(r.poll() is None for r in ranks)
     finally:
         _end(*ranks)
@@ -351,8 +333,8 @@ def test_another_nodes_rank_stuck_in_its_reward_call_is_named_with_its_host(tmp_
     ours = _rank_child(0)
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=5, world=2)
-        _beat(tmp_path, 0, ours.pid, wait="collective", what="all_gather_object", idle_s=50)
-        _beat(tmp_path, 1, 4242, wait="reward", what="reward.name=remote", idle_s=20)
+        write_beat(tmp_path, 0, ours.pid, wait="collective", what="all_gather_object", idle_s=50)
+        write_beat(tmp_path, 1, 4242, wait="reward", what="reward.name=remote", idle_s=20)
         line = watch.check()
         host = os.uname().nodename
         assert line is not None and line.startswith(f"rank 1 (pid 4242 on {host}) made no progress for 20 s, "
