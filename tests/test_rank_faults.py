@@ -25,8 +25,6 @@ def _rank_child(rank: int = 1) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
 
 
-
-
 def test_a_stopped_rank_is_named_within_the_bound_and_killed(tmp_path):
     child = _rank_child()
     try:

@@ -204,8 +204,6 @@ def _end(*children) -> None:
         child.wait()
 
 
-
-
 def test_the_rank_stuck_in_its_reward_call_is_named_not_the_peer_waiting_for_it(tmp_path):
     """Rank 0 has waited in a collective longer (it got there first) than rank 1 has been in its reward call: rank 1
     is the one named, with its wait, and every rank is killed."""
