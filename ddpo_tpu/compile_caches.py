@@ -59,7 +59,7 @@ def torch_cache_dir(cfg) -> Path | None:
     from ddpo_tpu import env as envmod
     from ddpo_tpu.config.distributed import compile_backend
 
-    if cfg.tpu_topology.execution != "distributed" or compile_backend(cfg) == "none":
+    if not cfg.tpu_topology.spec.torch_compiles or compile_backend(cfg) == "none":
         return None
     value = envmod.torch_compile_cache_dir(cfg)
     return Path(value) if value else None

@@ -134,11 +134,11 @@ def runtime_variables(cfg: RunConfig) -> dict[str, str]:
     """The variables the config sets for the training process (XLA and PJRT knobs)."""
     topo, xla = cfg.tpu_topology, cfg.xla
     out: dict[str, str] = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2" if xla.debug_level == 0 else "0"}
-    if topo.execution in ("eager", "distributed"):
+    if not topo.spec.torch_xla:
         # diffusers imports torch_xla whenever it is installed; pin it to the host so it never claims an accelerator
         out["PJRT_DEVICE"] = "CPU"
         out.update(torchtpu_variables(cfg))
-        cache = torch_compile_cache_dir(cfg) if topo.execution == "distributed" else None
+        cache = torch_compile_cache_dir(cfg) if topo.spec.torch_compiles else None
         if cache:  # inductor's FX graph and kernel caches and AOTAutograd's (triton's too, below it), kept
             out.update({"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
                         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"})
@@ -202,7 +202,7 @@ def node_suffix(cfg: RunConfig) -> str:
     multi-node distributed run. Its nodes share the run dir (every rank reads the checkpoint), so each other node's
     front end keeps its own lock, log, config and environment beside node 0's, and writes no events."""
     topo = cfg.tpu_topology
-    if topo.execution != "distributed" or topo.hosts == 1:
+    if not topo.spec.torchrun or topo.hosts == 1:
         return ""
     node = node_rank(cfg)
     return f"-node{node}" if node else ""
@@ -217,7 +217,7 @@ def child_environment(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] 
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if k not in OWNED_VARIABLES}
     env.update(runtime_variables(cfg))
-    if cfg.tpu_topology.execution == "distributed" and cfg.tpu_topology.chips_per_host > 1:
+    if cfg.tpu_topology.spec.torchrun and cfg.tpu_topology.chips_per_host > 1:
         # torchrun's own default for several processes a node, given here so it does not print a page about it
         env.setdefault("OMP_NUM_THREADS", "1")
     env[RUN_DIR_VARIABLE] = str(run_dir)

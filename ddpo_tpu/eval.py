@@ -178,7 +178,7 @@ def worker() -> int:
         return 2
     validated = validate(OmegaConf.load(where / envmod.config_file_from_environment()))
     request = json.loads((where / REQUEST).read_text())
-    ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.execution == "distributed" else None
+    ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.spec.torchrun else None
     locks = []
     if ranks is None:  # under torchrun the launcher holds them
         from ddpo_tpu.worker import hold_locks

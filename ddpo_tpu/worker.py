@@ -168,7 +168,7 @@ def main() -> int:
         print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
     validated = validate(OmegaConf.load(run_dir / envmod.config_file_from_environment()))
-    ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.execution == "distributed" else None
+    ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.spec.torchrun else None
     if ranks is not None:  # a rank under torchrun: the launcher (ddpo_tpu/torchrun.py) holds the locks
         _end_with_parent()
         if ranks[0] != 0:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ddpo_tpu.catalog import ALGORITHMS, family
 from ddpo_tpu.catalog.families import models_making
 from ddpo_tpu.config.distributed import compile_backend
-from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
+from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem
 
 
@@ -23,7 +23,7 @@ class Dependent:
     fix: Fix | str                    # what enables it
 
 
-_XLA = lambda c: c.tpu_topology.execution in ("xla", "xla_spmd")  # noqa: E731
+_XLA = lambda c: c.tpu_topology.spec.torch_xla  # noqa: E731
 
 DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("train.ema_decay", "train.ema_every"), lambda c: c.train.ema, "train.ema=false",
@@ -46,10 +46,10 @@ DEPENDENTS: tuple[Dependent, ...] = (
               Fix.of({"logger": "wandb_tensorboard"}, note="(both trackers)")),
     # torch_xla's PJRT device: eager and distributed topologies run plain torch (TorchTPU on TPUs), never PJRT
     Dependent(("tpu_topology.pjrt_device",),
-              lambda c: c.tpu_topology.execution != "distributed" or c.tpu_topology.pjrt_device is None,
+              lambda c: not c.tpu_topology.spec.torchrun or c.tpu_topology.pjrt_device is None,
               "the distributed execution runs plain torch (torchrun), not PJRT",
               Fix.of({"tpu_topology.pjrt_device": None})),
-    Dependent(("tpu_topology.mesh.",), lambda c: c.tpu_topology.execution in MULTI_DEVICE,
+    Dependent(("tpu_topology.mesh.",), lambda c: c.tpu_topology.spec.multi_device,
               "this topology drives one device", "use a multi-device topology, e.g. tpu_topology=cpu_spmd4"),
     Dependent(("xla.flags", "xla.libtpu_init_args", "xla.step_compiler", "xla.compilation_cache_dir",
                "xla.profile_steps", "xla.debug_level", "xla.gather", "xla.sync_before_reward_gather"), _XLA,
@@ -77,7 +77,7 @@ DEPENDENTS: tuple[Dependent, ...] = (
               f"remove it, or use a video model ({models_making('videos')})"),
     Dependent(("storage_timeout_s",), lambda c: c.output_root.startswith("gs://"), "output_root is local",
               "use output_root=gs://BUCKET/PREFIX"),
-    Dependent(("distributed.",), lambda c: c.tpu_topology.execution == "distributed",
+    Dependent(("distributed.",), lambda c: c.tpu_topology.spec.torchrun,
               "tpu_topology.execution is not distributed", "use a distributed topology, e.g. tpu_topology=cpu_dist2"),
     # one process holds the whole epoch anyway; no compile, no compile cache; a fresh start never loads a checkpoint
     Dependent(("distributed.keep_samples_on_rank",), lambda c: c.tpu_topology.chips > 1,

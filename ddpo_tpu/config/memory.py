@@ -8,7 +8,7 @@ from __future__ import annotations
 from ddpo_tpu.catalog import family
 from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config.batch import Totals, num_train_timesteps, product_fix, totals
-from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
+from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.config.topology import single_host_of
 from ddpo_tpu.problems import Fix, Problem
 
@@ -23,7 +23,7 @@ def estimates_memory(topo) -> bool:
     """Whether the per-chip memory estimate applies: TPU chips (torch_xla or TorchTPU) and the accelerators of the
     distributed execution (GPUs), where the topology gives the device memory. The activation figures are XLA's
     (attention softmaxes materialised): on GPUs with fused attention they are an upper bound."""
-    return bool(topo.hbm_gib_per_chip) and (topo.accelerator.startswith("tpu") or topo.execution == "distributed")
+    return bool(topo.hbm_gib_per_chip) and (topo.accelerator.startswith("tpu") or topo.spec.torchrun)
 
 
 def _memory(cfg: RunConfig):
@@ -47,7 +47,7 @@ def _memory_for(spec, model):
 
 def _fsdp(cfg: RunConfig) -> int:
     topo = cfg.tpu_topology
-    return topo.mesh.fsdp if topo.execution in MULTI_DEVICE else 1
+    return topo.mesh.fsdp if topo.spec.multi_device else 1
 
 
 def resident_gib(cfg: RunConfig, fsdp: int | None = None, dtype: str | None = None) -> float:
@@ -163,7 +163,7 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
             fits = [k for k in range(2, topo.chips_per_host + 1) if topo.chips % k == 0
                     and topo.chips_per_host % k == 0 and topo.hbm_gib_per_chip >= need(k)]
             alt = (f"; tpu_topology.mesh.fsdp={fits[0]} tpu_topology.mesh.dp={topo.chips // fits[0]} splits it to "
-                   f"about {need(fits[0]):.1f} GiB" if fits and topo.execution in MULTI_DEVICE else "")
+                   f"about {need(fits[0]):.1f} GiB" if fits and topo.spec.multi_device else "")
             problems.append(Problem("model.lora.enabled", False,
                                     f"a full {spec.denoiser} fine-tune with Adam needs about {need(fsdp):.1f} GiB per "
                                     f"chip with fsdp={fsdp}, the chip has {topo.hbm_gib_per_chip}{alt}",
@@ -190,7 +190,7 @@ def _hbm_problem(cfg: RunConfig, tot: Totals) -> Problem:
                        f"{B} samples{cfg_x} in one forward/backward need about {B * per:.1f} GiB of activations per "
                        f"chip (estimate), {what}: {most} sample{'s fit' if most > 1 else ' fits'}", fix)
     options: list[dict] = []
-    if topo.execution in MULTI_DEVICE and _memory(cfg).fsdp_splits_frozen_weights:
+    if topo.spec.multi_device and _memory(cfg).fsdp_splits_frozen_weights:
         for k in range(topo.mesh.fsdp + 1, topo.chips_per_host + 1):
             if topo.chips % k == 0 and topo.chips_per_host % k == 0 and per <= hbm - resident_gib(cfg, fsdp=k):
                 # splits the frozen weights too
@@ -222,7 +222,7 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
     and for a video family (catalog frame_step) the longest video that then fits."""
     topo, spec = cfg.tpu_topology, family(cfg.model.family)
     mem, k, base = _memory(cfg), _fsdp(cfg), {}
-    if mem.fsdp_splits_frozen_weights and topo.execution in MULTI_DEVICE:
+    if mem.fsdp_splits_frozen_weights and topo.spec.multi_device:
         k = max(d for d in range(1, topo.chips_per_host + 1) if topo.chips % d == 0 and topo.chips_per_host % d == 0)
     elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := single_host_of(topo)) is not None:
         k, base = host[1], {"tpu_topology": host[0]}

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddpo_tpu.catalog.executions import execution_or_none
 from ddpo_tpu.config.batch import flatten
-from ddpo_tpu.config.schema import MULTI_DEVICE
 
 TRAINED_KEYS = ("seed", "sample.", "train.", "algorithm.", "stat_tracking.", "model.", "reward.", "prompts.",
                 "parity.")
@@ -25,7 +25,8 @@ MOVED_KEYS = {"xla.shuffle_timesteps": "algorithm.shuffle_timesteps"}
 
 
 def _replicas_of(flat: dict[str, Any]) -> int:
-    if flat.get("tpu_topology.execution", "eager") not in MULTI_DEVICE:
+    spec = execution_or_none(flat.get("tpu_topology.execution"))
+    if spec is None or not spec.multi_device:  # (a config without one, or of a kind no longer known: one device)
         return 1
     return int(flat.get("tpu_topology.mesh.dp", 1)) * int(flat.get("tpu_topology.mesh.fsdp", 1))
 

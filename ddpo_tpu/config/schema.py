@@ -12,7 +12,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
 
 from ddpo_tpu.rundir.storage_faults import DEFAULT_TIMEOUT_S
-from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, Registry
+from ddpo_tpu.catalog import ALGORITHMS, EXECUTIONS, FAMILIES, REWARDS, SAMPLERS, ExecutionSpec, Registry, execution
 from ddpo_tpu.catalog.families import all_builders
 from ddpo_tpu.catalog.rewards import FrameReductionKeys
 
@@ -219,17 +219,15 @@ class MeshConfig(_Strict):
     layout: Literal["auto", "host_local"]
 
 
-# how a topology's devices are driven: eager (plain torch, one device), xla (torch_xla, one device), xla_spmd
-# (torch_xla, one program per host sharded over a mesh), distributed (plain torch, one process per device under
-# torchrun, DDP or FSDP2 over a DeviceMesh; TorchTPU on TPU accelerators)
-EXECUTIONS = ("eager", "xla", "xla_spmd", "distributed")
-MULTI_DEVICE = ("xla_spmd", "distributed")  # the executions that split the global batch over dp x fsdp devices
+# how a topology's devices are driven: the catalog's execution kinds (catalog/executions.py), one spec each with the
+# capabilities the rules, the launcher and the loop read (TopologyConfig.spec)
+_EXECUTION_NAMES = EXECUTIONS.names()
 
 
 class TopologyConfig(_Strict):
     name: str
     accelerator: Literal["cpu", "cuda", "tpu_v4", "tpu_v5e", "tpu_v6e"]
-    execution: Literal["eager", "xla", "xla_spmd", "distributed"]
+    execution: Literal[_EXECUTION_NAMES]  # type: ignore[valid-type]
     pjrt_device: Literal["CPU", "TPU", "CUDA"] | None
     hosts: int = Field(ge=1)
     chips_per_host: int = Field(ge=1)
@@ -241,19 +239,24 @@ class TopologyConfig(_Strict):
     mesh: MeshConfig
 
     @property
+    def spec(self) -> ExecutionSpec:
+        """What the execution can do (catalog/executions.py): read its capabilities, never compare its name."""
+        return execution(self.execution)
+
+    @property
     def replicas(self) -> int:
-        """Data-parallel replicas: devices the global batch is split over (1 unless SPMD or distributed)."""
-        return self.mesh.dp * self.mesh.fsdp if self.execution in MULTI_DEVICE else 1
+        """Data-parallel replicas: devices the global batch is split over (1 unless the execution is multi-device)."""
+        return self.mesh.dp * self.mesh.fsdp if self.spec.multi_device else 1
 
     @property
     def expected_processes(self) -> int:
-        """Training processes of the whole run: one per device under `distributed`, one per host otherwise."""
-        return self.chips if self.execution == "distributed" else self.hosts
+        """Training processes of the whole run: one per device under torchrun, one per host otherwise."""
+        return self.chips if self.spec.process_per == "device" else self.hosts
 
     @property
     def torchtpu(self) -> bool:
-        """TPU chips driven by TorchTPU (plain PyTorch, `torch.device("tpu")`) instead of torch_xla."""
-        return self.execution == "distributed" and self.accelerator.startswith("tpu")
+        """TPU chips driven by TorchTPU (plain PyTorch under torchrun, `torch.device("tpu")`) instead of torch_xla."""
+        return self.spec.torchrun and self.accelerator.startswith("tpu")
 
 
 class DistributedConfig(_Strict):

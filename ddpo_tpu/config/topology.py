@@ -7,27 +7,29 @@ from pathlib import Path
 
 from ddpo_tpu.config.batch import pick
 from ddpo_tpu.config.distributed import distributed_problems
-from ddpo_tpu.config.schema import MULTI_DEVICE, RunConfig
+from ddpo_tpu.catalog.executions import multi_device_names
+from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem
 
 
 def topology_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Problem]:
     problems: list[Problem] = []
     topo = cfg.tpu_topology
+    spec = topo.spec
     if topo.hosts * topo.chips_per_host != topo.chips:
         problems.append(Problem("tpu_topology.chips", topo.chips,
                                 f"{topo.hosts} hosts x {topo.chips_per_host} chips per host = "
                                 f"{topo.hosts * topo.chips_per_host}",
                                 Fix.of({"tpu_topology.chips": topo.hosts * topo.chips_per_host})))
     if topo.processes != "auto" and topo.processes != topo.expected_processes:
-        per = "device" if topo.execution == "distributed" else "host"
+        per = spec.process_per
         problems.append(Problem("tpu_topology.processes", topo.processes,
                                 f"one training process runs per {per} and there are {topo.expected_processes} "
                                 f"{per}s", Fix.of({"tpu_topology.processes": topo.expected_processes},
                                                   note="(or auto)")))
-    if topo.execution == "distributed":
+    if spec.torchrun:
         problems.extend(distributed_problems(cfg, overridden))
-    elif topo.execution == "eager":
+    elif not spec.torch_xla:
         if topo.pjrt_device is not None and not topo.accelerator.startswith("tpu"):
             problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
                                     "eager execution does not use PJRT", Fix.of({"tpu_topology.pjrt_device": None})))
@@ -42,13 +44,12 @@ def topology_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Proble
             problems.append(Problem("tpu_topology.pjrt_device", topo.pjrt_device,
                                     f"accelerator {topo.accelerator} runs on PJRT device {want}",
                                     Fix.of({"tpu_topology.pjrt_device": want})))
-    if topo.execution in ("eager", "xla") and topo.chips != 1:
+    if not spec.multi_device and topo.chips != 1:
         problems.append(Problem("tpu_topology.execution", topo.execution,
                                 f"{topo.execution} drives one device but the topology has {topo.chips} chips",
-                                Fix.of({"tpu_topology.execution": "xla_spmd"}, {"tpu_topology.execution":
-                                                                                "distributed"},
+                                Fix.of(*({"tpu_topology.execution": name} for name in multi_device_names()),
                                        note="to use them all")))
-    if topo.execution in MULTI_DEVICE and topo.hosts * topo.chips_per_host == topo.chips:
+    if spec.multi_device and topo.hosts * topo.chips_per_host == topo.chips:
         problems.extend(_mesh_problems(cfg, overridden))
     return problems
 
@@ -78,10 +79,10 @@ def _mesh_problems(cfg: RunConfig, overridden: frozenset[str]) -> list[Problem]:
                                 f"holds whole parameters",
                                 Fix.of({"tpu_topology.mesh.fsdp": topo.chips_per_host,
                                         "tpu_topology.mesh.dp": topo.chips // topo.chips_per_host})))
-    if cfg.xla.gather == "host" and topo.hosts > 1 and topo.execution == "xla_spmd":
+    if cfg.xla.gather == "host" and topo.hosts > 1 and topo.spec.spmd:
         problems.append(Problem("xla.gather", "host", "a host-side gather sees only this host's shards on a pod",
                                 Fix.of({"xla.gather": "device"})))
-    if topo.accelerator == "cpu" and topo.hosts != 1 and topo.execution == "xla_spmd":
+    if topo.accelerator == "cpu" and topo.hosts != 1 and topo.spec.spmd:
         problems.append(Problem("tpu_topology.hosts", topo.hosts, "PJRT CPU runs on one host",
                                 Fix.of({"tpu_topology.hosts": 1})))
     return problems

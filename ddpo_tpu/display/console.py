@@ -61,7 +61,7 @@ def start_lines(validated: Validated, run_dir: Path) -> list[tuple[str, str]]:
                       f"{per_update} per update, {num_train_timesteps(cfg)} trained timesteps, lr {t.learning_rate:g}"),
         ("reward", f"{cfg.reward.name}; prompts {cfg.prompts.name}"),
         ("topology", f"{topo.name}: {topo.accelerator}, {topo.execution}, {topo.chips} chip(s)"
-                     + (f", mesh dp {topo.mesh.dp} x fsdp {topo.mesh.fsdp}" if topo.execution == "xla_spmd" else "")),
+                     + (f", mesh dp {topo.mesh.dp} x fsdp {topo.mesh.fsdp}" if topo.spec.spmd else "")),
         ("logger", _logger_line(cfg.logger, run_dir)),
         ("parity", parity_verdict(validated)),
         ("config", f"{run_dir / 'config.yaml'} (the whole config; `--cfg job` prints it)"),

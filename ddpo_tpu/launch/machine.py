@@ -90,7 +90,7 @@ def target_checks(cfg) -> list[str]:
         out = [f"the TPU runtime, libtpu (pip install \"torch_xla[tpu]==2.9.0\"), on each of its {topo.hosts} host(s)"]
     else:
         out = []
-    if topo.execution == "distributed" and d.rdzv_endpoint is not None:
+    if topo.spec.torchrun and d.rdzv_endpoint is not None:
         out.append(f"the rendezvous port of distributed.rdzv_endpoint={d.rdzv_endpoint} free on the first node")
     if m.pretrained is not None and m.local_files_only and is_hub_id(m.pretrained):
         out.append(f"model.pretrained={m.pretrained} in its local Hugging Face cache ({download_command(m)})")
@@ -126,7 +126,7 @@ def cuda_problems(cfg) -> list[str]:
     """A CUDA topology on one device (tpu_topology=cuda, eager) needs a visible GPU; the distributed ones are
     checked with their processes per node (distributed_device_problems)."""
     topo = cfg.tpu_topology
-    if topo.accelerator != "cuda" or topo.execution == "distributed":
+    if topo.accelerator != "cuda" or topo.spec.torchrun:
         return []
     return _devices_problems(topo, nvidia_gpus(), "NVIDIA GPU", "no driver, or CUDA_VISIBLE_DEVICES hides them",
                              "run on a GPU machine, or tpu_topology=eager_cpu here")
@@ -144,7 +144,7 @@ def tpu_runtime_problems(cfg) -> list[str]:
 
 def distributed_device_problems(cfg) -> list[str]:
     topo = cfg.tpu_topology
-    if topo.execution != "distributed":
+    if not topo.spec.torchrun:
         return []
     out = []
     if topo.accelerator == "cuda":
@@ -165,7 +165,7 @@ def rendezvous_problems(cfg) -> list[str]:
     """torchrun's rendezvous port on this host (the first node's), free before the run starts."""
     topo, d = cfg.tpu_topology, cfg.distributed
     out = []
-    if topo.execution == "distributed" and d.rdzv_endpoint is not None:
+    if topo.spec.torchrun and d.rdzv_endpoint is not None:
         host, _, port = d.rdzv_endpoint.rpartition(":")
         local = host in LOCAL_HOSTS or host == socket.gethostname()
         if local and envmod.node_rank(cfg) == 0 and _port_in_use(host, int(port)):

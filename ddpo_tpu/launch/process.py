@@ -49,7 +49,7 @@ def training_command(cfg=None) -> list[str]:
     """The training process's command: the worker itself, or for the distributed execution torchrun (through
     ddpo_tpu/torchrun.py, which reports its ranks' ends as one line and an exit code) starting one worker per device
     of this node."""
-    if cfg is None or cfg.tpu_topology.execution != "distributed":
+    if cfg is None or not cfg.tpu_topology.spec.torchrun:
         return [sys.executable, "-m", WORKER_MODULE]
     from ddpo_tpu.env import node_rank
 

@@ -20,6 +20,8 @@ import mmap
 import re
 from pathlib import Path
 
+from ddpo_tpu.catalog.executions import EXECUTIONS
+
 _NAME = re.compile(rb"(xla_[a-z0-9_]+)\0")
 
 
@@ -55,8 +57,9 @@ def unknown(flags: list[str], lib: Path | None = None) -> list[tuple[int, str, l
 
 
 def problems(xla_flags: list[str], execution: str) -> list[str]:
-    """One line per unknown flag name, naming xla.flags[i]; [] for eager runs (XLA is not started)."""
-    if execution == "eager":
+    """One line per unknown flag name, naming xla.flags[i]; [] for an execution that does not pass them to XLA (eager
+    and distributed: XLA_FLAGS is set only where torch_xla runs, env.py runtime_variables)."""
+    if not EXECUTIONS.get(execution).takes_xla_flags:
         return []
     out = []
     for i, name, close in unknown(list(xla_flags)):

@@ -7,22 +7,15 @@ it is the only module of ddpo_tpu that imports torch_xla.
 
 from __future__ import annotations
 
+from ddpo_tpu.catalog import load_object
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.runtime.base import Runtime
 
 
 def make_runtime(cfg: RunConfig) -> Runtime:
-    if cfg.tpu_topology.execution == "eager":
-        from ddpo_tpu.runtime.eager import EagerRuntime
-
-        return EagerRuntime(cfg)
-    if cfg.tpu_topology.execution == "distributed":
-        from ddpo_tpu.runtime.distributed import DistributedRuntime
-
-        return DistributedRuntime(cfg)
-    from ddpo_tpu.runtime.xla import XlaRuntime
-
-    return XlaRuntime(cfg)
+    """The backend the execution's spec names (catalog/executions.py `backend`), imported only now: torch_xla only
+    where an XLA execution runs."""
+    return load_object(cfg.tpu_topology.spec.backend)(cfg)
 
 
 __all__ = ["Runtime", "make_runtime"]

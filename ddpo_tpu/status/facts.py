@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpo_tpu.catalog.executions import execution_or_none
 from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.launch.process import EXIT_PREEMPTED
 from ddpo_tpu.status.decide import Evidence, attempts, decide, last_of
@@ -210,8 +211,8 @@ def device_is_host(cfg: dict) -> bool:
     one CPU process per device. There the main thread runs the model itself, so its CPU time near the wall time says
     nothing about dispatch overhead; "host-bound" is meant for a host feeding another device (XLA, even XLA on the
     CPU, whose computations run on the runtime's own threads, or an accelerator). Unknown (an older config): False."""
-    return (get(cfg, "tpu_topology.accelerator") == "cpu"
-            and get(cfg, "tpu_topology.execution") in ("eager", "distributed"))
+    spec = execution_or_none(get(cfg, "tpu_topology.execution"))
+    return get(cfg, "tpu_topology.accelerator") == "cpu" and spec is not None and not spec.torch_xla
 
 
 def host_time(epochs: list[dict], on_host: bool = False) -> HostTime | None:

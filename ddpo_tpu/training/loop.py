@@ -101,7 +101,7 @@ class Trainer:
         self.gdpo_weights = component_weights(cfg.reward) if gdpo else None
         self.global_batch = cfg.sample.batch_size * rt.replicas
         # each rank trains the samples it drew (training/epoch_data.py): the distributed execution's key
-        self.keep_samples_on_rank = (cfg.tpu_topology.execution == "distributed" and rt.process_count > 1
+        self.keep_samples_on_rank = (cfg.tpu_topology.spec.torchrun and rt.process_count > 1
                                      and cfg.distributed.keep_samples_on_rank)
         T = num_train_timesteps(cfg)
         # the optimizer steps' shape: fused timesteps per forward/backward (divides T), trained timesteps per update
