@@ -380,7 +380,7 @@ def help_text() -> str:
               if d.is_dir() and d.name != "experiment"}
     width = max(len(name) for name, _ in experiments())
     lines = [
-        "usage: python -m ddpo_tpu.train [+experiment=NAME] [key=value ...] [-m] [--check | --cfg job]",
+        "usage: python -m ddpo_tpu.train [+experiment=NAME] [key=value ...] [-m] [--check [--json] | --cfg job]",
         "       (ddpo-train is the same command)",
         "",
         *textwrap.wrap(f"Fine-tune a diffusion model with RL ({', '.join(a.title for a in ALGORITHMS)}). The config "
@@ -404,6 +404,7 @@ def help_text() -> str:
         "                decisions and parity table; start and write nothing (exit 0 when all is well). A run for",
         "                another machine (a GPU or TPU topology here) lists what its machine is checked for instead",
         "  --check-here  the same, and this machine must be the run's (ddpo-pod's check on every worker)",
+        "  --check --json  each run's plan (the decisions the training uses) as one JSON object per line, nothing else",
         "  --cfg job     print the composed config and run nothing",
         "  -m            a sweep: key=a,b runs one job per value, each validated before the first starts",
         "  --hydra-help  Hydra's own help",
