@@ -283,7 +283,7 @@ def _validated_job(cfg, hc):
     differs)."""
     from ddpo_tpu.config.compose import migrate, to_tree
 
-    num = hc.job.num if hc.mode.name == "MULTIRUN" else 0
+    num = hc.job.num if getattr(hc.mode, "name", None) == "MULTIRUN" else 0
     point = next((p for p in _preflight_points if p.index == num), None)
     if point is not None and point.validated is not None and not point.deferred:
         try:

@@ -205,3 +205,18 @@ def test_a_run_stores_the_checked_plan_and_an_old_run_dir_resumes(tmp_path, mode
     assert [r["epoch"] for r in read_metrics(run_dir, "epoch")] == [0, 1]
     assert plan_of_rows(json.loads((run_dir / "parity.json").read_text())) == run_plan(
         compose_and_validate(args).cfg)
+
+
+def test_a_job_reuses_its_preflight_validation(monkeypatch):
+    """The front end validates each run once: Hydra's job takes its preflight point's Validated (plan included) when
+    it composed the same tree, and validates anew when the tree differs."""
+    from ddpo_tpu.launch.sweep import Point
+
+    overrides = ["+experiment=smoke", "seed=3"]
+    point = Point(0, overrides, "", compose_and_validate(overrides))
+    monkeypatch.setattr(train, "_preflight_points", [point])
+    hc = SimpleNamespace(job=SimpleNamespace(num=0), mode=SimpleNamespace(name="RUN"),
+                         overrides=SimpleNamespace(task=overrides))
+    assert train._validated_job(compose(overrides), hc) is point.validated
+    other = train._validated_job(compose(["+experiment=smoke", "seed=4"]), hc)
+    assert other is not point.validated and other.cfg.seed == 4 and other.plan == point.validated.plan
