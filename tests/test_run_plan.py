@@ -22,6 +22,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ddpo_tpu import train
+from ddpo_tpu.catalog.executions import execution
 from ddpo_tpu.config.compose import compose, compose_and_validate, conf_dir, overridden_keys, to_tree, validate
 from ddpo_tpu.config.plan import PLAN_ROW, RunPlan, plan_of_rows, run_plan
 
@@ -70,7 +71,7 @@ def test_check_prints_the_plan_the_worker_hands_the_loop(experiment, capsys, tmp
     s, t, topo = tree["sample"], tree["train"], tree["tpu_topology"]
     window = (s.get("sde_window") or {}).get("size")
     T = window if window is not None else int(s["num_steps"] * t["timestep_fraction"])
-    R = topo["mesh"]["dp"] * topo["mesh"]["fsdp"] if topo["execution"] in ("xla_spmd", "distributed") else 1
+    R = topo["mesh"]["dp"] * topo["mesh"]["fsdp"] if execution(topo["execution"]).multi_device else 1
     assert (plan.rollout_steps, plan.train_timesteps, plan.replicas) == (s["num_steps"], T, R)
     assert plan.global_sample_batch == s["batch_size"] * R and plan.global_train_batch == t["batch_size"] * R
     assert plan.accumulation_window == t["gradient_accumulation_steps"] * T
