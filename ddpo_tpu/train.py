@@ -5,8 +5,10 @@ The front end never imports torch. It
 1. refuses environment variables that the config owns (env.py),
 2. composes and validates the config of every run (every point of a sweep, launch/sweep.py) and checks what the runs
    need from this machine (launch/machine.py, the output roots, the locks) before anything is written or started;
-   `--check` stops here and prints each run's decisions,
-3. lets Hydra create each job's run dir, saves the resolved config, the parity report and the exact environment there,
+   `--check` stops here and prints each run's decisions (`--check --json`: each run's plan, config/plan.py, as one
+   JSON object per line and nothing else),
+3. lets Hydra create each job's run dir, saves the resolved config, the parity report with the run plan and the exact
+   environment there,
 4. starts the training process (ddpo_tpu.worker) with that environment, one job at a time (launch/process.py).
 """
 
@@ -31,6 +33,9 @@ CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this mach
 # the same, where this machine must be the run's target (a pod worker's check, launch/pod.py): a missing accelerator
 # is refused, not previewed
 CHECK_HERE = "--check-here"
+# with --check: print each run's plan as JSON, one object per line ({"job", "overrides", "run_dir", "plan"}), instead
+# of the screen (what a script or tests/test_run_plan.py reads)
+JSON_FLAG = "--json"
 
 _failures: list[str] = []
 _last_code: list[int] = []
@@ -43,11 +48,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     here = CHECK_HERE in argv
     check_only = here or any(a in CHECK_FLAGS for a in argv)
-    argv = moved([a for a in argv if a not in (*CHECK_FLAGS, CHECK_HERE)])  # keys that moved, under their new names
+    as_json = JSON_FLAG in argv
+    if as_json and not check_only:
+        _fail([f"{JSON_FLAG} goes with --check (it prints each run's plan instead of the check's screen)"])
+    # keys that moved, under their new names
+    argv = moved([a for a in argv if a not in (*CHECK_FLAGS, CHECK_HERE, JSON_FLAG)])
     points = preflight(argv, check_only, preview=check_only and not here)
     if check_only and points:  # (with --cfg or --info there are none: Hydra shows what was asked, runs nothing)
-        print_check(points)
+        print_check_json(points) if as_json else print_check(points)
         return
+    _preflight_points[:] = points  # each job reuses its point's validation (_validated_job)
 
     import hydra
 
@@ -193,6 +203,15 @@ def print_check(points: list[Point]) -> None:
                   soft_wrap=True)
 
 
+def print_check_json(points: list[Point]) -> None:
+    """--check --json: one JSON object per run, the run plan validation made (config/plan.py), nothing else."""
+    multirun = len(points) > 1 or any(p.where for p in points)
+    for p in points:
+        run_dir = _run_dir_of(p.validated.cfg, p.index if multirun else None)
+        print(json.dumps({"job": p.index, "overrides": p.overrides, "run_dir": str(run_dir),
+                          "plan": p.validated.plan.as_dict()}), flush=True)
+
+
 def _run_dir_of(cfg, job: int | None) -> Path:
     """The run dir Hydra will create (conf/config.yaml: hydra.run.dir and hydra.sweep.dir/subdir)."""
     root = Path(storage.local_root(cfg.output_root)).expanduser().absolute()
@@ -255,6 +274,27 @@ def _unlock_run_dir(run_dir: Path) -> None:
 
 # --- one job ---------------------------------------------------------------------------------------------------------
 
+_preflight_points: list[Point] = []  # the runs preflight validated, for the jobs to reuse
+
+
+def _validated_job(cfg, hc):
+    """The job's validated config: its preflight point's when Hydra composed the same tree (one validation, one plan,
+    per run in this process), else validated here (a point whose worker-side paths were set aside, or a tree that
+    differs)."""
+    from ddpo_tpu.config.compose import migrate, to_tree
+
+    num = hc.job.num if getattr(hc.mode, "name", None) == "MULTIRUN" else 0
+    point = next((p for p in _preflight_points if p.index == num), None)
+    if point is not None and point.validated is not None and not point.deferred:
+        try:
+            same = migrate(to_tree(cfg)) == point.validated.tree
+        except ConfigError:
+            same = False
+        if same:
+            return point.validated
+    return validate(cfg, overridden_keys(hc.overrides.task))
+
+
 def _job(cfg) -> None:
     """One Hydra job: save what the run is, then run it in a fresh training process."""
     from hydra.core.hydra_config import HydraConfig
@@ -264,7 +304,7 @@ def _job(cfg) -> None:
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
-    validated = validate(cfg, overridden_keys(hc.overrides.task))
+    validated = _validated_job(cfg, hc)
     node = envmod.node_suffix(validated.cfg)  # another node of a multi-node run: its own files beside node 0's
     lock = _lock_run_dir(run_dir, node)  # taken by preflight; hydra.run.dir may be overridden: then taken here
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -296,7 +336,9 @@ def _job(cfg) -> None:
         resumed = saved_run.record_changes(run_dir, validated.tree) if not node else None
         OmegaConf.save(OmegaConf.create(validated.tree), run_dir / f"config{node}.yaml")
         if not node:
-            (run_dir / "parity.json").write_text(json.dumps(validated.report, indent=1) + "\n")
+            # the parity rows, then the run plan as one more row (config/plan.py `parity_row`)
+            rows = [*validated.report, validated.plan.parity_row()]
+            (run_dir / "parity.json").write_text(json.dumps(rows, indent=1) + "\n")
         child_env = envmod.child_environment(validated.cfg, run_dir.resolve())
         (run_dir / f"env{node}.json").write_text(json.dumps(envmod.redacted(child_env), indent=1) + "\n")
     except OSError as e:  # the disk turned read-only or full since the probe: one line, nothing started
@@ -338,7 +380,7 @@ def help_text() -> str:
               if d.is_dir() and d.name != "experiment"}
     width = max(len(name) for name, _ in experiments())
     lines = [
-        "usage: python -m ddpo_tpu.train [+experiment=NAME] [key=value ...] [-m] [--check | --cfg job]",
+        "usage: python -m ddpo_tpu.train [+experiment=NAME] [key=value ...] [-m] [--check [--json] | --cfg job]",
         "       (ddpo-train is the same command)",
         "",
         *textwrap.wrap(f"Fine-tune a diffusion model with RL ({', '.join(a.title for a in ALGORITHMS)}). The config "
@@ -362,6 +404,7 @@ def help_text() -> str:
         "                decisions and parity table; start and write nothing (exit 0 when all is well). A run for",
         "                another machine (a GPU or TPU topology here) lists what its machine is checked for instead",
         "  --check-here  the same, and this machine must be the run's (ddpo-pod's check on every worker)",
+        "  --check --json  each run's plan (the decisions the training uses) as one JSON object per line, nothing else",
         "  --cfg job     print the composed config and run nothing",
         "  -m            a sweep: key=a,b runs one job per value, each validated before the first starts",
         "  --hydra-help  Hydra's own help",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ddpo_tpu.config.compose import Validated
+    from ddpo_tpu.config.plan import RunPlan
     from ddpo_tpu.config.schema import RunConfig
 
 
@@ -157,17 +158,26 @@ def _end_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def main() -> int:
+def load_validated(run_dir: Path) -> Validated:
+    """The run's saved config (config.yaml, or this node's), validated: the one validation of this process, whose
+    plan (config/plan.py) the Trainer and the out-of-memory line read. The front end validated the same tree and saved
+    the same plan in parity.json (tests/test_run_plan.py compares them)."""
     from omegaconf import OmegaConf
 
+    from ddpo_tpu import env as envmod
     from ddpo_tpu.config.compose import validate
+
+    return validate(OmegaConf.load(run_dir / envmod.config_file_from_environment()))
+
+
+def main() -> int:
     from ddpo_tpu import env as envmod
 
     run_dir = envmod.run_dir_from_environment()
     if run_dir is None:
         print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
-    validated = validate(OmegaConf.load(run_dir / envmod.config_file_from_environment()))
+    validated = load_validated(run_dir)
     ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.spec.torchrun else None
     if ranks is not None:  # a rank under torchrun: the launcher (ddpo_tpu/torchrun.py) holds the locks
         _end_with_parent()
@@ -226,14 +236,15 @@ def storage_error_line(e: OSError, run_dir: Path) -> str:
     return f"{path}: {what}: {fix}; the same command then resumes from the last complete checkpoint"
 
 
-def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str) -> str:
-    """One line for a device that ran out of memory: what was asked of it (the memory estimate's inputs, which
-    chose them unless they were set) and the keys that ask less, with the same parity."""
-    from ddpo_tpu.config.batch import num_train_timesteps
-    from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
+def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str, plan: RunPlan | None = None) -> str:
+    """One line for a device that ran out of memory: what was asked of it (the run plan's fused timesteps and
+    activation checkpointing, which the memory estimate chose unless they were set) and the keys that ask less, with
+    the same parity. `plan`: the one the run trained with (None: computed from `cfg`)."""
+    from ddpo_tpu.config.plan import run_plan
 
+    plan = plan if plan is not None else run_plan(cfg)
     detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-    K, on, T = fused_timesteps(cfg), activation_checkpointing(cfg), num_train_timesteps(cfg)
+    K, on, T = plan.fused_timesteps, plan.activation_checkpointing, plan.train_timesteps
     fixes = [f"train.timesteps_per_micro_step={k}" for k in range(K - 1, 0, -1) if T % k == 0][:1]
     if not on:
         fixes.append("train.activation_checkpointing=true")
@@ -298,7 +309,7 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
     run_dir = out.path
     trainer = None
     try:
-        trainer = Trainer(validated.cfg, rt, out, tree=validated.tree, stop=stop, events=events)
+        trainer = Trainer(validated.cfg, rt, out, tree=validated.tree, stop=stop, events=events, plan=validated.plan)
         trainer.resume()
         if trainer.start_epoch >= validated.cfg.num_epochs:
             events.emit(ev.AlreadyComplete(validated.cfg.num_epochs))
@@ -319,7 +330,7 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
     except Exception as e:  # noqa: BLE001 -- two known causes get one line, any other keeps its traceback
         if isinstance(e, RuntimeError) and rt.out_of_memory(e):
             saved = trainer.checkpoints.saved_state() if trainer is not None else "nothing was trained yet"
-            events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved)))
+            events.emit(ev.Failed(out_of_memory_line(e, validated.cfg, saved, validated.plan)))
             return EXIT_FAILED
         lost = rt.lost_peers(e, run_dir)
         if not lost:

@@ -18,6 +18,7 @@ from ddpo_tpu.rundir import storage_url
 from ddpo_tpu.catalog.algorithms import ALGORITHMS, owner_of
 from ddpo_tpu.config import rules
 from ddpo_tpu.config.batch import MISSING, lookup
+from ddpo_tpu.config.plan import RunPlan, run_plan
 from ddpo_tpu.config.resume import MOVED_KEYS
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.config.topology import conf_dir  # noqa: F401 -- also the front end's (train.py) and the tests'
@@ -32,6 +33,12 @@ class Validated:
     cfg: RunConfig                  # typed, frozen
     tree: dict[str, Any]            # the same config as plain containers (what gets saved)
     report: list[dict[str, Any]]    # the parity report rows
+    # the run's decisions (config/plan.py), made here once; computed from `cfg` when not given
+    plan: RunPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            object.__setattr__(self, "plan", run_plan(self.cfg))
 
 
 def overridden_keys(overrides: Iterable[str]) -> frozenset[str]:
@@ -245,7 +252,7 @@ def validate_tree(tree: dict[str, Any], overridden: frozenset[str] = frozenset()
     problems = rules.check(cfg, tree, overridden)
     if problems:
         raise ConfigError(problems)
-    return Validated(cfg, tree, rules.parity_report(cfg, tree))
+    return Validated(cfg, tree, rules.parity_report(cfg, tree), run_plan(cfg))
 
 
 def validate(cfg: DictConfig, overridden: frozenset[str] = frozenset()) -> Validated:

@@ -36,9 +36,8 @@ def parity_table(validated: Validated) -> Table:
 def start_lines(validated: Validated, run_dir: Path) -> list[tuple[str, str]]:
     """(label, text) rows of the start screen: what is trained, where, and whether it is on parity."""
     from ddpo_tpu.catalog import family
-    from ddpo_tpu.config.batch import num_train_timesteps
 
-    cfg = validated.cfg
+    cfg, plan = validated.cfg, validated.plan
     m, s, t, topo = cfg.model, cfg.sample, cfg.train, cfg.tpu_topology
     replicas = topo.replicas
     per_epoch = s.batch_size * s.num_batches_per_epoch * replicas
@@ -58,12 +57,14 @@ def start_lines(validated: Validated, run_dir: Path) -> list[tuple[str, str]]:
                                f"guidance {s.guidance_scale}"])),
         ("algorithm", f"{algo}{f' (groups of {group})' if group else ''}: {per_epoch} samples/epoch "
                       f"({s.batch_size} x {s.num_batches_per_epoch} batches x {replicas} replica(s)), "
-                      f"{per_update} per update, {num_train_timesteps(cfg)} trained timesteps, lr {t.learning_rate:g}"),
+                      f"{per_update} per update, {plan.train_timesteps} trained timesteps, lr {t.learning_rate:g}"),
         ("reward", f"{cfg.reward.name}; prompts {cfg.prompts.name}"),
         ("topology", f"{topo.name}: {topo.accelerator}, {topo.execution}, {topo.chips} chip(s)"
                      + (f", mesh dp {topo.mesh.dp} x fsdp {topo.mesh.fsdp}" if topo.spec.spmd else "")),
         ("logger", _logger_line(cfg.logger, run_dir)),
         ("parity", parity_verdict(validated)),
+        # the decisions validation made once (config/plan.py), as the training process will use them
+        ("plan", plan.describe()),
         ("config", f"{run_dir / 'config.yaml'} (the whole config; `--cfg job` prints it)"),
     ]
     return rows

@@ -25,8 +25,7 @@ import torch
 
 from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.catalog.reward_checks import request_bound_s
-from ddpo_tpu.config.batch import num_train_timesteps
-from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
+from ddpo_tpu.config.plan import RunPlan, run_plan
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.algorithms.multi_reward import component_weights
 from ddpo_tpu.random_streams import NOISE, PROMPTS, stream_seed
@@ -66,23 +65,35 @@ def make_algorithm(cfg):
     return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
 
 
+def step_shape(plan: RunPlan) -> StepShape:
+    """The optimizer steps' shape, as the run plan decided it: fused timesteps per forward/backward (divides the
+    trained timesteps), the global train batch, trained timesteps per update."""
+    return StepShape(train_timesteps=plan.train_timesteps, fused=plan.fused_timesteps,
+                     train_batch=plan.global_train_batch, window=plan.accumulation_window)
+
+
 class Trainer:
     """Builds a run's parts from its config; `resume()` restores a checkpoint; `fit()` trains. Building reads the
-    run dir (is it writable, is there room) but changes nothing in it."""
+    run dir (is it writable, is there room) but changes nothing in it. `plan`: the run's decisions as validation
+    made them (config/plan.py; `Validated.plan`); None computes them from `cfg` here, once."""
 
     def __init__(self, cfg: RunConfig, rt: Runtime, out: RunDir, tree: dict | None = None,
-                 stop: StopRequest | None = None, events: ev.EventLog | None = None):
+                 stop: StopRequest | None = None, events: ev.EventLog | None = None, plan: RunPlan | None = None):
         from ddpo_tpu.prompts import source_from_config
         from ddpo_tpu.rewards.from_config import reward_from_config
 
         self.cfg, self.rt, self.out = cfg, rt, out
+        self.plan = plan = plan if plan is not None else run_plan(cfg)
+        if rt.replicas != plan.replicas:  # the launch found other devices than the topology the plan was made for
+            raise ValueError(f"tpu_topology={cfg.tpu_topology.name} plans {plan.replicas} replica(s) but the "
+                             f"{rt.name} runtime has {rt.replicas}: check tpu_topology against this machine")
         self.tree = tree if tree is not None else cfg.model_dump()
         self.stop = stop or StopRequest()
         self.events = events or ev.EventLog(out.path, rt.is_main)
         self.mixed = cfg.train.mixed_precision == "bf16"
         torch.manual_seed(cfg.seed)  # adapter init: drawn on the host, identical on every backend
         self.family = load_family(cfg, rt)
-        if activation_checkpointing(cfg):  # the backward runs each block again from its kept input
+        if plan.activation_checkpointing:  # the backward runs each block again from its kept input
             self.family.model.enable_gradient_checkpointing(rt.checkpoint_function())
         self.family.denoiser = rt.prepare_model(self.family.model)  # DDP's wrapper, or FSDP2 in place
         self.state = TrainState(self.family.model, cfg.train, rt)
@@ -99,15 +110,10 @@ class Trainer:
         # algorithm.advantage_aggregation=gdpo (group algorithms, reward=weighted): the components' weights by key
         gdpo = cfg.algorithm.model_dump().get("advantage_aggregation") == "gdpo"  # a key of the group algorithms only
         self.gdpo_weights = component_weights(cfg.reward) if gdpo else None
-        self.global_batch = cfg.sample.batch_size * rt.replicas
+        self.global_batch = plan.global_sample_batch
         # each rank trains the samples it drew (training/epoch_data.py): the distributed execution's key
-        self.keep_samples_on_rank = (cfg.tpu_topology.spec.torchrun and rt.process_count > 1
-                                     and cfg.distributed.keep_samples_on_rank)
-        T = num_train_timesteps(cfg)
-        # the optimizer steps' shape: fused timesteps per forward/backward (divides T), trained timesteps per update
-        self.shape = StepShape(train_timesteps=T, fused=fused_timesteps(cfg),
-                               train_batch=cfg.train.batch_size * rt.replicas,
-                               window=cfg.train.gradient_accumulation_steps * T)
+        self.keep_samples_on_rank = plan.keep_samples_on_rank
+        self.shape = step_shape(plan)
         self.stepper = Stepper(cfg, rt, self.family.model, self.state, self.events, self.algorithm.stat_names,
                                out.path, report_step=lambda rec: self.report.step(rec),
                                saved_state=lambda: self.checkpoints.saved_state())
@@ -128,7 +134,7 @@ class Trainer:
             autocast, deterministic=self.algorithm.ode_sampling))
         # an SDE window: the steps outside it are the ODE's, a graph of its own (the same for every window position)
         self.ode_step = (rt.compile_step(self.family.make_denoise_step(autocast, deterministic=True))
-                         if cfg.sample.sde_window.size is not None else None)
+                         if plan.sde_window is not None else None)
         # an algorithm that trains on the clean samples, not the recorded steps (DiffusionNFT, AWM), brings its own
         # epoch trainer; the others re-score the recorded steps (training/ppo_epoch.py)
         self.epoch_trainer = (self.algorithm.make_epoch_trainer(self.ctx)
@@ -253,7 +259,8 @@ class Trainer:
         out = SampledEpoch([], [], [], [], None)
         n = cfg.sample.num_batches_per_epoch
         for b, prompts in enumerate(self.algorithm.epoch_prompts(self.prompts, n, self.global_batch, prompt_rng)):
-            where = sde_window_at(cfg.sample.sde_window, self.family.num_steps, cfg.seed, epoch, b)  # None: all SDE
+            where = (sde_window_at(self.plan.sde_window, self.family.num_steps, cfg.seed, epoch, b)
+                     if self.plan.sde_window is not None else None)  # None: all SDE
             traj, cond, images = self._sample_batch(prompts, noise_gen, sde_window=where)
             # the images of this process's rows (all of them unless distributed), scored here
             out.pending_rewards.append(self._score(images, prompts[rt.local_rows(len(prompts))]))
