@@ -23,7 +23,7 @@ from tests.helpers import REPO, clean_env, read_metrics, run_train  # noqa: F401
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory, worker_id) -> Path:
     """One tiny-model build for the whole session (each run loads it through from_pretrained). Under pytest-xdist
-    (-n 2) the workers share it: it sits beside their own temporary dirs, and models/build_cache.py's lock makes the
+    (-n 2) the workers share it: it sits beside their own temporary dirs, and proc/build_cache.py's lock makes the
     second worker that needs a model wait for the first one's build and reuse it."""
     if worker_id == "master":  # one process (no -n)
         return tmp_path_factory.mktemp("models")

@@ -105,7 +105,7 @@ def test_help_says_what_to_run(tmp_path):
     assert "  python -m ddpo_tpu.train +experiment=smoke" in out.split("Experiments")[0]
     assert "ddpo-status" in out and "ddpo-pod" in out and "--check" in out and "--cfg job" in out
     codes = next(v for k, v in sections.items() if k.startswith("Exit codes"))
-    from ddpo_tpu.launch.process import DOCUMENTED
+    from ddpo_tpu.proc.exit_codes import DOCUMENTED
     assert sorted(int(c) for c in re.findall(r"^  (\d+) ", codes, re.M)) == sorted(DOCUMENTED)
     # every experiment with one line, every group with its options (what is in conf/, not a copied list)
     experiments = next(v for k, v in sections.items() if k.startswith("Experiments"))

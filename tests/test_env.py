@@ -223,7 +223,7 @@ def test_each_other_node_of_a_multi_node_run_keeps_its_own_files(tmp_path):
     for c in (cfg(*nodes, "distributed.node_rank=0"), cfg("tpu_topology=cpu_dist2"), cfg()):
         assert envmod.node_suffix(c) == ""
         assert envmod.child_environment(c, tmp_path, {})[envmod.CONFIG_FILE_VARIABLE] == "config.yaml"
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
 
     with RunDirLock(tmp_path), RunDirLock(tmp_path, suffix="-node1"):  # two nodes, two locks, neither refused
         assert {p.name for p in tmp_path.iterdir()} >= {"lock", "lock-node1"}

@@ -312,7 +312,7 @@ FAKE_TRAIN = textwrap.dedent("""
     # a stand-in for the front end: records its argv and pid, prints a line, writes a run dir's events the way the
     # training process does (holding its lock), and on SIGTERM records a preemption and exits 75
     from ddpo_tpu.rundir import events as ev  # the real modules, through the stand-in package's __path__
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
 
     json.dump(sys.argv[1:], open("argv.json", "w"))
     run = Path("outputs/run")

@@ -327,7 +327,7 @@ def test_issue43_an_nft_decay_that_starts_after_the_last_sampling_is_refused():
 ])
 def test_issue43_the_rank_watch_bound_must_be_below_the_collective_timeout(change, key, fix):
     """A collective that times out first fails the rank that waited (gloo/nccl name the waiter), the outcome the rank
-    watch (launch/rankwatch.py) exists to prevent: its bound must be the shorter one. The key the user set is named."""
+    watch (proc/rankwatch.py) exists to prevent: its bound must be the shorter one. The key the user set is named."""
     p = refused(["+experiment=smoke", *DIST, *change])
     assert p.key == key and "before a collective times out" in p.reason and p.suggested() == [fix], str(p)
     compose_and_validate(["+experiment=smoke", *DIST, *change, *p.suggested()])

@@ -435,7 +435,7 @@ def test_resumed_run_counts_a_repeated_epoch_once(tmp_path):
 
 
 def test_live_lock_holder_means_running_however_quiet(tmp_path):
-    from ddpo_tpu.launch.lock import AcceleratorLock
+    from ddpo_tpu.proc.lock import AcceleratorLock
 
     now = time.time()
     run = make_run(tmp_path / "held", num_epochs=10, done=3, t0=now - 7200, tail=epoch_events(3, "training"))
@@ -452,7 +452,7 @@ def test_live_lock_holder_means_running_however_quiet(tmp_path):
 
 
 def test_lock_of_another_run_is_not_this_run(tmp_path):
-    from ddpo_tpu.launch.lock import AcceleratorLock
+    from ddpo_tpu.proc.lock import AcceleratorLock
 
     now = time.time()
     run = make_run(tmp_path / "mine", num_epochs=10, done=3, t0=now - 7200)
@@ -467,7 +467,7 @@ def test_lock_of_another_run_is_not_this_run(tmp_path):
 def test_heartbeat_file_and_run_dir_lock(tmp_path):
     """The heartbeat the training process writes (rundir.Heartbeat) is what status reads: over a minute old with no
     lock holder reads as dead; a held run dir lock as running; a fresh beat as running."""
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
     from ddpo_tpu.rundir.files import Heartbeat
 
     # SIGKILLed mid-epoch, front end killed too: no exit recorded; looked at 70 s after its last beat

@@ -248,7 +248,7 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, t5: bool = False) 
 def ensure_tiny_sd3(cache_dir: str | os.PathLike, seed: int = 0, t5: bool = False) -> pathlib.Path:
     """Return ``cache_dir/tiny-sd3-{version}-seed{seed}`` (``...-t5`` with the T5 encoder), building it on first use
     (atomically, as ``ensure_tiny_model``: a temporary sibling renamed into place when complete)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     required = _REQUIRED_FILES + (("text_encoder_3/config.json", "tokenizer_3/tokenizer_config.json") if t5 else ())
     name = f"tiny-sd3-{TINY_SD3_VERSION}-seed{seed}" + ("-t5" if t5 else "")
