@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import runpy
 import shutil
 import sys
 import tempfile
@@ -53,6 +55,41 @@ def _one_torch_thread_in_pytest():
 
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
+NO_TORCH_DIR = Path(__file__).resolve().parent / "helpers" / "no_torch"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torch-free", choices=("only", "skip"), default=None,
+        help="only: run the tests marked torch_free, with torch unimportable in pytest and every process it starts "
+             "(a test that imports torch fails: the mark is checked as it is used); skip: deselect them (the "
+             "TorchTPU tier: they exercise no torch, and the two lockfiles pin the same other packages)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`--torch-free=only` does not import the test modules that carry no torch_free mark: most import torch."""
+    if config.getoption("torch_free") == "only" and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_"):
+        return "mark.torch_free" not in collection_path.read_text()
+    return None
+
+
+def _torch_free(item) -> bool:
+    return item.get_closest_marker("torch_free") is not None and item.get_closest_marker("needs_torch") is None
+
+
+def pytest_configure(config):
+    """`--torch-free=only`: torch made unimportable here (this process: the hook runs before any test module is
+    imported) and in every process the tests start (tests/helpers/no_torch/sitecustomize.py, first on PYTHONPATH)."""
+    if config.getoption("torch_free") != "only":
+        return
+    loaded = [m for m in ("torch", "diffusers", "transformers") if sys.modules.get(m) is not None]
+    if loaded:
+        raise pytest.UsageError(f"--torch-free=only: {', '.join(loaded)} already imported by a plugin or conftest")
+    runpy.run_path(str(NO_TORCH_DIR / "sitecustomize.py"))  # by path: python may have imported its own already
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(NO_TORCH_DIR), os.environ.get("PYTHONPATH")) if p)
+
 
 GROUPS_DIR = pytest.StashKey[str]()
 
@@ -91,7 +128,14 @@ def pytest_collection_modifyitems(config, items):
     on one pytest-xdist worker (`-n 2 --dist loadgroup`; tests/helpers/xdist_groups.py), so the fixture is built once
     rather than once per worker; an explicit `xdist_group` mark groups too. In the TorchTPU environment
     (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why;
-    everything else runs there too."""
+    everything else runs there too. `--torch-free` keeps or drops the tests marked torch_free (pytest_addoption)
+    before the groups are made."""
+    mode = config.getoption("torch_free")
+    if mode is not None:
+        keep = [i for i in items if _torch_free(i) == (mode == "only")]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
     groups = {}
     for item in items:
         marks = [m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")]

@@ -14,6 +14,8 @@ import yaml
 from ddpo_tpu.config.compose import conf_dir
 from tests.helpers import clean_env, timed_run
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
 
@@ -158,6 +160,7 @@ def test_info(tmp_path):
     assert written(tmp_path) == []
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow
 def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cache):
     from tests.helpers import run_train

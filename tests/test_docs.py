@@ -14,6 +14,8 @@ import pytest
 
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 DOCS = sorted((REPO / "docs").glob("*.md"))

@@ -13,6 +13,8 @@ from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
 from ddpo_tpu.env import OWNED_VARIABLES, RUN_DIR_VARIABLE
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # the field notes' variables (BRIEF section 1) and torch_xla's own: every one must be owned by a config key

@@ -26,6 +26,8 @@ from ddpo_tpu.launch import pod as lp
 from ddpo_tpu.env import OWNED_VARIABLES
 from tests.helpers import REPO, clean_env
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 TIMEOUT = 60
 
 V6E_16 = ["+experiment=compressibility_parity", "tpu_topology=v6e-16", "sample.num_batches_per_epoch=4",

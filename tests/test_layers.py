@@ -12,6 +12,10 @@ import ast
 import functools
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "ddpo_tpu"
 # what proc/ may import of the package besides itself: the floor-1 modules of stdlib-only code

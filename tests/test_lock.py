@@ -18,6 +18,8 @@ import pytest
 
 from ddpo_tpu.proc.lock import AcceleratorBusy, AcceleratorLock, LockHolder, default_lock_path
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 
 # a process that takes the lock, says so, optionally starts descendants that must NOT keep the lock, then waits
@@ -306,8 +308,8 @@ def test_descendants_do_not_keep_the_lock_after_the_holder_dies(paths, holders, 
 def test_module_reads_no_environment_and_imports_no_torch():
     src = (REPO / "ddpo_tpu" / "proc" / "lock.py").read_text()
     assert not re.search(r"os\.environ|getenv|putenv", src)
-    res = subprocess.run([sys.executable, "-c", "import sys, ddpo_tpu.proc.lock; print('torch' in sys.modules)"],
-                         cwd=REPO, capture_output=True, text=True, timeout=30)
+    code = "import sys, ddpo_tpu.proc.lock; print(sys.modules.get('torch') is not None)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and res.stdout.strip() == "False"
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers import REPO, clean_env, timed_run, wait_for_event  # noqa: F401
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 HOLD = """
 import sys, time
 from pathlib import Path
@@ -45,6 +47,7 @@ def test_second_launch_is_refused_naming_the_holder(tmp_path):
     assert AcceleratorLock.holder(default_lock_path(cache / "ddpo_tpu", "cpu")) is None
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow  # a real run, up to its first sampling batch
 def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_path, model_cache):
     """One writer per run dir on every accelerator (CPU too): the same command twice is refused fast, with exit 3,
@@ -81,6 +84,7 @@ def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_
         first.wait()
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow  # one short real run
 def test_two_identical_commands_started_together_one_is_refused_at_once(tmp_path, model_cache):
     """The front end takes the run dir's lock before it writes anything (and hands it to its training process):

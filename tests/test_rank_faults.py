@@ -18,6 +18,8 @@ from ddpo_tpu import torchrun
 from ddpo_tpu.proc import rankwatch
 from tests.helpers.beats import wait_for, write_beat
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 
 def _rank_child(rank: int = 1) -> subprocess.Popen:
     """A child of this process with a torchrun rank's environment (what RankWatch looks for), sleeping."""

@@ -15,6 +15,8 @@ from ddpo_tpu import status
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 from tests.test_status import COMPLETE, age_files, epoch_events, make_run, run_cli
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 COMMON = ["+experiment=smoke", "num_epochs=4"]
 
 
