@@ -20,14 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "ddpo_tpu"
 # what proc/ may import of the package besides itself: the floor-1 modules of stdlib-only code
 PROC_MAY_IMPORT = {"problems", "waits", "env"}
-# The imports that run back up today, each closing a circle of two parts (farm-studio look counts them as its "arrows
-# that run back up"); issue 42 wants none. Each is someone's to remove, and then to drop from here: the test fails
-# while an entry names an import that is gone, so this list cannot outlive the debt.
-KNOWN_UPWARD = {
-    ("config", "training"): "config/inputs.py's evaluation_problems imports training/eval_plan.py",
-    ("training", "algorithms"): "training/loop.py and reporting.py import GDPO's component_weights, GRPO's "
-                                "zero_std_ratio",
-}
+# Imports allowed to run back up, each closing a circle of two parts: none since 2026-11-29 (issue 42). An entry
+# added here is debt with an owner: the test fails while an entry names an import that is gone.
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def _part(dotted: str) -> str | None:

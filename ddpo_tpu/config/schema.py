@@ -185,7 +185,7 @@ class StatTrackingConfig(_Strict):
 
 
 class EvaluationConfig(_Strict):
-    """The held-out evaluation (training/evaluation.py, training/eval_plan.py; docs/operations.md "Evaluation")."""
+    """The held-out evaluation (training/evaluation.py, config/eval_plan.py; docs/operations.md "Evaluation")."""
     every_n_epochs: int = Field(ge=0)
     seed: int = Field(ge=0, lt=2**31)
     prompts: list[str] = Field(min_length=1)
