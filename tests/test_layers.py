@@ -129,3 +129,43 @@ def test_the_floor_counter_sees_a_circle_and_a_long_chain():
     else:
         raise AssertionError("a circle went unseen")
     assert max(_floors({"a": {"b"}, "b": {"c"}, "c": set()}).values()) == 3
+
+
+def _module_of(dotted: str) -> str | None:
+    """The package file a dotted name is: 'ddpo_tpu.rewards.base' -> 'rewards/base.py', a package -> its __init__."""
+    rel = Path(*dotted.split(".")[1:]) if dotted.startswith("ddpo_tpu.") else None
+    if rel is None:
+        return None
+    if (PACKAGE / rel).with_suffix(".py").is_file():
+        return str(rel.with_suffix(".py"))
+    if (PACKAGE / rel / "__init__.py").is_file():
+        return str(rel / "__init__.py")
+    return None
+
+
+def _file_graph() -> dict[str, set[str]]:
+    """file -> the package files it imports (at module level or inside a function; `from a.b import c` counts
+    a/b/c.py when c is a module, else a/b)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = str(path.relative_to(PACKAGE))
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(m for a in node.names if (m := _module_of(a.name)))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for a in node.names:
+                    m = _module_of(f"{node.module}.{a.name}") or _module_of(node.module)
+                    if m:
+                        targets.add(m)
+        graph[me] = targets - {me}
+    return graph
+
+
+def test_no_two_files_import_each_other_even_through_others():
+    """Circles between files inside one part too (issue 42: 0 circles): a package's __init__ re-exporting its
+    modules is not one (a module importing its own package's __init__ is not followed)."""
+    graph = _file_graph()
+    for me, targets in graph.items():
+        graph[me] = {t for t in targets if not (t.endswith("__init__.py") and me.startswith(t[:-len("__init__.py")]))}
+    _floors(graph)  # raises naming the first circle it meets
