@@ -192,6 +192,7 @@ def test_what_composes():
         compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm.kl_mask_threshold=1e-4"])
 
 
+@pytest.mark.slow  # 45 s at load 5 on the 2-core machine, the tiny SD3's build included
 def test_an_epoch_of_dppo_on_tiny_sd3_trains_against_the_sampling_weights(tmp_path, model_cache):
     """Two updates of one epoch: the first compares the policy with itself (D 0: nothing masked), the second with
     the weights that sampled (kept in a copy); with a threshold of 1e-12 every row of it is outside the region."""

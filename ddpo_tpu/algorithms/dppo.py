@@ -2,8 +2,9 @@
 exact Gaussian KL between the current and the sampling policy's SDE step.
 
 Read from verl-project/verl-omni@a1139bafffb5b9711f0a6b6edff8ecaa60bfff30: ``FlowDPPOLoss.compute_loss`` in
-``verl_omni/trainer/diffusion/diffusion_algos.py:361-443``, its config ``verl_omni/workers/config/diffusion/actor.py:47``
-and ``verl_omni/trainer/config/diffusion/actor/diffusion_actor.yaml:51-54`` (``kl_mask_threshold`` 1e-5,
+``verl_omni/trainer/diffusion/diffusion_algos.py:361-443``, its config
+``verl_omni/workers/config/diffusion/actor.py:47`` and
+``verl_omni/trainer/config/diffusion/actor/diffusion_actor.yaml:51-54`` (``kl_mask_threshold`` 1e-5,
 ``add_kl_coefficient`` true), ``docs/algo/flowdppo.md``, and its check
 ``tests/trainer/diffusion/test_diffusion_core_algos_on_cpu.py:161-270``. Per row (a sample at one step):
 
