@@ -181,11 +181,15 @@ def test_compose_time_refusals(overrides, key):
 
 
 def test_what_composes():
-    cfg = compose_and_validate(["+experiment=dppo_smoke"]).cfg
+    # conf/algorithm/dppo.yaml's defaults are verl-omni's (diffusion_actor.yaml:51-54)
+    cfg = compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm=dppo", "algorithm.group_size=4"]).cfg
     assert (cfg.algorithm.name, cfg.algorithm.kl_mask_threshold, cfg.algorithm.add_kl_coefficient) == ("dppo", 1e-5,
                                                                                                       True)
-    # a CPS step without the coefficient: D is then the plain mean drift, no noise scale to misread
+    assert compose_and_validate(["+experiment=dppo_smoke"]).cfg.algorithm.name == "dppo"
+    # a CPS step without the coefficient: D is then the plain mean drift, no noise scale to misread (with the KL
+    # and no SDE window: the CPS-window rule once failed there on the window's unset size, for grpo too)
     compose_and_validate(["+experiment=dppo_smoke", "sample.sde_type=cps", "algorithm.add_kl_coefficient=false"])
+    compose_and_validate(["+experiment=flow_grpo_smoke", "sample.sde_type=cps"])
     # GRPO's keys keep their meaning: grpo still composes with its defaults, and does not take dppo's keys
     assert compose_and_validate(["+experiment=flow_grpo_smoke"]).cfg.algorithm.name == "grpo"
     with pytest.raises(ConfigError):

@@ -202,7 +202,7 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                                 "the last CPS step is deterministic (std 0), so its KL term is 0/0",
                                 Fix.of({"train.timestep_fraction": 0.99}, verb="train fewer steps, e.g.",
                                        note="(flow_grpo)")))
-    elif cps_kl and _window_reaches_last_step(cfg):
+    elif cps_kl and cfg.sample.sde_window.size is not None and _window_reaches_last_step(cfg):
         problems.append(_last_step_window_problem(cfg))
     return problems
 
