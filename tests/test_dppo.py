@@ -181,10 +181,16 @@ def test_compose_time_refusals(overrides, key):
 
 
 def test_what_composes():
-    # conf/algorithm/dppo.yaml's defaults are verl-omni's (diffusion_actor.yaml:51-54)
-    cfg = compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm=dppo", "algorithm.group_size=4"]).cfg
-    assert (cfg.algorithm.name, cfg.algorithm.kl_mask_threshold, cfg.algorithm.add_kl_coefficient) == ("dppo", 1e-5,
-                                                                                                      True)
+    import yaml
+
+    from ddpo_tpu.catalog.algorithms import DppoKeys
+    from ddpo_tpu.config.compose import conf_dir
+
+    # conf/algorithm/dppo.yaml's and the keys' defaults are verl-omni's (diffusion_actor.yaml:51-54, actor.py:47)
+    conf = yaml.safe_load((conf_dir() / "algorithm" / "dppo.yaml").read_text())
+    assert (conf["name"], conf["kl_mask_threshold"], conf["add_kl_coefficient"]) == ("dppo", 1e-5, True)
+    keys = DppoKeys.model_fields
+    assert (keys["kl_mask_threshold"].default, keys["add_kl_coefficient"].default) == (1e-5, True)
     assert compose_and_validate(["+experiment=dppo_smoke"]).cfg.algorithm.name == "dppo"
     # a CPS step without the coefficient: D is then the plain mean drift, no noise scale to misread (with the KL
     # and no SDE window: the CPS-window rule once failed there on the window's unset size, for grpo too)
