@@ -20,7 +20,8 @@ with ``adv_clip_max`` applied), so ``train.adv_clip_max`` and ``train.clip_range
 sampled the epoch (the reference records it at rollout; here, as GRPO-Guard's ``ratio_norm``, the loop keeps a copy of
 the sampling weights and runs one forward of it per trained step: ``training/ppo_epoch.py``); the rest is Flow-GRPO
 (group advantages, the zero-advantage filter, the KL penalty to the reference with ``kl_beta``: the reference's actor
-adds its KL loss beside the policy loss the same way). Metrics: ``clipfrac`` is the masked fraction (what PPO's
+adds ``kl_loss_coef`` x its KL loss to the policy loss, ``verl_omni/workers/utils/losses.py:101-110``, off by default
+there as ``use_kl_loss``). Metrics: ``clipfrac`` is the masked fraction (what PPO's
 clipfrac counts, rows that stop contributing gradient; the reference's ``masked_fraction``), ``approx_kl`` is
 ``0.5 mean((logp - logp_old)^2)`` as there, ``kl_new_old`` the mean D (``kl_new_old_mean``) and ``kl_mask_fraction``
 the share of rows with D >= eps (the reference's name, though it counts rows outside the region, masked or not).
