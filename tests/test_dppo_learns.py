@@ -21,7 +21,7 @@ EPOCHS, WINDOW = 20, 5  # epochs of the smoke; epochs at each end of the run
 # to 19; the last 5 epochs' mean over the first 5's, z 7.5), its last 5 epochs 8.7 standard errors above the control's;
 # the control (learning rate 1e-9) -0.0006 kB, z -1.4. The mask: 1-6% of the rows an epoch in 9 of the 20 epochs
 # (kl_mask_fraction 0.1 there: one trained step of 5 at the second update), mean D 2e-6..5e-5, the KL to the
-# reference at most 0.003. Each run took 830 s wall with the two side by side at load 5.5 on the 2-core machine.
+# reference at most 0.003. The test took 629 s (both runs, one after the other) at load 5-8 on the 2-core machine.
 # At verl-omni's kl_mask_threshold 1e-5 the rise was +0.0031 kB (z 4.5): conf/experiment/dppo_smoke.yaml.
 MIN_Z = 4.0
 
