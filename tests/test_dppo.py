@@ -202,7 +202,7 @@ def test_what_composes():
         compose_and_validate(["+experiment=flow_grpo_smoke", "algorithm.kl_mask_threshold=1e-4"])
 
 
-@pytest.mark.slow  # 45 s at load 5 on the 2-core machine, the tiny SD3's build included
+@pytest.mark.slow  # 18-45 s on the 2-core machine (load 3-8), the tiny SD3's build included
 def test_an_epoch_of_dppo_on_tiny_sd3_trains_against_the_sampling_weights(tmp_path, model_cache):
     """Two updates of one epoch: the first compares the policy with itself (D 0: nothing masked), the second with
     the weights that sampled (kept in a copy); with a threshold of 1e-12 every row of it is outside the region."""
@@ -214,6 +214,7 @@ def test_an_epoch_of_dppo_on_tiny_sd3_trains_against_the_sampling_weights(tmp_pa
     v = compose_and_validate(["+experiment=dppo_smoke", f"model.cache_dir={model_cache}", "algorithm.kl_beta=0.01",
                               "algorithm.kl_mask_threshold=1e-12", "sample.batch_size=8",
                               "sample.num_batches_per_epoch=1", "sample.num_steps=4", "train.batch_size=4",
+                              "train.gradient_accumulation_steps=1",
                               "algorithm.drop_zero_advantage=false"])
     tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, stop=SimpleNamespace(requested=False))
     tr.report.step = lambda rec: None  # the reporter's tracker starts in fit()
