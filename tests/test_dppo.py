@@ -173,6 +173,12 @@ SMOKE = ["+experiment=smoke", "algorithm=dppo", "algorithm.group_size=2", "algor
     (["+experiment=dppo_smoke", "algorithm.ratio_norm=true"], "algorithm.ratio_norm"),
     (["+experiment=dppo_smoke", "sample.sde_type=cps"], "sample.sde_type"),
     (["+experiment=dppo_smoke", "algorithm.kl_mask_threshold=0"], "algorithm.kl_mask_threshold"),
+    # keys nothing reads under dppo: the ratio clip and the advantage clamp (FlowDPPOLoss has neither), and GARDO's
+    # gate share without a gate (as for grpo)
+    (["+experiment=dppo_smoke", "train.clip_range=0.1"], "train.clip_range"),
+    (["+experiment=dppo_smoke", "train.adv_clip_max=3"], "train.adv_clip_max"),
+    (["+experiment=dppo_smoke", "algorithm.kl_gate_share=0.2"], "algorithm.kl_gate_share"),
+    (["+experiment=flow_grpo_smoke", "algorithm.kl_gate_share=0.2"], "algorithm.kl_gate_share"),
 ])
 def test_compose_time_refusals(overrides, key):
     with pytest.raises(ConfigError) as e:
