@@ -53,7 +53,6 @@ def _one_torch_thread_in_pytest():
     yield
 
 
-HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
 NO_TORCH_DIR = Path(__file__).resolve().parent / "helpers" / "no_torch"
 
@@ -127,8 +126,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests that share a fixture of module scope (one set of end-to-end runs several tests read, a loaded model) run
     on one pytest-xdist worker (`-n 2 --dist loadgroup`; tests/helpers/xdist_groups.py), so the fixture is built once
     rather than once per worker; an explicit `xdist_group` mark groups too. In the TorchTPU environment
-    (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why;
-    everything else runs there too. `--torch-free` keeps or drops the tests marked torch_free (pytest_addoption)
+    (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why, as does
+    a test marked `requires(module, ...)` where a module is missing; everything else runs there too. `--torch-free` keeps or drops the tests marked torch_free (pytest_addoption)
     before the groups are made."""
     mode = config.getoption("torch_free")
     if mode is not None:
@@ -149,9 +148,19 @@ def pytest_collection_modifyitems(config, items):
 
         longest_first(items, groups)
         write_groups(config.workerinput, groups)
-    if HAS_TORCH_XLA:
-        return
-    skip = pytest.mark.skip(reason="needs torch_xla, which this environment (the TorchTPU lockfile) does not have")
     for item in items:
+        needed = [m for mark in item.iter_markers("requires") for m in mark.args]
         if "xla" in item.keywords:
-            item.add_marker(skip)
+            needed.append("torch_xla")
+        missing = [m for m in dict.fromkeys(needed) if not _installed(m)]
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)}, which this environment does not "
+                                                    f"have (the TorchTPU lockfile has no torch_xla)"))
+
+
+def _installed(module: str) -> bool:
+    """`requires(...)`'s test (and the `xla` mark's: torch_xla): the module can be imported here."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked (--torch-free=only)
+        return False

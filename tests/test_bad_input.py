@@ -145,7 +145,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, ke
     assert_refused(tmp_path, proc, errors, key, fragment, cpu)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("_XLAC") is None, reason="torch_xla is not installed here")
+@pytest.mark.requires("torch_xla")
 def test_unknown_xla_flag_name_is_refused_before_xla_aborts_on_it(tmp_path):
     """XLA aborts its process on an unknown XLA_FLAGS name (SIGABRT, 15-20 s in, run dir written); the front end
     looks the names up in torch_xla's library instead and names the near ones. Known names pass."""
