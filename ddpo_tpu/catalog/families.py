@@ -193,7 +193,7 @@ SD3 = FAMILIES.register(FamilySpec(
 # CLIPTextModel and T5EncoderModel built with the checkpoint's configs on the meta device): the transformer (19
 # double-stream blocks of 0.340 and 38 single-stream blocks of 0.142), CLIP-L, T5-XXL's encoder, the VAE (float32).
 # The transformer has no positional table (RoPE from the ids).
-# Measured by: python scripts/bench.py --flux-activations (tests/test_flux_model.py counts them again)
+# Measured by: python scripts/bench.py --flux-activations (tests/unit/models/test_flux_model.py counts them again)
 FLUX1_DEV_BILLIONS = {"transformer": 11.901, "clip": 0.123, "t5": 4.762, "vae": 0.084}
 # flow_grpo's LoRA (rank 64 on the attention and feed-forward layers, model=flux1_dev): 179.3M values x (weight,
 # gradient, 2 AdamW moments, EMA) in float32 = 3.3 GiB; an epoch's trajectories and prompt embeddings (36 samples a
@@ -269,7 +269,7 @@ FLUX = FAMILIES.register(FamilySpec(
 # --- Wan 2.1 text-to-video -------------------------------------------------------------------------------------------
 # Video latents (16 channels x (F - 1) / 4 + 1 frames x H / 8 x W / 8), flow_grpo's Wan SDE (sampler wan_sde). The
 # LoRA layers: WanTransformer3DModel's module paths (Wan 2.1 T2V 1.3B's and 14B's configs and the tiny build, on the
-# meta device: tests/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
+# meta device: tests/unit/models/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
 # (model.num_frames x the frame's patches), catalog/wan_memory.py says how each figure was measured or derived.
 WAN = FAMILIES.register(FamilySpec(
     name="wan", title="Wan 2.1 text-to-video (WanTransformer3DModel, flow matching)",
