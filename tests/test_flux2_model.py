@@ -250,3 +250,26 @@ def test_one_diffusion_nft_epoch_trains_on_the_velocity(tmp_path, model_cache):
     (epoch,) = read_metrics(tmp_path, "epoch")
     assert np.isfinite(epoch["reward_mean"]) and len(read_metrics(tmp_path, "step")) >= 1
     assert all(np.isfinite(s["loss"]) for s in read_metrics(tmp_path, "step"))
+
+
+def test_memory_figures_follow_the_resolution_and_the_size():
+    """The spec's figures are a function of the model config (4B or 9B), scaled here to its resolution as the memory
+    rule scales a table (config/memory.py): at 1024 px the sequence is 4096 image + 512 text tokens."""
+    from ddpo_tpu.catalog.families import FLUX2_ATTENTION_SCORES_GIB_512, FLUX2_EAGER_F32_GIB, memory_of
+    from ddpo_tpu.catalog.memory_figures import GIB
+    from ddpo_tpu.config.schema import ModelConfig
+
+    v = compose_and_validate(REAL + ["model=flux2_klein_9b", "tpu_topology=gpu-8"])
+    m512 = v.cfg.model
+    spec = family("flux2")
+    at_512 = memory_of(spec, m512)
+    assert at_512.activation_gib_per_eval_512["no"] == pytest.approx(10.19 + 32 * 32 * 1536 ** 2 * 4 / GIB)
+    at_1024 = memory_of(spec, m512.model_copy(update={"resolution": 1024}))
+    s = (4096 + 512) / (1024 + 512)
+    assert at_1024.activation_gib_per_eval_512["no"] == pytest.approx(FLUX2_EAGER_F32_GIB["9b"] * s
+                                                                      + FLUX2_ATTENTION_SCORES_GIB_512["9b"] * s ** 2)
+    native = memory_of(spec, m512.model_copy(update={"resolution": None}))  # the pipeline's 1024 px
+    assert native.activation_gib_per_eval_512 == pytest.approx(at_1024.activation_gib_per_eval_512)
+    four = memory_of(spec, ModelConfig.model_validate({**m512.model_dump(), "name": "flux2_klein_4b",
+                                                       "pretrained": "black-forest-labs/FLUX.2-klein-base-4B"}))
+    assert four.activation_gib_per_eval_512["no"] == pytest.approx(5.84 + 25 * 24 * 1536 ** 2 * 4 / GIB)

@@ -386,6 +386,16 @@ def flux2_size(model) -> str:
     return "9b" if "9b" in text else "4b"
 
 
+def _flux2_memory(model) -> FamilyMemory:
+    """The figures of the model's klein at the size it samples (a function of the model config, so the memory rule
+    takes them as they are: scaled here from 512 px to model.resolution, or to the checkpoint's own 1024 px when it
+    is null, as config/memory.py scales a table's)."""
+    mem = FLUX2_MEMORY[flux2_size(model)]
+    pixels = getattr(model, "resolution", None) or (mem.native_pixels if getattr(model, "builder", None) is None
+                                                    else None)
+    return mem if pixels in (None, 512) else mem.at_pixels(pixels)
+
+
 FLUX2 = FAMILIES.register(FamilySpec(
     name="flux2", title="FLUX.2-klein (MMDiT, Qwen3 prompts, flow matching)",
     module="ddpo_tpu.families.flux2:Flux2Family",
@@ -401,5 +411,5 @@ FLUX2 = FAMILIES.register(FamilySpec(
                  "time_guidance_embed.timestep_embedder.linear_2", "x_embedder"),
     lora_example="attn.to_q",
     resolution_multiple=16,  # Flux2KleinPipeline: height and width multiples of vae_scale_factor x 2
-    memory=lambda model: FLUX2_MEMORY[flux2_size(model)],
+    memory=_flux2_memory,
 ))
