@@ -77,9 +77,9 @@ class Flux2Family(FlowFamily):
         return decoded_prompts(self.c.tokenizer, prompts, max_length)
 
     def guided(self, uncond: Cond | None) -> bool:
-        """Whether a step runs CFG: an unconditional conditioning, a scale other than 1 and a checkpoint that is not
+        """Whether a step runs CFG: an unconditional conditioning, a scale above 1 and a checkpoint that is not
         step-distilled (Flux2KleinPipeline.do_classifier_free_guidance)."""
-        return uncond is not None and float(self.cfg.sample.guidance_scale) != 1.0 and not self.c.is_distilled
+        return uncond is not None and float(self.cfg.sample.guidance_scale) > 1.0 and not self.c.is_distilled
 
     def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
                  detach_uncond: bool = False) -> Tensor:
