@@ -19,8 +19,8 @@ EPOCHS, WINDOW = 10, 3  # epochs of the smoke; epochs at each end of the run
 # Measured here (rise of the last 3 epochs' mean reward over the first 3, in pooled standard errors), seed 0: the
 # trained run z = 10.3 (+0.0205 kB: -1.2993 -> -1.2787), its last 3 epochs 15.2 standard errors above the control's;
 # the control (learning rate 1e-9) z = -1.1 (-0.0007 kB). At learning rate 3e-2 the trained run stayed inside the
-# noise (-1.2978 -> -1.2961 in 9 epochs). About 1.5 min of CPU an epoch-pair at load 5 on 2 cores (~15 min wall for
-# both runs).
+# noise (-1.2978 -> -1.2961 in 9 epochs). Each run took 8-15 min wall here (load ~5 on 2 cores; not run through
+# pytest as one piece: the two runs were made separately with this file's settings).
 MIN_Z = 4.0
 
 
