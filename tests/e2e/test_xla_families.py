@@ -1,6 +1,7 @@
-"""The flow families beyond SD 3 on torch_xla's PJRT CPU device, through the real launcher: FLUX, Wan (video) and
-Qwen-Image each compile their graphs in epoch 0 and nothing after, run no op on the host while sampling but the
-text encoders' mask checks, and copy to the host only what is counted below (torch_xla's own counters, exact).
+"""The flow families beyond SD 3 on torch_xla's PJRT CPU device, through the real launcher: FLUX, Wan (video),
+Qwen-Image and FLUX.2-klein each compile their graphs in epoch 0 and nothing after, run no op on the host while
+sampling but the text encoders' mask checks, and copy to the host only what is counted below (torch_xla's own
+counters, exact).
 
 What this caught (both fixed in ddpo_tpu/models): Wan's VAE decode raised on XLA ("Value out of range": diffusers'
 AutoencoderKLWan slices x[:, :, -2:] on a one-frame axis) and both video VAEs ran each 2x upsampling on the host
@@ -21,8 +22,8 @@ BATCHES = 2  # sampling batches an epoch (below)
 
 # host reads a sampling batch makes: the uint8 images (or video frames) once, plus transformers' SDPA mask check on a
 # padded prompt batch (masking_utils reads `padding_mask.all()` on the host: UMT5's bidirectional mask once,
-# Qwen2.5-VL's causal mask twice); FLUX's CLIP and T5 run unmasked
-HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_grpo_smoke": 3}
+# Qwen2.5-VL's and Qwen3's (FLUX.2-klein) causal masks twice); FLUX's CLIP and T5 run unmasked
+HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_grpo_smoke": 3, "flux2_grpo_smoke": 3}
 
 
 @pytest.mark.parametrize("experiment", list(HOST_READS_PER_BATCH))
