@@ -348,7 +348,7 @@ QWEN_IMAGE = FAMILIES.register(FamilySpec(
 # transformers' Qwen3ForCausalLM built with the published configs on the meta device: 4B 5 double + 20 single blocks,
 # 24 heads of 128, joint_attention_dim 7680; 9B 8 + 24 blocks, 32 heads, 12288; the text encoders Qwen3-4B (its LM
 # head tied to the embedding, counted once) and Qwen3-8B loaded whole as the pipeline holds them; the VAE float32).
-# No positional table (RoPE from the ids). Counted by the meta-device build in tests/test_flux2_model.py.
+# No positional table (RoPE from the ids). Counted by the meta-device build in tests/unit/models/test_flux2_model.py.
 FLUX2_KLEIN_BILLIONS = {
     "4b": {"transformer": 3.876, "text_encoder": 4.022, "vae": 0.084},
     "9b": {"transformer": 9.079, "text_encoder": 8.191, "vae": 0.084},

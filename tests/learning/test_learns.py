@@ -72,6 +72,10 @@ CURVES = [
     Curve("qwen_image_grpo_smoke", 10, 3, 0.1, {"model.family": "qwen_image", "sample.name": "flow_sde"},
           "z = 8.7 (+0.096 kB: -1.2948 -> -1.1747; LoRA's B starts at zero, so the rise starts slowly), 9.3 standard "
           "errors above the control (z = -1.5); 8 epochs were too few (z 3.4)"),
+    Curve("flux2_grpo_smoke", 10, 3, 0.1, {"model.family": "flux2", "sample.name": "flow_sde"},
+          "z = 10.3 (+0.0205 kB: -1.2993 -> -1.2787), 15.2 standard errors above the control (z = -1.1); at learning "
+          "rate 3e-2 the reward stayed inside the noise (the tiny build's LoRA moves the velocity ~6x less than tiny "
+          "FLUX.1's); each run 8-15 min wall at load ~5"),
 ]
 
 

@@ -85,13 +85,16 @@ def test_a_fix_is_data_rendered_to_text():
 
 def test_experiment_list_is_the_tested_one():
     shipped = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
-    # the flow-matching experiments are composed in tests/unit/algorithms/test_algorithms.py, digits in tests/learning/test_digits_learns.py
+    # the flow-matching experiments are composed in tests/unit/algorithms/test_algorithms.py, digits in
+    # tests/learning/test_digits_learns.py
     flow = ["flow_grpo_smoke", "flow_grpo_pickscore_sd35", "flow_grpo_geneval_sd35", "flow_grpo_ocr_sd35"]
     flow += ["flux_grpo_smoke", "flux_grpo_pickscore"]  # composed in tests/unit/config/test_flux_config.py
     flow += ["nft_smoke"]  # composed in tests/unit/algorithms/test_nft.py
     flow += [f"nft_sd3_{n}" for n in ("pickscore", "geneval", "ocr", "hpsv2", "multi_reward")]  # test_nft_presets.py
     flow += ["wan_grpo_smoke"]  # composed in tests/unit/models/test_wan_model.py
-    flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in tests/unit/models/test_qwen_image_model.py
+    flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in unit/models/test_qwen_image_model.py
+    flow += ["flux2_grpo_smoke"]  # composed in tests/unit/models/test_flux2_model.py
+    flow += ["dppo_smoke"]  # composed in tests/unit/algorithms/test_dppo.py
     flow += ["awm_smoke"]  # composed in tests/unit/algorithms/test_awm.py
     flow += [f"gardo_{n}" for n in ("sd3_ocr", "sd3_geneval", "sd3_compressibility", "flux_hps")]  # test_gardo_presets.py
     flow += ["gardo_smoke"]  # composed and run in tests/e2e/test_gardo_smoke.py
