@@ -210,7 +210,7 @@ def build_tiny_flux2(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
 def ensure_tiny_flux2(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """``cache_dir/tiny-flux2-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
     from ddpo_tpu.catalog import family
-    from ddpo_tpu.models.build_cache import build_once, pipeline_files
+    from ddpo_tpu.proc.build_cache import build_once, pipeline_files
 
     required = pipeline_files(family("flux2").subfolders)
     return build_once(cache_dir, f"tiny-flux2-{TINY_FLUX2_VERSION}-seed{seed}", required,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,9 +31,16 @@ SMOKES = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml") if "s
 
 
 def check_json(capsys, *overrides: str) -> list[dict]:
-    """`--check --json` in this process: one JSON object per run, nothing else on stdout."""
+    """`--check --json` in this process: one JSON object per run, nothing else on stdout. The environment is the one a
+    user's shell gives (tests.helpers.clean_env): an earlier test in this worker that imported torch_xla left
+    PJRT_DEVICE and XLA_FLAGS here, which the front end refuses."""
+    from unittest import mock
+
+    from tests.helpers import clean_env
+
     capsys.readouterr()
-    train.main([*overrides, "--check", "--json"])
+    with mock.patch.dict(os.environ, clean_env(), clear=True):
+        train.main([*overrides, "--check", "--json"])
     lines = capsys.readouterr().out.splitlines()
     return [json.loads(line) for line in lines]
 

@@ -167,7 +167,7 @@ FAKE_WORKER = textwrap.dedent("""
 
 
 def _front_end(tmp_path: Path) -> tuple[list[str], dict]:
-    from tests import test_console
+    from tests.unit.status import test_console
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
