@@ -83,8 +83,9 @@ class Algorithm:
         return None
 
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor, reference_mean: Tensor | None = None,
-             weights: Tensor | None = None, **options) -> tuple[Tensor, ...]:
-        """(loss, *statistics) of re-scored steps, each a mean over the terms (PpoEpochTrainer)."""
+             weights: Tensor | None = None) -> tuple[Tensor, ...]:
+        """(loss, *statistics) of re-scored steps, each a mean over the terms (PpoEpochTrainer). A subclass may add
+        keyword options after these (GRPO's old_mean, sqrt_dt, steps, kl_gate)."""
         raise NotImplementedError(f"algorithm={self.name} does not re-score recorded steps: its epochs are its "
                                   f"epoch trainer's")
 

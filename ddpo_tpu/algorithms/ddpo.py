@@ -33,8 +33,10 @@ class DDPO(Algorithm):
         """Each batch's prompts, drawn batch by batch as the reference does."""
         return [source.sample(batch_size, rng) for _ in range(batches)]
 
-    def advantages(self, keys: list[str], rewards: np.ndarray) -> np.ndarray:
-        """`keys`: each sample's prompt key (prompt_keys of the family, key_tokens long)."""
+    def advantages(self, keys: list[str], rewards: np.ndarray, scores: dict | None = None,
+                   components: dict | None = None) -> np.ndarray:
+        """`keys`: each sample's prompt key (prompt_keys of the family, key_tokens long); DDPO reads neither `scores`
+        nor `components` (Algorithm.advantages' signature)."""
         if self.cfg.stat_tracking.per_prompt:
             return self.tracker.update(keys, rewards)
         return global_advantages(rewards)

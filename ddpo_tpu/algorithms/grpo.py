@@ -193,7 +193,7 @@ PLAN_STREAM = GRPO_PLAN  # the host generator of GRPO's zero-advantage plan (ddp
 class GRPO(GroupAlgorithm):
     ode_sampling = False            # the SDE samples: its steps are the policy's actions
     name = "grpo"
-    stat_names = ("loss", "approx_kl", "clipfrac", "kl")
+    stat_names: tuple[str, ...] = ("loss", "approx_kl", "clipfrac", "kl")
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -214,6 +214,7 @@ class GRPO(GroupAlgorithm):
         """scores: what image_scores gave these samples (GARDO's features); components: reward=weighted's unweighted
         components (algorithm.advantage_aggregation=gdpo)."""
         if self.diversity:
+            assert scores is not None  # image_scores gave the features: GARDO's diversity scores every image
             return diversity_advantages(rewards, keys, scores["features"])
         return super().advantages(keys, rewards, scores, components)
 
@@ -228,6 +229,7 @@ class GRPO(GroupAlgorithm):
         non-finite reward or auxiliary score are neither ranked nor gated."""
         if self.gate is None:
             return None
+        assert scores is not None  # image_scores scores the auxiliary rewards whenever the gate is on
         aux = scores["kl_gate_rewards"]
         ok = np.isfinite(rewards) & np.isfinite(aux).all(axis=1)
         gate = np.zeros(len(rewards), dtype=np.float32)
@@ -264,6 +266,8 @@ class GRPO(GroupAlgorithm):
         kl = kl_to_reference(score.mean, reference_mean, score.std) if reference_mean is not None else None
         guard = None
         if old_mean is not None:
+            # the micro-step passes sqrt_dt and steps with old_mean (GRPO-Guard's needs_old_mean)
+            assert sqrt_dt is not None and steps is not None
             guard = lambda w: ratio_norm_loss(score.log_prob, old_log_prob, score.mean, old_mean, score.std, sqrt_dt,
                                               steps, advantages, t.clip_range, t.adv_clip_max, w)
         loss, info = grpo_loss(score.log_prob, old_log_prob, advantages, t.clip_range, t.adv_clip_max, kl,

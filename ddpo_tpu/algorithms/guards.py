@@ -85,7 +85,8 @@ class UncertaintyGate:
     uncertainty is above the (100 - 100 share)th percentile of the non-negative ones (numpy's linear percentile)."""
 
     def __init__(self, base: float):
-        self.base, self.share, self.window = base, base, []
+        self.base, self.share = base, base
+        self.window: list[float] = []
 
     def __call__(self, uncertainty: np.ndarray) -> np.ndarray:
         u = np.asarray(uncertainty)

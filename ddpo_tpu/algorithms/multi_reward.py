@@ -67,5 +67,6 @@ def group_or_gdpo(cfg, keys: Sequence, rewards: np.ndarray, components: Mapping[
     (GRPO's, on the weighted sum)."""
     if getattr(cfg.algorithm, "advantage_aggregation", "sum") == "gdpo":
         weights = component_weights(cfg.reward)
+        assert components is not None  # gdpo is refused at compose time unless reward=weighted, which gives them
         return gdpo_advantages({k: components[k] for k in weights}, weights, keys)
     return group_advantages(rewards, keys, global_std=cfg.algorithm.global_std)

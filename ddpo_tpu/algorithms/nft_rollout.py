@@ -83,5 +83,6 @@ def make_rollout_step(family, autocast, tables: FlowTables, solver: str):
         a, b, c = (abc[:, k].reshape(shape) for k in range(3))
         return a * x.float() + b * m + c * m_prev.float(), zero, m
 
-    step.multistep = True  # sample_trajectory carries m between steps
+    # sample_trajectory carries m between steps; a function attribute, which mypy does not model on a def
+    step.multistep = True  # type: ignore[attr-defined]
     return step

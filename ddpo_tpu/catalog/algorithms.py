@@ -6,7 +6,7 @@ besides its own keys, and its rules. Adding an algorithm: its keys and spec here
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Optional, TypeAlias, Union
 
 from pydantic import Field
 
@@ -47,6 +47,14 @@ def _entries(features: bool) -> Any:
     return models[0] if len(models) == 1 else Annotated[Union[models], Field(discriminator="name")]  # noqa: UP007
 
 
+if TYPE_CHECKING:  # built from the registry at import time: to the type checker, any entry
+    _ScoreEntry: TypeAlias = Any
+    _FeatureEntry: TypeAlias = Any
+else:
+    _ScoreEntry = _entries(False)
+    _FeatureEntry = _entries(True)
+
+
 class GrpoKeys(Keys):
     name: Literal["grpo"]
     group_size: int = Field(ge=2)                  # samples per prompt in an epoch
@@ -67,11 +75,11 @@ class GrpoKeys(Keys):
     # GARDO's uncertainty-gated KL (train_sd3_gardo.py:826-836, 953, 979-990): the KL only on the samples the trained
     # reward ranks furthest behind the mean rank these auxiliary rewards give them (its code: aesthetic, ImageReward);
     # []: every sample. kl_gate_share: its RiskCompensator's base, the gated share at the first epoch, then adapted
-    kl_gate_rewards: list[_entries(False)] = []
+    kl_gate_rewards: list[_ScoreEntry] = []
     kl_gate_share: float = Field(default=0.1, ge=0.02, le=0.2)
     # GARDO's diversity-aware advantages (stat_tracking.py:11-50, type='gardo'): a feature model (its code: DINOv3);
     # null: GRPO's (r - mean) / std
-    diversity_features: _entries(True) | None = None
+    diversity_features: _FeatureEntry | None = None
 
 
 class DppoKeys(GrpoKeys):

@@ -100,11 +100,10 @@ def _ocr_prompt_problems(r: OcrKeys, prefix: str, parts: Any, evals: list[str]) 
     if plain and all(plain):
         example = " ".join(words[0] for words in plain)
     elif len(parts) == 1:
-        example = next((w for w in parts[0] if quoted_text(w) is not None and not quoted_text(w).replace(" ", "")),
-                       None)
+        example = next((w for w in parts[0] if (t := quoted_text(w)) is not None and not t.replace(" ", "")), None)
     if example is None:
         where = "evaluation.prompts"
-        example = next((q for q in evals if quoted_text(q) is None or not quoted_text(q).replace(" ", "")), None)
+        example = next((q for q in evals if (t := quoted_text(q)) is None or not t.replace(" ", "")), None)
     if example is None:
         return []
     return [Problem(f"{prefix}.name", "ocr", f"reads the text between each prompt's double quotes, and {where} "
@@ -312,6 +311,7 @@ def _prompted_digit_problems(r: DigitClassifierKeys, prefix: str, parts: Any, ev
     if r.target is not None:
         return []
     plain = [[w for w in part if not PROMPTED_DIGIT.search(w)] for part in parts]
+    example: str | None
     if all(plain):
         example, where = " ".join(words[0] for words in plain), "the training prompts"
     else:

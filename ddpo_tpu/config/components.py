@@ -44,6 +44,7 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
         problems.extend(pretrained_problems(m.pretrained, m.family))
     if m.builder is not None and m.builder not in spec.builders:
         other = family_of_builder(m.builder)
+        assert other is not None  # the schema takes only the catalog's builders (schema.py _builder)
         problems.append(Problem("model.builder", m.builder, f"a model.family={other.name} build, not {m.family}",
                                 f"set model.family={other.name}, or use model={spec.builders[0]}" if spec.builders
                                 else f"set model.family={other.name}"))

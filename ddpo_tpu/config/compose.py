@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from types import UnionType
-from typing import Annotated, Any, Iterable, Union, get_args, get_origin
+from typing import Annotated, Any, Iterable, Mapping, Union, cast, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -111,8 +111,8 @@ def _compose_problem(e: Exception, overrides: list[str]) -> Problem:
     m = re.search(r"Could not find '([^']+)'", msg)
     if m:
         group = m.group(1).split("/")[0]
-        listed = re.split(r"Available options(?: in '[^']*')?:", msg, maxsplit=1)
-        listed = listed[1].split("Config search path", 1)[0] if len(listed) > 1 else ""
+        halves = re.split(r"Available options(?: in '[^']*')?:", msg, maxsplit=1)
+        listed = halves[1].split("Config search path", 1)[0] if len(halves) > 1 else ""
         options = re.findall(r"^\s+(\S+)\s*$", listed, flags=re.M)
         value = next((o.split("=", 1)[1] for o in overrides
                       if "=" in o and o.split("=", 1)[0].lstrip("+~") == group), m.group(1))
@@ -132,7 +132,7 @@ def _slip(key: str, value: Any, overrides: list[str]) -> Problem | None:
     parent, _, name = key.rpartition(".")
     others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
     try:
-        tree = OmegaConf.to_container(compose(others), resolve=False)
+        tree = _plain(compose(others), resolve=False)
     except ConfigError:
         return None
     keys = lookup(tree, parent) if parent else tree
@@ -170,11 +170,11 @@ def _foreign_model_key(key: str, value: Any) -> Problem | None:
                            f"it", f"remove it, or use a model of {'those families' if len(families) > 1 else 'it'}: "
                            f"{_models_of(families)}")
     if section == "model":
-        owners = [f.name for f in FAMILIES if name in f.own_keys]
-        if owners:
-            return Problem(key, value, f"a setting of the {' and '.join(owners)} model family; the run's model "
+        holders = [f.name for f in FAMILIES if name in f.own_keys]
+        if holders:
+            return Problem(key, value, f"a setting of the {' and '.join(holders)} model family; the run's model "
                            f"family does not have it", f"remove it, or use a model of that family: "
-                           f"{_models_of(owners)}")
+                           f"{_models_of(holders)}")
     return None
 
 
@@ -203,16 +203,21 @@ def to_tree(cfg: DictConfig) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     try:
-        tree = OmegaConf.to_container(cfg, resolve=True)
+        tree = _plain(cfg, resolve=True)
     except OmegaConfBaseException as e:  # ${oc.env:UNSET}, ${a_missing_key}, a self-reference, ...
         raise ConfigError([_interpolation_problem(e, cfg)]) from e
     tree.pop("hydra", None)
     return tree
 
 
+def _plain(cfg: DictConfig, resolve: bool) -> dict[str, Any]:
+    """OmegaConf.to_container of a DictConfig: a dict with str keys (its stub's return type is every container's)."""
+    return cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=resolve))
+
+
 def _interpolation_problem(e: OmegaConfBaseException, cfg: DictConfig) -> Problem:
     key = getattr(e, "full_key", None) or "config"
-    raw = lookup(OmegaConf.to_container(cfg, resolve=False), key)
+    raw = lookup(_plain(cfg, resolve=False), key)
     value = "" if raw is MISSING else raw
     reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     reason = re.sub(r"^\w+ raised while resolving interpolation: ", "", reason).strip('"')
@@ -226,16 +231,17 @@ def _interpolation_problem(e: OmegaConfBaseException, cfg: DictConfig) -> Proble
 
 
 def _missing_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
-    out = []
+    out: list[str] = []
     for k in cfg.keys():
         if k == "hydra":
             continue
+        name = str(k)  # a config tree's keys are str (DictConfig's stub allows bytes, ints and enums too)
         if OmegaConf.is_missing(cfg, k):
-            out.append(f"{prefix}{k}")
+            out.append(f"{prefix}{name}")
             continue
         v = cfg._get_node(k)
         if isinstance(v, DictConfig):
-            out.extend(_missing_keys(v, f"{prefix}{k}."))
+            out.extend(_missing_keys(v, f"{prefix}{name}."))
     return out
 
 
@@ -263,7 +269,7 @@ def compose_and_validate(overrides: list[str]) -> Validated:
     return validate(compose(overrides), overridden_keys(overrides))
 
 
-def _schema_problem(err: dict[str, Any], tree: dict[str, Any]) -> Problem:
+def _schema_problem(err: Mapping[str, Any], tree: dict[str, Any]) -> Problem:
     loc, model, union = _user_loc(err["loc"])
     key = ".".join(loc) or "config"
     kind = err["type"]

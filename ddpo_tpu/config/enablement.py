@@ -157,10 +157,15 @@ DEPENDENTS: tuple[Dependent, ...] = (
 )
 
 
+def _run_by(names: tuple[str, ...]) -> Callable[[RunConfig], bool]:
+    """A Dependent's `active`: the run's algorithm is one of `names` (bound here, not in a loop's closure)."""
+    return lambda c: c.algorithm.name in names
+
+
 def _dependents(cfg: RunConfig) -> tuple[Dependent, ...]:
     """The table, plus the sections an algorithm reads besides its own keys (stat_tracking: DDPO's, not GRPO's)."""
     readers = {section: [a.name for a in ALGORITHMS if section in a.reads] for a in ALGORITHMS for section in a.reads}
-    extra = tuple(Dependent((f"{section}.",), lambda c, names=tuple(names): c.algorithm.name in names,
+    extra = tuple(Dependent((f"{section}.",), _run_by(tuple(names)),
                             f"algorithm={cfg.algorithm.name} does not read it",
                             f"add algorithm={names[0]}" if len(names) == 1 else f"use one of: {', '.join(names)}")
                   for section, names in readers.items())

@@ -5,6 +5,8 @@ benchmark that measured it); on TPU topologies and the distributed execution's G
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddpo_tpu.catalog import family
 from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config.batch import Totals, num_train_timesteps, product_fix, totals
@@ -221,7 +223,8 @@ def _combined_options(cfg: RunConfig) -> list[dict]:
     over the same chips' 8-chip host, where conf/tpu_topology has one) with activation checkpointing and batch 1,
     and for a video family (catalog frame_step) the longest video that then fits."""
     topo, spec = cfg.tpu_topology, family(cfg.model.family)
-    mem, k, base = _memory(cfg), _fsdp(cfg), {}
+    mem, k = _memory(cfg), _fsdp(cfg)
+    base: dict[str, Any] = {}
     if mem.fsdp_splits_frozen_weights and topo.spec.multi_device:
         k = max(d for d in range(1, topo.chips_per_host + 1) if topo.chips % d == 0 and topo.chips_per_host % d == 0)
     elif mem.fsdp_splits_frozen_weights and topo.chips == 1 and (host := single_host_of(topo)) is not None:

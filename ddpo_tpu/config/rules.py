@@ -82,7 +82,7 @@ def drop_null_leftovers(problems: list[Problem], tree: dict[str, Any], overridde
         if not _leftover(p, overridden) or lookup(tree, p.key) is not None:
             continue
         *parents, last = p.key.split(".")
-        node = pruned
+        node: Any = pruned
         for k in parents:
             node = node.get(k) if isinstance(node, dict) else None
         if isinstance(node, dict) and last in node:
@@ -116,7 +116,7 @@ def parity_report(cfg: RunConfig, tree: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of (constraint, target, effective, ok) for the console and the run dir."""
     tot = totals(cfg)
     par = cfg.parity
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"constraint": "replicas (tpu_topology)", "target": None, "effective": tot.replicas, "ok": True},
         {"constraint": "samples per epoch", "target": par.samples_per_epoch, "effective": tot.samples_per_epoch},
         {"constraint": "total train batch", "target": par.total_train_batch, "effective": tot.total_train_batch},

@@ -6,7 +6,7 @@ What is registered in the catalog (model families, samplers, rewards, algorithms
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model
 from pydantic_core import PydanticCustomError
@@ -105,9 +105,15 @@ def _frames(spec) -> tuple[type[BaseModel], ...]:
     return (FrameReductionKeys,) if spec.takes == "images" else ()
 
 
-# a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one weighted sum)
-RewardComponent = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Component",
-                                              __base__=(_Component, r.keys, *_frames(r))) for r in _LEAF_REWARDS])
+# the run config's unions are built at import time from the catalog: to the type checker they are Any (docs/testing.md)
+if TYPE_CHECKING:
+    RewardComponent: TypeAlias = Any
+    RewardConfig: TypeAlias = Any
+    AlgorithmConfig: TypeAlias = Any
+else:
+    # a component of reward=weighted: any reward but `weighted` itself (a weighted sum of weighted sums is one)
+    RewardComponent = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Component",
+                                                  __base__=(_Component, r.keys, *_frames(r))) for r in _LEAF_REWARDS])
 
 
 class WeightedConfig(_RunReward):
@@ -115,9 +121,10 @@ class WeightedConfig(_RunReward):
     components: list[RewardComponent] = Field(min_length=1)
 
 
-RewardConfig = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Config",
-                                           __base__=(_RunReward, r.keys, *_frames(r))) for r in _LEAF_REWARDS]
-                             + [WeightedConfig])
+if not TYPE_CHECKING:
+    RewardConfig = _tagged_union([create_model(f"{r.keys.__name__.removesuffix('Keys')}Config",
+                                               __base__=(_RunReward, r.keys, *_frames(r))) for r in _LEAF_REWARDS]
+                                 + [WeightedConfig])
 
 
 class SdeWindowConfig(_Strict):
@@ -175,7 +182,8 @@ class TrainConfig(_Strict):
 
 
 # the algorithm's own keys (ddpo_tpu/catalog/algorithms.py), picked by `name`
-AlgorithmConfig = _tagged_union([a.keys for a in ALGORITHMS])
+if not TYPE_CHECKING:
+    AlgorithmConfig = _tagged_union([a.keys for a in ALGORITHMS])
 
 
 class StatTrackingConfig(_Strict):
