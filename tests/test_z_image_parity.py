@@ -195,10 +195,9 @@ def test_the_ode_sampler_and_decode_equal_zimagepipelines_output(which, request)
     pipe = pipeline_of(fam)
     with torch.no_grad():
         # list(prompts): ZImagePipeline._encode_prompt writes the templated prompts into the list it is given
-        ref_latents = pipe(list(prompts), height=32, width=32, num_inference_steps=STEPS, guidance_scale=G if guided else 0,
-                           latents=init.clone(), output_type="latent").images
-        ref_images = pipe(list(prompts), height=32, width=32, num_inference_steps=STEPS, guidance_scale=G if guided else 0,
-                          latents=init.clone(), output_type="pt").images
+        kw = dict(height=32, width=32, num_inference_steps=STEPS, guidance_scale=G if guided else 0)
+        ref_latents = pipe(list(prompts), latents=init.clone(), output_type="latent", **kw).images
+        ref_images = pipe(list(prompts), latents=init.clone(), output_type="pt", **kw).images
         cond, uncond = fam.encode(prompts), (fam.encode([""] * 2) if guided else None)
         ode = fam.make_denoise_step(None, deterministic=True)
         x = init
