@@ -211,7 +211,8 @@ def z_velocity(transformer, latents: Tensor, timestep: Tensor, caps: list[Tensor
     """The velocity (B, C, H, W) float32 at latents (B, C, H, W) and the schedule's ``timestep`` (B,) (sigma x 1000):
     the transformer on the list of (C, 1, H, W) latents at time ``(1000 - timestep) / 1000`` with the caption list,
     negated (Z-Image predicts -v). With a negative caption list and ``guidance_scale`` s != 1: both halves in one call
-    (cond first), ``neg + s (pos - neg)`` (the pipeline's ``pos + (s - 1)(pos - neg)``). ``detach_uncond``: no gradient through the negative half."""
+    (cond first), ``neg + s (pos - neg)`` (the pipeline's ``pos + (s - 1)(pos - neg)``). ``detach_uncond``: no
+    gradient through the negative half."""
     b = latents.shape[0]
     t = (1000 - timestep.reshape(-1).expand(b).to(latents.dtype)) / 1000
     x = latents.to(transformer.dtype).unsqueeze(2)
