@@ -101,7 +101,7 @@ def ensure(spec: str, cache_dir: Path) -> Path:
         from ddpo_tpu.models.sd3 import ensure_tiny_sd3
 
         return ensure_tiny_sd3(cache_dir, t5=True)
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     required = ("model_index.json", "transformer/config.json", "text_encoder_3/config.json", "vae/config.json")
     return build_once(cache_dir, SD35_DIR, required, lambda tmp: build_sd35_medium(Path(tmp)))

@@ -4,6 +4,9 @@ The launcher (parent process) composes the config, then builds the training proc
 torch_xla reads PJRT_DEVICE, XLA_FLAGS, LIBTPU_INIT_ARGS, CPU_NUM_DEVICES, ... once, at import, so they must be final
 before the child starts. Variables the config now owns are refused when found in the caller's environment, each with
 the key to set instead, so a forgotten `export` can never silently change a run.
+
+It also reads the one other setting a process inherits with its environment, the umask (`current_umask`), for the
+writers that set a file's mode as a plain create would (rundir/files.py, proc/build_cache.py).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ OWNED_VARIABLES: dict[str, str] = {
 
 # a run's own marker: the training process finds its run dir here (set by the launcher only)
 RUN_DIR_VARIABLE = "DDPO_TPU_RUN_DIR"
-# the descriptor of the run dir's lock, handed over by the front end that took it (launch/lock.py: adopt)
+# the descriptor of the run dir's lock, handed over by the front end that took it (proc/lock.py: adopt)
 RUN_DIR_LOCK_FD_VARIABLE = "DDPO_TPU_RUN_DIR_LOCK_FD"
 # the config file of this node in the run dir (config.yaml; config-node<N>.yaml for the other nodes of a multi-node
 # distributed run, which share the run dir: see node_suffix)
@@ -275,3 +278,15 @@ def reward_process_environment(package_parent: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask would, briefly, for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022

@@ -240,7 +240,7 @@ def evaluate(validated, where: Path, request: dict) -> int:
         if rt.is_main:
             print(f"ddpo-eval: stopped before the pass finished; {where} has no summary.json", flush=True)
         rt.close()
-        from ddpo_tpu.launch.process import EXIT_PREEMPTED
+        from ddpo_tpu.proc.exit_codes import EXIT_PREEMPTED
 
         return EXIT_PREEMPTED
     if rt.is_main:

@@ -12,12 +12,12 @@ agent, not a spawner of ours) starting one worker per device of this node, with 
 
 A rank that dies (SIGKILL, OOM) ends the job in bounded time: the agent sees it within --monitor-interval and
 stops the other ranks (SIGTERM, SIGKILL after 30 s); a rank blocked in a collective on it fails when the dead rank's
-connection closes and names it (launch/rankwatch.py's lost_peers). A rank that is stopped (SIGSTOP) or frozen ends
-the job within distributed.hang_timeout_s, named by this launcher (launch/rankwatch.py's RankWatch).
+connection closes and names it (proc/rankwatch.py's lost_peers). A rank that is stopped (SIGSTOP) or frozen ends
+the job within distributed.hang_timeout_s, named by this launcher (proc/rankwatch.py's RankWatch).
 
 One line per failure: a rank that reported its own cause (an `error` event: disk full, non-finite loss, a lost peer)
 is not reported again as "rank N exited with code 1". A full disk refuses that event too, so the rank also says it
-by its exit code (launch/process.py's EXIT_RANK_SAID_WHY), which needs no disk.
+by its exit code (proc/exit_codes.py's EXIT_RANK_SAID_WHY), which needs no disk.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def outcome(failures: dict, reported: bool = False, own=None) -> tuple[int, str]
     EXIT_RANK_SAID_WHY said it on the console (its output is the console's), which holds when the disk refused the
     `error` event behind `reported`. A rank other than 0 that gave its cause in its log (`own`: rank -> that line or
     "") has it quoted: only its log has it."""
-    from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, EXIT_RANK_SAID_WHY
+    from ddpo_tpu.proc.exit_codes import EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_PREEMPTED, EXIT_RANK_SAID_WHY
 
     codes = {rank: f.exitcode for rank, f in failures.items()}
     stopped = {EXIT_PREEMPTED, -signal.SIGTERM, 128 + signal.SIGTERM}  # a rank torchrun ended after another stopped
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddpo_tpu.config.compose import validate
     from ddpo_tpu import env as envmod
     from ddpo_tpu.rundir.events import EventLog, Failed
-    from ddpo_tpu.launch.process import EXIT_BUSY, EXIT_FAILED
-    from ddpo_tpu.launch.rankwatch import RankWatch
+    from ddpo_tpu.proc.exit_codes import EXIT_BUSY, EXIT_FAILED
+    from ddpo_tpu.proc.rankwatch import RankWatch
     from ddpo_tpu.worker import hold_locks
 
     argv = list(sys.argv[1:] if argv is None else argv)

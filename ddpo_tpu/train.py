@@ -27,7 +27,7 @@ from ddpo_tpu.problems import ConfigError
 from ddpo_tpu import compile_caches, env as envmod
 from ddpo_tpu.launch import machine, process, saved_run, xla_flags
 from ddpo_tpu.launch.sweep import Point, changed_sweep_point, compose_points
-from ddpo_tpu.launch.lock import accelerator_lock_path
+from ddpo_tpu.proc.lock import accelerator_lock_path
 
 CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this machine; print the decisions; write nothing
 # the same, where this machine must be the run's target (a pod worker's check, launch/pod.py): a missing accelerator
@@ -162,7 +162,7 @@ def _fail_on_this_machine(points: list[Point], preview: bool = False) -> None:
 
 def _fail_on_busy_accelerators(locks: set) -> None:
     """A busy accelerator is refused before a run dir exists (the training process takes the lock itself)."""
-    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
+    from ddpo_tpu.proc.lock import AcceleratorBusy, AcceleratorLock
 
     for path in filter(None, locks):
         holder = AcceleratorLock.holder(path)
@@ -224,7 +224,7 @@ _run_dir_locks: dict[Path, object] = {}  # run dir -> the RunDirLock this front 
 def _lock_run_dir(run_dir: Path, suffix: str = ""):
     """The run dir's lock (this node's: `suffix`, env.node_suffix), taken now (or already held by this front end),
     or exit 3 naming its holder. Creates the run dir (the lock is a file in it) and nothing else."""
-    from ddpo_tpu.launch.lock import RunDirBusy, RunDirLock
+    from ddpo_tpu.proc.lock import RunDirBusy, RunDirLock
 
     key = Path(run_dir).resolve()
     if key not in _run_dir_locks:

@@ -1,6 +1,6 @@
 """What this rank's main thread is waiting on, and when it last made progress (torch-free, stdlib only).
 
-The rank watch (launch/rankwatch.py) sees a stopped or frozen process from its heartbeat, but a main thread blocked
+The rank watch (proc/rankwatch.py) sees a stopped or frozen process from its heartbeat, but a main thread blocked
 forever while its process runs (a reward server that never answers, a write on a hung disk) keeps beating: today
 the job then ends only when a peer's collective times out, and the traceback blames that peer. So the main thread
 labels its waits, at a few places:

@@ -105,7 +105,7 @@ def hold_locks(cfg, run_dir: Path):
     process ends; the list of locks, or None after printing why they are busy. Taken before torch is imported, so a
     refusal comes within seconds: one writer per run dir on every accelerator, one run per device."""
     from ddpo_tpu import env as envmod
-    from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, RunDirLock, accelerator_lock_path
+    from ddpo_tpu.proc.lock import AcceleratorBusy, AcceleratorLock, RunDirLock, accelerator_lock_path
 
     locks = [RunDirLock(run_dir, suffix=envmod.node_suffix(cfg))]
     path = accelerator_lock_path(cfg)
@@ -185,7 +185,7 @@ def main() -> int:
             _rank_console(run_dir, ranks[0])
         else:
             guard_console(run_dir / "train.log")
-        from ddpo_tpu.launch.rankwatch import RankBeat
+        from ddpo_tpu.proc.rankwatch import RankBeat
 
         beat = RankBeat(run_dir, ranks[0]).start()  # beats while the rank works: its launcher watches it
         locks = []
@@ -193,7 +193,7 @@ def main() -> int:
         guard_console(run_dir / "train.log")
         locks = hold_locks(validated.cfg, run_dir)
         if locks is None:
-            from ddpo_tpu.launch.process import EXIT_BUSY
+            from ddpo_tpu.proc.exit_codes import EXIT_BUSY
 
             return EXIT_BUSY
     from ddpo_tpu.rundir.files import Heartbeat
@@ -208,12 +208,12 @@ def main() -> int:
             heartbeat.stop()
         for lock in reversed(locks):
             lock.release()
-    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_RANK_SAID_WHY
+    from ddpo_tpu.proc.exit_codes import EXIT_FAILED, EXIT_RANK_SAID_WHY
 
     if ranks is not None and code == EXIT_FAILED:  # run() said its failure in one line before it returned 1
         # its launcher adds no second line (launch/process.py); exiting at once, before the process group's and the
         # interpreter's teardown, so that this code is what the launcher sees: a rank still tearing down when a
-        # peer has ended is killed (SIGKILL, launch/rankwatch.py) once its beat is stale, as on a read-only disk
+        # peer has ended is killed (SIGKILL, proc/rankwatch.py) once its beat is stale, as on a read-only disk
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(EXIT_RANK_SAID_WHY)
@@ -261,7 +261,7 @@ def run(validated: Validated, run_dir: Path) -> int:
     from ddpo_tpu.rundir import storage
     from ddpo_tpu.display.console import quiet_third_party
     from ddpo_tpu.training.checkpointing import StopRequest
-    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
+    from ddpo_tpu.proc.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
     from ddpo_tpu.rundir.files import RunDir
     from ddpo_tpu.runtime import make_runtime
 
@@ -302,7 +302,7 @@ def _run(validated: Validated, rt, out, stop, events) -> int:
     from ddpo_tpu.training.checkpoint_files import ResumeRefused
     from ddpo_tpu.training.checkpointing import CannotStart, Preempted
     from ddpo_tpu.training.loop import NonFinite, Trainer
-    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_PREEMPTED
+    from ddpo_tpu.proc.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
     from ddpo_tpu.models.loading import ModelLoadError
     from ddpo_tpu.rewards import RewardError
 
@@ -360,7 +360,7 @@ def _exit_without_teardown(out, said: bool = False) -> None:
     torchrun's SIGTERM grace, and nothing is left to write: the checkpoints are whole. `said`: its line is out (the
     launcher adds none)."""
     from ddpo_tpu.rundir import storage
-    from ddpo_tpu.launch.process import EXIT_FAILED, EXIT_RANK_SAID_WHY
+    from ddpo_tpu.proc.exit_codes import EXIT_FAILED, EXIT_RANK_SAID_WHY
 
     stop_reward_processes()
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import runpy
 import shutil
 import sys
 import tempfile
@@ -23,7 +25,7 @@ from tests.helpers import REPO, clean_env, read_metrics, run_train  # noqa: F401
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory, worker_id) -> Path:
     """One tiny-model build for the whole session (each run loads it through from_pretrained). Under pytest-xdist
-    (-n 2) the workers share it: it sits beside their own temporary dirs, and models/build_cache.py's lock makes the
+    (-n 2) the workers share it: it sits beside their own temporary dirs, and proc/build_cache.py's lock makes the
     second worker that needs a model wait for the first one's build and reuse it."""
     if worker_id == "master":  # one process (no -n)
         return tmp_path_factory.mktemp("models")
@@ -51,7 +53,41 @@ def _one_torch_thread_in_pytest():
     yield
 
 
-HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+
+NO_TORCH_DIR = Path(__file__).resolve().parent / "helpers" / "no_torch"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torch-free", choices=("only", "skip"), default=None,
+        help="only: run the tests marked torch_free, with torch unimportable in pytest and every process it starts "
+             "(a test that imports torch fails: the mark is checked as it is used); skip: deselect them (the "
+             "TorchTPU tier: they exercise no torch, and the two lockfiles pin the same other packages)")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`--torch-free=only` does not import the test modules that carry no torch_free mark: most import torch."""
+    if config.getoption("torch_free") == "only" and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_"):
+        return "mark.torch_free" not in collection_path.read_text()
+    return None
+
+
+def _torch_free(item) -> bool:
+    return item.get_closest_marker("torch_free") is not None and item.get_closest_marker("needs_torch") is None
+
+
+def pytest_configure(config):
+    """`--torch-free=only`: torch made unimportable here (this process: the hook runs before any test module is
+    imported) and in every process the tests start (tests/helpers/no_torch/sitecustomize.py, first on PYTHONPATH)."""
+    if config.getoption("torch_free") != "only":
+        return
+    loaded = [m for m in ("torch", "diffusers", "transformers") if sys.modules.get(m) is not None]
+    if loaded:
+        raise pytest.UsageError(f"--torch-free=only: {', '.join(loaded)} already imported by a plugin or conftest")
+    runpy.run_path(str(NO_TORCH_DIR / "sitecustomize.py"))  # by path: python may have imported its own already
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(NO_TORCH_DIR), os.environ.get("PYTHONPATH")) if p)
 
 
 GROUPS_DIR = pytest.StashKey[str]()
@@ -90,8 +126,15 @@ def pytest_collection_modifyitems(config, items):
     """Tests that share a fixture of module scope (one set of end-to-end runs several tests read, a loaded model) run
     on one pytest-xdist worker (`-n 2 --dist loadgroup`; tests/helpers/xdist_groups.py), so the fixture is built once
     rather than once per worker; an explicit `xdist_group` mark groups too. In the TorchTPU environment
-    (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why;
-    everything else runs there too."""
+    (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why, as does
+    a test marked `requires(module, ...)` where a module is missing; everything else runs there too. `--torch-free` keeps or drops the tests marked torch_free (pytest_addoption)
+    before the groups are made."""
+    mode = config.getoption("torch_free")
+    if mode is not None:
+        keep = [i for i in items if _torch_free(i) == (mode == "only")]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
     groups = {}
     for item in items:
         marks = [m.args[0] if m.args else m.kwargs.get("name", "default") for m in item.iter_markers("xdist_group")]
@@ -105,9 +148,19 @@ def pytest_collection_modifyitems(config, items):
 
         longest_first(items, groups)
         write_groups(config.workerinput, groups)
-    if HAS_TORCH_XLA:
-        return
-    skip = pytest.mark.skip(reason="needs torch_xla, which this environment (the TorchTPU lockfile) does not have")
     for item in items:
+        needed = [m for mark in item.iter_markers("requires") for m in mark.args]
         if "xla" in item.keywords:
-            item.add_marker(skip)
+            needed.append("torch_xla")
+        missing = [m for m in dict.fromkeys(needed) if not _installed(m)]
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=f"needs {', '.join(missing)}, which this environment does not "
+                                                    f"have (the TorchTPU lockfile has no torch_xla)"))
+
+
+def _installed(module: str) -> bool:
+    """`requires(...)`'s test (and the `xla` mark's: torch_xla): the module can be imported here."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or blocked (--torch-free=only)
+        return False

@@ -17,6 +17,8 @@ from ddpo_tpu.catalog import family
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # a refusal: ~1 s quiet, up to 8.4 s of wall time seen at load 9 (its CPU seconds are bounded)
 WANDB_VARIABLES = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC")
@@ -143,7 +145,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, ke
     assert_refused(tmp_path, proc, errors, key, fragment, cpu)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("_XLAC") is None, reason="torch_xla is not installed here")
+@pytest.mark.requires("torch_xla")
 def test_unknown_xla_flag_name_is_refused_before_xla_aborts_on_it(tmp_path):
     """XLA aborts its process on an unknown XLA_FLAGS name (SIGABRT, 15-20 s in, run dir written); the front end
     looks the names up in torch_xla's library instead and names the near ones. Known names pass."""
@@ -158,6 +160,7 @@ def test_unknown_xla_flag_name_is_refused_before_xla_aborts_on_it(tmp_path):
     assert xla_flags.problems(["--xla_nonexistent_flag=1"], "eager") == []  # XLA is not started: nothing to abort
 
 
+@pytest.mark.needs_torch
 def test_lora_target_table_matches_every_builders_model():
     """launch/lora_targets.py's table (what the front end checks target_modules against, without a model) is what
     the denoisers really have: every builder of each family, on the meta device."""

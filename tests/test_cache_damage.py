@@ -1,5 +1,5 @@
 """Damaged cache entries (issue 43 item 8): torch.compile's cache (ddpo_tpu/compile_caches.py) and the model cache
-(ddpo_tpu/models/build_cache.py). A damaged entry is set aside (renamed, never deleted) and named in one warning line,
+(ddpo_tpu/proc/build_cache.py). A damaged entry is set aside (renamed, never deleted) and named in one warning line,
 then built again; one that cannot be moved refuses in one line naming it and the fix.
 
 Before these changes (checked by running this file against the parent commit): compile_caches did not exist, and
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ddpo_tpu import compile_caches as cc
-from ddpo_tpu.models import build_cache
+from ddpo_tpu.proc import build_cache
 
 KEY = "distributed.compile_cache_dir"
 

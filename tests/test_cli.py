@@ -14,6 +14,8 @@ import yaml
 from ddpo_tpu.config.compose import conf_dir
 from tests.helpers import clean_env, timed_run
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60
 
@@ -105,7 +107,7 @@ def test_help_says_what_to_run(tmp_path):
     assert "  python -m ddpo_tpu.train +experiment=smoke" in out.split("Experiments")[0]
     assert "ddpo-status" in out and "ddpo-pod" in out and "--check" in out and "--cfg job" in out
     codes = next(v for k, v in sections.items() if k.startswith("Exit codes"))
-    from ddpo_tpu.launch.process import DOCUMENTED
+    from ddpo_tpu.proc.exit_codes import DOCUMENTED
     assert sorted(int(c) for c in re.findall(r"^  (\d+) ", codes, re.M)) == sorted(DOCUMENTED)
     # every experiment with one line, every group with its options (what is in conf/, not a copied list)
     experiments = next(v for k, v in sections.items() if k.startswith("Experiments"))
@@ -158,6 +160,7 @@ def test_info(tmp_path):
     assert written(tmp_path) == []
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow
 def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cache):
     from tests.helpers import run_train

@@ -15,6 +15,8 @@ import pytest
 from ddpo_tpu.config.compose import compose_and_validate, conf_dir
 from ddpo_tpu.problems import ConfigError, Fix, Problem, as_typed
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 PARITY_EXPERIMENTS = {
@@ -517,7 +519,7 @@ def test_validation_leaves_torch_unimported(tmp_path):
         "assert v.cfg.tpu_topology.name == 'v6e-8'\n"
         "import ddpo_tpu.train, ddpo_tpu.env\n"
         "ddpo_tpu.train.preflight(['+experiment=smoke', 'tpu_topology=cpu_spmd4'])\n"
-        "heavy = [m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'peft') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'peft') if sys.modules.get(m) is not None]\n"
         "print('HEAVY', heavy)\n"
         "assert not heavy, heavy\n"
     )

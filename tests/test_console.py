@@ -15,6 +15,8 @@ from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.display.console import LineMatcher, ProgressView, quiet_third_party, start_lines
 from tests.helpers import clean_env, run_in_pty
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 BAR = "━"  # rich's bar glyph: a progress bar was drawn
 
@@ -199,6 +201,7 @@ def test_a_terminal_gets_bars_and_a_summary_per_epoch_a_pipe_gets_plain_lines(tm
     assert piped.stdout.count("sampling batch") == 6 and piped.stdout.count("] done: reward") == 3
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow  # two smoke runs of 2 epochs on the tiny model (~40 s on 2 cores)
 def test_a_smoke_run_on_a_terminal_and_through_a_pipe(tmp_path, model_cache):
     """The real front end and training process: at most ~25 lines before the first bar, no third-party warning or

@@ -16,6 +16,8 @@ from ddpo_tpu import torchrun
 from ddpo_tpu.launch.process import training_command
 from tests.test_bad_input import assert_refused, front_end
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 
 def problems(*overrides: str) -> str:
     with pytest.raises(ConfigError) as e:

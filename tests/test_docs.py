@@ -14,6 +14,8 @@ import pytest
 
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
 DOCS = sorted((REPO / "docs").glob("*.md"))
@@ -25,7 +27,7 @@ AUTOMATIC = {"reward_local"}
 def groups_table() -> dict[str, tuple[set[str], str]]:
     """group -> (the backticked names of its options cell, the whole row), from the README's "Config groups"."""
     text = (REPO / "README.md").read_text()
-    section = text.split("## Config groups", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## Config groups", 1)[1].split("\n## ", 1)[0].split("<!-- catalog tables", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -65,6 +67,23 @@ def test_every_registered_name_is_in_its_row(registry, group):
     _, row = rows[group]
     missing = [s.name for s in specs if f"`{s.name}`" not in row]
     assert not missing, f"README's `{group}` row does not name the registered {registry.what}s {missing}"
+
+
+def test_the_generated_tables_are_what_the_conf_folder_and_the_catalog_say():
+    """README's options cells and its family and algorithm tables are written by scripts/readme_tables.py: a new
+    YAML file or registered spec changes them, and the README must have been regenerated."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_tables", REPO / "scripts" / "readme_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    text = (REPO / "README.md").read_text()
+    assert tables.render(text) == text, "README.md's generated tables are stale: run python scripts/readme_tables.py"
+    block = text.split(tables.BEGIN, 1)[1].split(tables.END, 1)[0]
+    for f in FAMILIES:
+        assert f"| `{f.name}` | {f.title} |" in block
+    for a in ALGORITHMS:
+        assert f"| `{a.name}` | {a.title} |" in block
 
 
 def test_every_run_reward_has_its_conf_file():

@@ -8,6 +8,8 @@ import pytest
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu.problems import ConfigError, Fix
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 CASES = [
     # (overrides, the refused key, words of the reason, the enabling overrides that make it valid)
     (["train.ema_decay=0.5"], "train.ema_decay", "train.ema=false", ["train.ema=true"]),
@@ -153,6 +155,7 @@ def _other_values(model, field: str, value) -> list[str]:
     return [as_typed(v) for v in out if v != value and valid(v)]
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow
 def test_every_catalog_key_of_each_smoke_experiment_is_read_or_refused(tmp_path, model_cache):
     """Issue 43's last "done when": each smoke experiment runs two epochs in this process while the reads of its

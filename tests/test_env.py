@@ -13,6 +13,8 @@ from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
 from ddpo_tpu.env import OWNED_VARIABLES, RUN_DIR_VARIABLE
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # the field notes' variables (BRIEF section 1) and torch_xla's own: every one must be owned by a config key
@@ -223,7 +225,7 @@ def test_each_other_node_of_a_multi_node_run_keeps_its_own_files(tmp_path):
     for c in (cfg(*nodes, "distributed.node_rank=0"), cfg("tpu_topology=cpu_dist2"), cfg()):
         assert envmod.node_suffix(c) == ""
         assert envmod.child_environment(c, tmp_path, {})[envmod.CONFIG_FILE_VARIABLE] == "config.yaml"
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
 
     with RunDirLock(tmp_path), RunDirLock(tmp_path, suffix="-node1"):  # two nodes, two locks, neither refused
         assert {p.name for p in tmp_path.iterdir()} >= {"lock", "lock-node1"}

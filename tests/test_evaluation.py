@@ -1,4 +1,4 @@
-"""The evaluation's plan (training/eval_plan.py), its compose-time refusals, its files' helpers and ddpo-eval's front
+"""The evaluation's plan (config/eval_plan.py), its compose-time refusals, its files' helpers and ddpo-eval's front
 end: fast, without a model. The end-to-end runs are tests/test_evaluation_e2e.py.
 
 The padding rule is flow_grpo's evaluation loader's (yifan123/flow_grpo@ac4c86e8cae021841f1fde853d340e0db67690dd
@@ -21,7 +21,7 @@ import pytest
 from tests.helpers import REPO, clean_env
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from ddpo_tpu.training.eval_plan import image_seed, make_plan, prompt_key
+from ddpo_tpu.config.eval_plan import image_seed, make_plan, prompt_key
 
 TEST_PROMPTS = ["a red cat", "a blue dog", "a green horse", "a small rabbit", "a tall giraffe", "a happy frog",
                 "a sleepy owl", "a fast fox", "a big bear", "a tiny mouse"]

@@ -14,6 +14,8 @@ from ddpo_tpu.catalog.executions import execution_or_none, multi_device_names
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu.problems import ConfigError
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "ddpo_tpu"
 # the registered names, and the two other spellings the package has used for a kind (SPMD, torchrun)

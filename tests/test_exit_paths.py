@@ -2,7 +2,7 @@
 ranks): a rank's own error, a killed rank, a full disk, a run dir that turns read-only mid-run. Each ends with exactly
 one `error:` line on the console (stdout and stderr together), no traceback, the documented exit code, and nothing
 lost: the last checkpoint verifies, and where the docs say so the same command resumes (docs/operations.md, "Exit
-codes"). A hung rank is launch/rankwatch.py's path (tests/test_rank_faults.py, tests/test_distributed.py).
+codes"). A hung rank is proc/rankwatch.py's path (tests/test_rank_faults.py, tests/test_distributed.py).
 
 The disk faults are real, not injected at a Python call: the run's output root is a small tmpfs in a private mount
 namespace held by a sleeping keeper process (`unshare -m`), so every write of every process (front end, torchrun,
@@ -269,7 +269,7 @@ def test_rank_0_that_said_why_gets_no_second_line_without_its_event():
     """A full disk refuses rank 0's `error` event, so the launcher cannot read that it reported; its exit code says
     so (EXIT_RANK_SAID_WHY), and rank 1, ended after it, is not named either."""
     from ddpo_tpu import torchrun
-    from ddpo_tpu.launch.process import EXIT_RANK_SAID_WHY
+    from ddpo_tpu.proc.exit_codes import EXIT_RANK_SAID_WHY
 
     assert torchrun.outcome({0: _failure(EXIT_RANK_SAID_WHY, 1, 10), 1: _failure(-signal.SIGTERM, 1, 11)},
                             reported=False) == (EXIT_FAILED, "")
@@ -282,7 +282,7 @@ def test_another_rank_that_said_why_is_quoted_or_named_never_by_its_internal_cod
     """Rank 1's own line is in its log only: quoted by the launcher; when its disk refused the log too, the
     launcher's line names the rank and its log, not the internal exit code."""
     from ddpo_tpu import torchrun
-    from ddpo_tpu.launch.process import EXIT_RANK_SAID_WHY
+    from ddpo_tpu.proc.exit_codes import EXIT_RANK_SAID_WHY
 
     failures = {1: _failure(EXIT_RANK_SAID_WHY, 1, 11), 0: _failure(1, 2, 10)}
     code, line = torchrun.outcome(failures, own=lambda r: {1: "the reward refused"}.get(r, ""))
@@ -298,7 +298,7 @@ def test_a_lock_whose_record_the_disk_refuses_is_still_given_back(tmp_path, monk
     (in the worker's, torchrun's and the front end's last steps) must neither raise nor keep the lock."""
     import errno
 
-    from ddpo_tpu.launch import lock as lockmod
+    from ddpo_tpu.proc import lock as lockmod
 
     held = lockmod.RunDirLock(tmp_path).acquire()
     if adopted:  # the training process's share of the front end's lock

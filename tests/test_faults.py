@@ -233,7 +233,7 @@ def test_a_full_or_read_only_disk_is_one_line_naming_the_path(tmp_path, model_ca
 
     from ddpo_tpu import worker
     from ddpo_tpu.config.compose import compose_and_validate
-    from ddpo_tpu.launch.process import EXIT_FAILED
+    from ddpo_tpu.proc.exit_codes import EXIT_FAILED
     from ddpo_tpu.rundir.files import RunDir
 
     code = getattr(errno, err)
@@ -268,7 +268,7 @@ def test_a_device_out_of_memory_is_one_line_naming_the_keys_that_ask_less(tmp_pa
     from ddpo_tpu import worker
     from ddpo_tpu.config.compose import compose_and_validate
     from ddpo_tpu.training import loop
-    from ddpo_tpu.launch.process import EXIT_FAILED
+    from ddpo_tpu.proc.exit_codes import EXIT_FAILED
 
     def fit(self):
         raise RuntimeError(XLA_OOM)

@@ -12,6 +12,8 @@ import pytest
 from ddpo_tpu.config import memory
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 SMOKE = ["+experiment=flux_grpo_smoke"]
 DATA = Path(__file__).parent / "data" / "flow_grpo" / "ocr"  # any dataset folder: the path is the user's
 PARITY = ["+experiment=flux_grpo_pickscore", f"prompts.path={DATA}"]

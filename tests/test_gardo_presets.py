@@ -14,6 +14,8 @@ import pytest
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 DATA = Path(__file__).parent / "data" / "flow_grpo"  # a few rows of flow_grpo's dataset folders (tests/data)
 FILES: dict[str, Path] = {}
 

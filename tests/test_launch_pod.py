@@ -26,6 +26,8 @@ from ddpo_tpu.launch import pod as lp
 from ddpo_tpu.env import OWNED_VARIABLES
 from tests.helpers import REPO, clean_env
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 TIMEOUT = 60
 
 V6E_16 = ["+experiment=compressibility_parity", "tpu_topology=v6e-16", "sample.num_batches_per_epoch=4",
@@ -312,7 +314,7 @@ FAKE_TRAIN = textwrap.dedent("""
     # a stand-in for the front end: records its argv and pid, prints a line, writes a run dir's events the way the
     # training process does (holding its lock), and on SIGTERM records a preemption and exits 75
     from ddpo_tpu.rundir import events as ev  # the real modules, through the stand-in package's __path__
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
 
     json.dump(sys.argv[1:], open("argv.json", "w"))
     run = Path("outputs/run")

@@ -1,4 +1,4 @@
-"""ddpo_tpu.launch.lock: one process per host holds the accelerator; a second launch (another process) is refused
+"""ddpo_tpu.proc.lock: one process per host holds the accelerator; a second launch (another process) is refused
 within 2 seconds naming the holder; a lock left by a dead process (even SIGKILLed) is taken over."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock, LockHolder, default_lock_path
+from ddpo_tpu.proc.lock import AcceleratorBusy, AcceleratorLock, LockHolder, default_lock_path
+
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 HOLDER = r"""
 import os, subprocess, sys, time
 from pathlib import Path
-from ddpo_tpu.launch.lock import AcceleratorLock
+from ddpo_tpu.proc.lock import AcceleratorLock
 lock = AcceleratorLock(Path(sys.argv[1]), Path(sys.argv[2]), command="holder-cmd --flag").acquire()
 mode = sys.argv[3] if len(sys.argv) > 3 else ""
 if mode == "fork":
@@ -54,7 +56,7 @@ CONTENDER = r"""
 import sys, time
 from pathlib import Path
 t0 = time.monotonic()
-from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
+from ddpo_tpu.proc.lock import AcceleratorBusy, AcceleratorLock
 try:
     AcceleratorLock(Path(sys.argv[1]), Path(sys.argv[2])).acquire()
 except AcceleratorBusy as e:
@@ -304,10 +306,10 @@ def test_descendants_do_not_keep_the_lock_after_the_holder_dies(paths, holders, 
 
 
 def test_module_reads_no_environment_and_imports_no_torch():
-    src = (REPO / "ddpo_tpu" / "launch" / "lock.py").read_text()
+    src = (REPO / "ddpo_tpu" / "proc" / "lock.py").read_text()
     assert not re.search(r"os\.environ|getenv|putenv", src)
-    res = subprocess.run([sys.executable, "-c", "import sys, ddpo_tpu.launch.lock; print('torch' in sys.modules)"],
-                         cwd=REPO, capture_output=True, text=True, timeout=30)
+    code = "import sys, ddpo_tpu.proc.lock; print(sys.modules.get('torch') is not None)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and res.stdout.strip() == "False"
 
 
@@ -316,7 +318,7 @@ def test_module_reads_no_environment_and_imports_no_torch():
 ADOPT = """
 import sys
 from pathlib import Path
-from ddpo_tpu.launch.lock import AcceleratorLock
+from ddpo_tpu.proc.lock import AcceleratorLock
 lock = AcceleratorLock(Path(sys.argv[1]), Path(sys.argv[2])).adopt(int(sys.argv[3]))
 print("adopted", flush=True)
 sys.stdin.readline()
@@ -388,7 +390,7 @@ def test_adopting_a_descriptor_of_another_file_is_refused(paths, tmp_path):
 JOB = r"""
 import os, subprocess, sys
 from pathlib import Path
-from ddpo_tpu.launch.lock import RunDirLock
+from ddpo_tpu.proc.lock import RunDirLock
 run_dir = Path(sys.argv[1])
 ballast = bytearray(64 << 20)
 if len(sys.argv) > 2:  # the training process
@@ -413,7 +415,7 @@ def test_a_killed_job_restarted_at_once_waits_for_its_lock_instead_of_refusing(t
     the front end's) waits for the dying holder's lock instead of raising RunDirBusy (exit 3). The holder is dying
     while the kernel has a SIGKILL queued for it (SigPnd), marks it exiting (PF_EXITING), or it is gone and its front
     end exits; it never refuses then, and it still refuses a live holder at once."""
-    from ddpo_tpu.launch.lock import RunDirBusy, RunDirLock
+    from ddpo_tpu.proc.lock import RunDirBusy, RunDirLock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -454,7 +456,7 @@ def test_a_killed_job_restarted_at_once_waits_for_its_lock_instead_of_refusing(t
 def test_a_reused_pid_is_not_the_holder_its_record_names():
     """The record names a pid and when it took the lock; a live process under that pid that started later is another
     process (the holder died and its pid was reused): an acquire waits for the lock rather than naming it."""
-    from ddpo_tpu.launch.lock import _is_holder
+    from ddpo_tpu.proc.lock import _is_holder
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

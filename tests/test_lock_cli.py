@@ -10,10 +10,12 @@ import pytest
 
 from tests.helpers import REPO, clean_env, timed_run, wait_for_event  # noqa: F401
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 HOLD = """
 import sys, time
 from pathlib import Path
-from ddpo_tpu.launch.lock import AcceleratorLock, default_lock_path
+from ddpo_tpu.proc.lock import AcceleratorLock, default_lock_path
 lock = AcceleratorLock(default_lock_path(Path(sys.argv[1]) / "ddpo_tpu", "cpu"), Path("/runs/holder")).acquire()
 print("held", flush=True)
 time.sleep(60)
@@ -40,11 +42,12 @@ def test_second_launch_is_refused_naming_the_holder(tmp_path):
         holder.kill()
         holder.wait()
     # the holder died (SIGKILL): the kernel freed its lock, so the next launch may take it
-    from ddpo_tpu.launch.lock import AcceleratorLock, default_lock_path
+    from ddpo_tpu.proc.lock import AcceleratorLock, default_lock_path
 
     assert AcceleratorLock.holder(default_lock_path(cache / "ddpo_tpu", "cpu")) is None
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow  # a real run, up to its first sampling batch
 def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_path, model_cache):
     """One writer per run dir on every accelerator (CPU too): the same command twice is refused fast, with exit 3,
@@ -52,7 +55,7 @@ def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_
     import psutil
 
     from ddpo_tpu.rundir import events as ev
-    from ddpo_tpu.launch.lock import run_dir_lock_path
+    from ddpo_tpu.proc.lock import run_dir_lock_path
 
     args = ["+experiment=smoke", "num_epochs=2", "reward.host_workers=0", f"model.cache_dir={model_cache}"]
     run = tmp_path / "outputs" / "smoke"
@@ -81,6 +84,7 @@ def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_
         first.wait()
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow  # one short real run
 def test_two_identical_commands_started_together_one_is_refused_at_once(tmp_path, model_cache):
     """The front end takes the run dir's lock before it writes anything (and hands it to its training process):
@@ -114,6 +118,6 @@ def test_two_identical_commands_started_together_one_is_refused_at_once(tmp_path
     run = tmp_path / "outputs" / "smoke"
     started = [r for r in ev.read_events(run) if r["event"] == "worker_started"]
     assert len(started) == 1  # one training process ever ran in this run dir
-    from ddpo_tpu.launch.lock import AcceleratorLock, run_dir_lock_path
+    from ddpo_tpu.proc.lock import AcceleratorLock, run_dir_lock_path
 
     assert AcceleratorLock.holder(run_dir_lock_path(run)) is None  # released when the run ended

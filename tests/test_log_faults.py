@@ -16,6 +16,8 @@ import pytest
 from ddpo_tpu.rundir.events import read_events
 from ddpo_tpu.launch import process
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 CHILD = textwrap.dedent("""
     import signal, sys, time
     stop = []

@@ -24,6 +24,8 @@ from ddpo_tpu.rewards.managed import ManagedReward, close_all
 
 from tests.helpers import REPO, clean_env, read_metrics, run_train
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 PROBE = {"name": "metadata_probe", "host_workers": 0, "scale": 2.0}
 PROMPTS = ["a cat", "a dog", "a horse"]
 METADATA = [{"bonus": 0.5, "tag": "counting"}, {"tag": "colors"}, {"bonus": -1.0}]
@@ -169,6 +171,7 @@ def test_dies_during_a_request_is_restarted_and_the_request_scored(tmp_path):
     assert time.monotonic() - start >= 1.3  # the first try was cut off, the second one slept its second in full
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow  # 64 s on 2 busy cores: transformers imported and the tiny CLIP built and loaded twice
 def test_a_model_reward_built_from_the_run_config_scores_as_in_the_trainer(tmp_path):
     """reward=pickscore on the tiny model (conf/reward_local/pickscore_tiny.yaml: `tiny` stand-ins, built in the
@@ -275,6 +278,7 @@ def test_pod_leaves_the_interpreter_path_to_the_workers(tmp_path):
 # --- end to end ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow
 def test_smoke_run_with_its_reward_in_a_process_equals_the_in_process_run(tmp_path, model_cache):
     args = ["+experiment=smoke", "num_epochs=2", "sample.num_batches_per_epoch=1", "save_freq=1",
@@ -303,6 +307,7 @@ def _served_pids(run_dir: Path) -> list[int]:
             if line.startswith("reward ") and "; serving 127.0.0.1:" in line]
 
 
+@pytest.mark.needs_torch
 @pytest.mark.slow
 def test_a_run_whose_reward_process_dies_twice_stops_resumable(tmp_path, model_cache):
     """Killed once mid-run: restarted, the run goes on. Killed again: one error line naming it, exit 1, no process

@@ -8,6 +8,9 @@ import copy
 
 from ddpo_tpu.config.compose import compose_and_validate, validate_tree
 from ddpo_tpu.config.resume import changed_keys, resume_relevant
+import pytest
+
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
 
 def test_the_old_override_sets_the_new_key():

@@ -13,6 +13,8 @@ from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
 from ddpo_tpu.config import batch
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 DATA = Path(__file__).parent / "data" / "flow_grpo"  # a few rows of the references' dataset folders (tests/data)
 
 

@@ -20,6 +20,8 @@ from ddpo_tpu.rewards.base import RewardError
 from ddpo_tpu.rewards.ocr import levenshtein, ocr_score, quoted_target
 from tests.helpers import reward_stubs
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 STUB = "tests.helpers.reward_stubs:read"
 
 

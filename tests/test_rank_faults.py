@@ -1,5 +1,5 @@
 """Fast checks of the pieces that name a stopped, frozen or lost rank and keep one error line per failure
-(ddpo_tpu/launch/rankwatch.py, ddpo_tpu/torchrun.py), on real child processes; the end-to-end runs are in
+(ddpo_tpu/proc/rankwatch.py, ddpo_tpu/torchrun.py), on real child processes; the end-to-end runs are in
 tests/test_distributed_faults.py."""
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import types
 import pytest
 
 from ddpo_tpu import torchrun
-from ddpo_tpu.launch import rankwatch
+from ddpo_tpu.proc import rankwatch
 from tests.helpers.beats import wait_for, write_beat
+
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
 
 def _rank_child(rank: int = 1) -> subprocess.Popen:

@@ -1,5 +1,5 @@
 """A rank whose main thread stops making progress while its process stays healthy (issue 43 item 2): the wait labels
-(ddpo_tpu/waits.py), their way into the beat file (launch/rankwatch.py's RankBeat) and the watch that names
+(ddpo_tpu/waits.py), their way into the beat file (proc/rankwatch.py's RankBeat) and the watch that names
 the stuck rank and its wait (RankWatch); end to end, a two-process run whose rank 1 reward call never returns, and
 a SIGTERM during the evaluation before training followed by the same command."""
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddpo_tpu import waits as progress
-from ddpo_tpu.launch import rankwatch
+from ddpo_tpu.proc import rankwatch
 from ddpo_tpu.rundir import events as ev
 from tests.helpers import clean_env, read_metrics, run_train
 from tests.helpers.beats import wait_for, write_beat

@@ -30,6 +30,8 @@ from ddpo_tpu.rewards.weighted import WeightedReward
 
 from tests.helpers import REPO, clean_env
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 SCRIPT = REPO / "scripts" / "reward_server.py"
 PROMPTS7 = [f"prompt {i}" for i in range(7)]
 

@@ -22,6 +22,8 @@ from ddpo_tpu.config.schema import RewardComponent, RewardConfig, WeightedConfig
 from ddpo_tpu.rewards import REWARDS
 from ddpo_tpu.rewards.from_config import reward_from_config, reward_kwargs
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 REWARD_CONFIGS = {m.model_fields["name"].annotation.__args__[0]: m for m in get_args(get_args(RewardConfig)[0])}
 COMPONENTS = {m.model_fields["name"].annotation.__args__[0]: m for m in get_args(get_args(RewardComponent)[0])}
@@ -161,5 +163,5 @@ def test_the_built_reward_of_a_weighted_config(tmp_path):
 
 def test_the_schema_imports_neither_torch_nor_numpy():
     code = ("import sys\nimport ddpo_tpu.config.schema\n"
-            "heavy = [m for m in ('torch', 'numpy', 'PIL') if m in sys.modules]\nassert not heavy, heavy\n")
+            "heavy = [m for m in ('torch', 'numpy', 'PIL') if sys.modules.get(m) is not None]\nassert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

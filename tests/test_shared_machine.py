@@ -1,6 +1,6 @@
-"""Several runs on one machine: a model cache built once under a lock (ddpo_tpu/models/build_cache.py), a CPU run
+"""Several runs on one machine: a model cache built once under a lock (ddpo_tpu/proc/build_cache.py), a CPU run
 told about the others (ddpo_tpu/launch/busy.py), and a run dir lock whose holder is exiting waited for instead of
-refused (ddpo_tpu/launch/lock.py)."""
+refused (ddpo_tpu/proc/lock.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from ddpo_tpu.launch import lock as lockmod
-from ddpo_tpu.models.build_cache import build_once
+from ddpo_tpu.proc import lock as lockmod
+from ddpo_tpu.proc.build_cache import build_once
 
 
 class _Announces:
@@ -59,7 +59,7 @@ def test_a_second_builder_waits_for_the_first_and_reuses_its_build(tmp_path, cap
 
 def test_a_killed_builder_leaves_the_lock_free(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from ddpo_tpu.models.build_cache import build_once\n"
+        "import sys, time; from ddpo_tpu.proc.build_cache import build_once\n"
         "build_once(sys.argv[1], 'm', ['f'], lambda tmp: (print('building', flush=True), time.sleep(60)))"),
         str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

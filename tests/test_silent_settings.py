@@ -17,6 +17,8 @@ from ddpo_tpu.config.compose import compose, compose_and_validate
 from ddpo_tpu.problems import ConfigError
 from tests.test_bad_input import assert_refused, front_end, heavy_imports
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 FLOW = "+experiment=flow_grpo_smoke"  # tiny SD 3, flow_sde sampler, GRPO with kl_beta 0.01, 6 steps, 20 epochs
 
@@ -71,6 +73,7 @@ def test_a_cps_window_at_the_last_step_is_refused_with_a_fix_that_composes():
     compose_and_validate([*cps, "sample.sde_window.placement=fixed", "sample.sde_window.start=3"])
 
 
+@pytest.mark.needs_torch
 def test_the_last_step_rule_agrees_with_where_the_windows_are_placed():
     """The front end restates the sliding arithmetic (window.py's package imports torch); every placement of a grid of
     windows, over every epoch of the run, is compared with diffusion/window.py's own."""
@@ -327,7 +330,7 @@ def test_issue43_an_nft_decay_that_starts_after_the_last_sampling_is_refused():
 ])
 def test_issue43_the_rank_watch_bound_must_be_below_the_collective_timeout(change, key, fix):
     """A collective that times out first fails the rank that waited (gloo/nccl name the waiter), the outcome the rank
-    watch (launch/rankwatch.py) exists to prevent: its bound must be the shorter one. The key the user set is named."""
+    watch (proc/rankwatch.py) exists to prevent: its bound must be the shorter one. The key the user set is named."""
     p = refused(["+experiment=smoke", *DIST, *change])
     assert p.key == key and "before a collective times out" in p.reason and p.suggested() == [fix], str(p)
     compose_and_validate(["+experiment=smoke", *DIST, *change, *p.suggested()])

@@ -12,6 +12,8 @@ from ddpo_tpu.algorithms.stat_tracking import (
     global_advantages,
 )
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 
 def _reference_update(stats, buffer_size, min_count, prompts, rewards):
     """Straightforward re-statement of the reference algorithm (float64)."""

@@ -18,6 +18,8 @@ from ddpo_tpu import status
 from ddpo_tpu.status import RunFiles, Stamped
 from tests.helpers import REPO
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 NUM_BATCHES = 2
 PHASES = ("sampling", "reward", "advantages", "training", "checkpoint")
 NOW = 1_800_000_000.0
@@ -435,7 +437,7 @@ def test_resumed_run_counts_a_repeated_epoch_once(tmp_path):
 
 
 def test_live_lock_holder_means_running_however_quiet(tmp_path):
-    from ddpo_tpu.launch.lock import AcceleratorLock
+    from ddpo_tpu.proc.lock import AcceleratorLock
 
     now = time.time()
     run = make_run(tmp_path / "held", num_epochs=10, done=3, t0=now - 7200, tail=epoch_events(3, "training"))
@@ -452,7 +454,7 @@ def test_live_lock_holder_means_running_however_quiet(tmp_path):
 
 
 def test_lock_of_another_run_is_not_this_run(tmp_path):
-    from ddpo_tpu.launch.lock import AcceleratorLock
+    from ddpo_tpu.proc.lock import AcceleratorLock
 
     now = time.time()
     run = make_run(tmp_path / "mine", num_epochs=10, done=3, t0=now - 7200)
@@ -467,7 +469,7 @@ def test_lock_of_another_run_is_not_this_run(tmp_path):
 def test_heartbeat_file_and_run_dir_lock(tmp_path):
     """The heartbeat the training process writes (rundir.Heartbeat) is what status reads: over a minute old with no
     lock holder reads as dead; a held run dir lock as running; a fresh beat as running."""
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
     from ddpo_tpu.rundir.files import Heartbeat
 
     # SIGKILLed mid-epoch, front end killed too: no exit recorded; looked at 70 s after its last beat
@@ -601,7 +603,7 @@ def test_width_option_bounds_the_sparkline(tmp_path, capsys):
 def test_status_never_imports_torch(tmp_path):
     run = make_run(tmp_path / "light", tail=COMPLETE)
     code = ("import sys, ddpo_tpu.status as s; rc = s.main([sys.argv[1], '--json']); "
-            "bad = [m for m in ('torch', 'torch_xla', 'numpy', 'omegaconf', 'hydra') if m in sys.modules]; "
+            "bad = [m for m in ('torch', 'torch_xla', 'numpy', 'omegaconf', 'hydra') if sys.modules.get(m) is not None]; "
             "sys.exit(10 if bad else rc)")
     r = subprocess.run([sys.executable, "-c", code, str(run)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -652,6 +654,7 @@ def test_host_bound_only_where_host_and_device_differ(tmp_path, capsys, accelera
 
 # --- end to end: the events a real run writes -----------------------------------------------------------------------
 
+@pytest.mark.needs_torch
 @pytest.mark.slow
 def test_a_killed_then_resumed_run_read_from_its_events(tmp_path, model_cache):
     """A real smoke run: its training process SIGKILLed mid-epoch reads as failed (the front end recorded how it

@@ -15,6 +15,8 @@ from ddpo_tpu import status
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 from tests.test_status import COMPLETE, age_files, epoch_events, make_run, run_cli
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 COMMON = ["+experiment=smoke", "num_epochs=4"]
 
 
@@ -65,7 +67,7 @@ def test_without_overrides_files_the_differing_config_keys_name_the_points(tmp_p
 
 def test_the_state_of_a_point_is_its_run_dirs_state(tmp_path):
     """A point is decided like any run: its run dir's lock held means running, however quiet it is."""
-    from ddpo_tpu.launch.lock import RunDirLock
+    from ddpo_tpu.proc.lock import RunDirLock
 
     sweep = make_sweep(tmp_path)
     age_files(make_point(sweep, 3, 0.001, done=1, t0=time.time() - 7200, tail=epoch_events(1, "training")), 7000)

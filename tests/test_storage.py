@@ -16,6 +16,8 @@ from ddpo_tpu.rundir import storage
 from tests.helpers import REPO, clean_env, run_train
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 
 # --- URLs -------------------------------------------------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from ddpo_tpu.rundir import storage
 from ddpo_tpu.rundir.storage_faults import DENIED, FAILED, UNREACHABLE, StorageError, classify, retry
 from tests.helpers_gcs import Refusing, _free_port, fake_gcs, gate, gcs_server  # noqa: F401 -- fixtures
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 
 def test_exceptions_are_judged_by_what_they_mean():
     import aiohttp

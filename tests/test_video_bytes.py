@@ -24,6 +24,8 @@ import pytest
 
 from ddpo_tpu.rundir.video import encode_mp4
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 ENCODE = """

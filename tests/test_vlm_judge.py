@@ -48,6 +48,8 @@ from ddpo_tpu.rewards.vlm_judge import (
     yes_probability,
 )
 
+pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
+
 PROMPT = 'a sign that says "Hello"'
 REF_SHA256 = {
     "unifiedreward_v1_5": "e67161ec3a43294cf61c28e93c816cdacde4f69636ad2f5074039943772557f9",

@@ -10,6 +10,8 @@ import numpy as np
 
 from ddpo_tpu.algorithms.base import Algorithm
 from ddpo_tpu.algorithms.multi_reward import group_or_gdpo
+# the share of zero-std groups is a reported statistic (training/reporting.py, which DDPO's report also uses)
+from ddpo_tpu.training.reporting import zero_std_ratio  # noqa: F401 (re-exported)
 
 __all__ = ["GROUP_STD_EPS", "GroupAlgorithm", "group_advantages", "zero_std_ratio"]
 
@@ -53,17 +55,6 @@ def group_advantages(
     if clip is not None:
         adv = np.clip(adv, -clip, clip)
     return adv.astype(np.float32)
-
-
-def zero_std_ratio(rewards: np.ndarray, group_ids: Sequence) -> float:
-    """The share of groups whose rewards all equal (std 0), as flow_grpo's calculate_zero_std_ratio logs it."""
-    r = np.asarray(rewards, dtype=np.float64)
-    _, inverse = np.unique(np.asarray(group_ids), return_inverse=True)
-    inverse = inverse.reshape(-1)
-    if r.size == 0:
-        return 0.0
-    stds = np.array([np.std(r[inverse == g]) for g in range(int(inverse.max()) + 1)])
-    return float(np.count_nonzero(stds == 0) / len(stds))
 
 
 class GroupAlgorithm(Algorithm):

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ddpo_tpu.rewards.weighted import component_keys
+from ddpo_tpu.rewards.weighted import component_keys, component_weights  # noqa: F401 (re-exported)
 
 __all__ = ["GDPO_STD_FLOOR", "AGGREGATIONS", "gdpo_advantages", "component_weights", "group_or_gdpo"]
 
@@ -58,12 +58,6 @@ def gdpo_advantages(components: Mapping[str, np.ndarray | Sequence[float]], weig
     # so Flow-Factory's value there is ~1e-17: kept an exact 0, as GRPO's is, so drop_zero_advantage drops the group
     out[combined == 0] = 0.0
     return out.astype(np.float32)
-
-
-def component_weights(reward_cfg) -> dict[str, float]:
-    """reward=weighted's components as the reward reports them in its extras (rewards/weighted.py) -> their weights."""
-    comps = reward_cfg.components
-    return dict(zip(component_keys([c.name for c in comps]), (float(c.weight) for c in comps)))
 
 
 def group_or_gdpo(cfg, keys: Sequence, rewards: np.ndarray, components: Mapping[str, np.ndarray] | None,

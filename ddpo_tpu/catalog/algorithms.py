@@ -74,6 +74,17 @@ class GrpoKeys(Keys):
     diversity_features: _entries(True) | None = None
 
 
+class DppoKeys(GrpoKeys):
+    """Flow-DPPO (arXiv 2606.11025) as verl-project/verl-omni@a1139baf FlowDPPOLoss has it: GRPO's keys, PPO's ratio
+    clip replaced by a trust-region mask on the Gaussian KL to the sampling policy (ddpo_tpu/algorithms/dppo.py)."""
+    name: Literal["dppo"]  # type: ignore[assignment]
+    # eps of the mask: a row whose D (the mean Gaussian KL of its step to the sampling policy's) is >= this and whose
+    # ratio moves further along its advantage's sign is masked (the reference's kl_mask_threshold, 1e-5, must be > 0)
+    kl_mask_threshold: float = Field(default=1e-5, gt=0)
+    # D normalised by the step's noise scale std_dev_t sqrt(-dt) (the exact KL); false: (mu - mu_old)^2 / 2
+    add_kl_coefficient: bool = True
+
+
 class NftKeys(Keys):
     """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) as NVlabs/DiffusionNFT@24af5554 trains it:
     ddpo_tpu/algorithms/nft.py; docs/nft.md maps each key to the official code."""
@@ -191,8 +202,28 @@ def _grpo_problems(cfg: Any, tot: Any) -> list[Problem]:
                                 "the last CPS step is deterministic (std 0), so its KL term is 0/0",
                                 Fix.of({"train.timestep_fraction": 0.99}, verb="train fewer steps, e.g.",
                                        note="(flow_grpo)")))
-    elif cps_kl and _window_reaches_last_step(cfg):
+    elif cps_kl and cfg.sample.sde_window.size is not None and _window_reaches_last_step(cfg):
         problems.append(_last_step_window_problem(cfg))
+    return problems
+
+
+def _dppo_problems(cfg: Any, tot: Any) -> list[Problem]:
+    """GRPO's rules, and what the mask needs: the flow_sde sampler's step means and its 'sde' noise scale; RatioNorm
+    is another loss (GRPO-Guard's), not an option of this one."""
+    a, problems = cfg.algorithm, _grpo_problems(cfg, tot)
+    if cfg.sample.name != "flow_sde":
+        problems.append(Problem("algorithm.name", "dppo", "Flow-DPPO compares the flow_sde sampler's step means with "
+                                f"the sampling policy's (verl-omni FlowDPPOLoss); {_sampler_words(cfg.sample.name)}",
+                                Fix.of({"algorithm": "grpo"}, note="or a model of a flow_sde family")))
+    elif a.add_kl_coefficient and cfg.sample.sde_type != "sde":
+        problems.append(Problem("sample.sde_type", cfg.sample.sde_type, "Flow-DPPO's D divides by std_dev_t "
+                                "sqrt(-dt), the 'sde' step's noise scale (verl-omni docs/algo/flowdppo.md: "
+                                "sde_type=sde); a CPS step's std is not of that form",
+                                Fix.of({"sample.sde_type": "sde"}, {"algorithm.add_kl_coefficient": False})))
+    if a.ratio_norm:
+        problems.append(Problem("algorithm.ratio_norm", True, "GRPO-Guard's RatioNorm is another policy loss; "
+                                "Flow-DPPO's mask replaces the ratio clip it normalises",
+                                Fix.of({"algorithm.ratio_norm": False}, {"algorithm": "grpo"})))
     return problems
 
 
@@ -372,6 +403,8 @@ ALGORITHMS.register(AlgorithmSpec(
     "ddpo", "DDPO", DdpoKeys, "ddpo_tpu.algorithms.ddpo:DDPO", reads=("stat_tracking",), problems=_ddpo_problems))
 ALGORITHMS.register(AlgorithmSpec(
     "grpo", "GRPO", GrpoKeys, "ddpo_tpu.algorithms.grpo:GRPO", problems=_grpo_problems))
+ALGORITHMS.register(AlgorithmSpec(
+    "dppo", "Flow-DPPO", DppoKeys, "ddpo_tpu.algorithms.dppo:DPPO", problems=_dppo_problems))
 ALGORITHMS.register(AlgorithmSpec(
     "nft", "DiffusionNFT", NftKeys, "ddpo_tpu.algorithms.nft:NFT", problems=_nft_problems,
     own_epoch_trainer=True))

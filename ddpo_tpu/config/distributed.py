@@ -48,7 +48,7 @@ def distributed_problems(cfg, overridden: frozenset[str] = frozenset()) -> list[
                                 f"0..{topo.hosts - 1}", f"set distributed.node_rank to one of 0..{topo.hosts - 1}"))
     if d.hang_timeout_s >= d.timeout_s:
         # the collective's timeout fires first and fails the rank that waited, not the one that hung: the outcome
-        # the rank watch (launch/rankwatch.py) exists to prevent. The key the user set is named.
+        # the rank watch (proc/rankwatch.py) exists to prevent. The key the user set is named.
         hang, wait = d.hang_timeout_s, d.timeout_s
         if "distributed.timeout_s" in overridden and "distributed.hang_timeout_s" not in overridden:
             key, value, fix = "distributed.timeout_s", wait, Fix.of({"distributed.timeout_s": max(10, int(hang) * 2)})

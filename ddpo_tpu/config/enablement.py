@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddpo_tpu.catalog import ALGORITHMS, family
+from ddpo_tpu.catalog.algorithms import GrpoKeys  # GRPO and what extends it (Flow-DPPO): GARDO's keys
 from ddpo_tpu.catalog.families import models_making
 from ddpo_tpu.config.distributed import compile_backend
 from ddpo_tpu.config.schema import RunConfig
@@ -94,6 +95,13 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("train.clip_range",), lambda c: c.algorithm.name != "nft",
               "algorithm=nft has no PPO ratio to clip",
               "leave it unset: DiffusionNFT bounds its step with algorithm.beta"),
+    # Flow-DPPO (algorithms/dppo.py, verl-omni's FlowDPPOLoss): a trust-region mask in place of the ratio clip, and the
+    # advantages as they are
+    Dependent(("train.clip_range",), lambda c: c.algorithm.name != "dppo",
+              "algorithm=dppo has no ratio clip: its trust region masks steps by their KL to the sampling policy",
+              "set algorithm.kl_mask_threshold instead"),
+    Dependent(("train.adv_clip_max",), lambda c: c.algorithm.name != "dppo",
+              "algorithm=dppo does not clip advantages (as verl-omni's FlowDPPOLoss)", "leave it unset"),
     # AWM clips its ratio with its own key (catalog/algorithms.py AwmKeys.clip_range; the reference's config.train
     # clip_range is that one), and trains all its times of a train batch in one forward (algorithms/awm.py: K x B rows)
     Dependent(("train.clip_range",), lambda c: c.algorithm.name != "awm",
@@ -134,16 +142,16 @@ DEPENDENTS: tuple[Dependent, ...] = (
               Fix.of({"algorithm.ema_beta": 0.1, "algorithm.kl_beta": 0.001}, note="(or other weights)")),
     # GRPO's GARDO option: the reset period without the reset
     Dependent(("algorithm.reference_reset_every",),
-              lambda c: c.algorithm.name != "grpo" or c.algorithm.reference_reset_kl is not None,
+              lambda c: not isinstance(c.algorithm, GrpoKeys) or c.algorithm.reference_reset_kl is not None,
               "algorithm.reference_reset_kl=null: the KL's reference is never reset",
               Fix.of({"algorithm.reference_reset_kl": 0.1}, note="(or another KL threshold)")),
     # GARDO's gated KL: the gate's starting share without a gate; its diversity-aware advantages have no std
     Dependent(("algorithm.kl_gate_share",),
-              lambda c: c.algorithm.name != "grpo" or bool(c.algorithm.kl_gate_rewards),
+              lambda c: not isinstance(c.algorithm, GrpoKeys) or bool(c.algorithm.kl_gate_rewards),
               "algorithm.kl_gate_rewards=[]: every sample carries the KL",
               "set algorithm.kl_gate_rewards=[{name: <reward>, ...}, ...] (the auxiliary rewards)"),
     Dependent(("algorithm.global_std",),
-              lambda c: c.algorithm.name != "grpo" or c.algorithm.diversity_features is None,
+              lambda c: not isinstance(c.algorithm, GrpoKeys) or c.algorithm.diversity_features is None,
               "algorithm.diversity_features is set: GARDO's advantages are r - mean, not divided by a std",
               Fix.of({"algorithm.diversity_features": None})),
 )

@@ -70,7 +70,7 @@ def reward_process_problems(cfg: RunConfig) -> list[Problem]:
                                 "a directory, not an interpreter" if path.is_dir() else "not executable", fix))
     return problems
 def evaluation_problems(cfg: RunConfig) -> list[Problem]:
-    from ddpo_tpu.training.eval_plan import evaluation_problems as problems
+    from ddpo_tpu.config.eval_plan import evaluation_problems as problems
 
     return problems(cfg)
 

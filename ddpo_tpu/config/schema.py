@@ -185,7 +185,7 @@ class StatTrackingConfig(_Strict):
 
 
 class EvaluationConfig(_Strict):
-    """The held-out evaluation (training/evaluation.py, training/eval_plan.py; docs/operations.md "Evaluation")."""
+    """The held-out evaluation (training/evaluation.py, config/eval_plan.py; docs/operations.md "Evaluation")."""
     every_n_epochs: int = Field(ge=0)
     seed: int = Field(ge=0, lt=2**31)
     prompts: list[str] = Field(min_length=1)
@@ -270,7 +270,7 @@ class DistributedConfig(_Strict):
     timeout_s: float = Field(default=900, ge=10, le=86400)
     # seconds a rank may be stopped (SIGSTOP), silent (its heartbeat thread not beating: a frozen process) or stuck
     # in a wait with no progress (a reward call, a checkpoint write: ddpo_tpu/waits.py; a reward's own timeouts may
-    # allow it longer) before its node's launcher ends the job naming it and the wait (launch/rankwatch.py)
+    # allow it longer) before its node's launcher ends the job naming it and the wait (proc/rankwatch.py)
     hang_timeout_s: float = Field(default=60, ge=3, le=86400)
     # torch.compile's caches (inductor's FX graphs and kernels, AOTAutograd's graphs), kept across restarts as the
     # XLA runtime keeps its compilation cache: auto = ~/.cache/ddpo_tpu/torch_compile, a path, or null (torch's own

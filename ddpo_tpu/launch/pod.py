@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 
-from ddpo_tpu.launch.cli_args import OneLineParser, at_least, non_empty
+from ddpo_tpu.proc.cli_args import OneLineParser, at_least, non_empty
 from ddpo_tpu.rundir.events import EVENTS_FILE
 from ddpo_tpu.env import OWNED_VARIABLES
 

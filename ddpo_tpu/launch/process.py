@@ -12,21 +12,12 @@ import sys
 import threading
 from pathlib import Path
 
+# every code, not only those used here: the front end (train.py, eval.py) reads them as `process.EXIT_*`
+from ddpo_tpu.proc.exit_codes import (DOCUMENTED, EXIT_BUSY, EXIT_CONFIG, EXIT_FAILED, EXIT_OK,  # noqa: F401
+                                     EXIT_PREEMPTED, EXIT_RANK_SAID_WHY)
 from ddpo_tpu.rundir.events import EVENTS_FILE, Event, EventLog, WorkerExited, WorkerStarted, parse
 
 WORKER_MODULE = "ddpo_tpu.worker"
-
-# exit codes of the training process (documented in the README)
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-EXIT_BUSY = 3        # another training process holds this host's accelerator
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on SIGTERM after writing a checkpoint; the same command resumes
-DOCUMENTED = (EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_BUSY, EXIT_PREEMPTED)
-# A distributed rank's failure that the rank has said in its own `error:` line: its launcher (ddpo_tpu/torchrun.py)
-# then adds none and exits 1. Internal between a rank and its launcher, never a code the front end returns. The exit
-# code is the channel because it needs no disk: the `error` event that says the same is lost when the disk is full.
-EXIT_RANK_SAID_WHY = 71
 
 
 def terminate_with_parent() -> None:
@@ -68,7 +59,7 @@ def run_training(env: dict[str, str], log_path: Path, run_dir_lock=None, cmd: li
                  main_node: bool = True) -> int:
     """Run the training process to its end; its output goes to the console and to log_path (train.log), and its start
     and exit code to events.jsonl beside it. Returns the documented exit code. `run_dir_lock`, the run dir's lock the
-    front end holds, is handed over: the training process adopts it (ddpo_tpu/launch/lock.py), so the lock stays held
+    front end holds, is handed over: the training process adopts it (ddpo_tpu/proc/lock.py), so the lock stays held
     while either process lives. `main_node` False (another node of a multi-node run): no events written here."""
     from ddpo_tpu.display.console import third_party_line  # here: ddpo-status imports this module, not the console
     from ddpo_tpu.env import RUN_DIR_LOCK_FD_VARIABLE

@@ -2,7 +2,7 @@
 AutoencoderKL with 4 latent channels and 4x down-sampling, the CLIP text encoder, byte-level tokenizer and DDIM
 scheduler of models/tiny.py), narrower than the tiny model so that it pretrains in minutes on a CPU, pretrained here
 on scikit-learn's 8x8 handwritten digits upscaled to 32x32, with the prompts "a handwritten digit N". Built once per
-machine into the model cache (build_cache.py: a killed or concurrent build never leaves half a model) and loaded
+machine into the model cache (proc/build_cache.py: a killed or concurrent build never leaves half a model) and loaded
 through the same from_pretrained code as real checkpoints, so the trainer cannot tell it from a downloaded SD 1.x
 model.
 
@@ -200,7 +200,7 @@ def ensure_digits_model(cache_dir: str | os.PathLike, seed: int = SEED) -> pathl
     """cache_dir/digits-sd-{version}-seed{seed}, pretrained on first use (about 10 minutes on a
     2-core machine, 7 CPU-minutes, once per machine: docs/running.md)."""
     from ddpo_tpu.models import tiny
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     def build(tmp: pathlib.Path) -> None:
         print(f"ddpo_tpu: pretraining the digits demo model once into {cache_dir} (about 10 minutes on 2 cores; once per machine)",

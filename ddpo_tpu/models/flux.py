@@ -167,8 +167,8 @@ def build_tiny_flux(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
 
 
 def ensure_tiny_flux(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """``cache_dir/tiny-flux-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
-    from ddpo_tpu.models.build_cache import build_once, pipeline_files
+    """``cache_dir/tiny-flux-{version}-seed{seed}``, built atomically on first use (proc/build_cache.py)."""
+    from ddpo_tpu.proc.build_cache import build_once, pipeline_files
 
     required = pipeline_files(FLUX_SUBFOLDERS)
     return build_once(cache_dir, f"tiny-flux-{TINY_FLUX_VERSION}-seed{seed}", required,

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ddpo_tpu.catalog import family
+# the loaders' error, defined on the bottom floor because the build cache raises it too
+from ddpo_tpu.proc.build_cache import ModelLoadError
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
@@ -26,9 +28,6 @@ _TINY_HINT = "e.g. model=tiny for the local test model"
 # A Hugging Face repo id: "name" or "namespace/name" (letters, digits, '-', '_', '.').
 _HUB_ID = re.compile(r"^(?![./~])[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")
 
-
-class ModelLoadError(RuntimeError):
-    """The configured model (model.pretrained / model.revision) could not be loaded; the message says how to fix it."""
 
 
 @dataclass

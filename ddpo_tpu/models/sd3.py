@@ -164,7 +164,7 @@ def _pass_latents_through(decoder) -> None:
     of one sample's spread) and Flow-GRPO's gradient had no direction: gradients of 16-sample epochs at the initial
     policy were uncorrelated (cosine -0.003 +- 0.13 over 12 epochs) and a step along their mean did not change the
     reward. With one group (v3) the colour of the latents survives (odd part 0.0095 kB) and the smoke, with
-    128 samples an epoch, learns (tests/test_flow_grpo_learns.py)."""
+    128 samples an epoch, learns (`tests/test_learns.py[flow_grpo_smoke]`)."""
     with torch.no_grad():
         for name, module in decoder.named_modules():
             if name.endswith(".conv2") or name.endswith(".to_out.0"):
@@ -248,7 +248,7 @@ def build_tiny_sd3(out_dir: str | os.PathLike, seed: int = 0, t5: bool = False) 
 def ensure_tiny_sd3(cache_dir: str | os.PathLike, seed: int = 0, t5: bool = False) -> pathlib.Path:
     """Return ``cache_dir/tiny-sd3-{version}-seed{seed}`` (``...-t5`` with the T5 encoder), building it on first use
     (atomically, as ``ensure_tiny_model``: a temporary sibling renamed into place when complete)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     required = _REQUIRED_FILES + (("text_encoder_3/config.json", "tokenizer_3/tokenizer_config.json") if t5 else ())
     name = f"tiny-sd3-{TINY_SD3_VERSION}-seed{seed}" + ("-t5" if t5 else "")

@@ -279,7 +279,7 @@ def ensure_tiny_model(cache_dir: str | os.PathLike, seed: int = 0, spec: str = "
     so a concurrent or killed build never leaves a half-written model at the final path. Concurrent builders
     race harmlessly: the first rename wins, the others discard their copy.
     """
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     shape = SPECS[spec]
     return build_once(cache_dir, f"{shape.name}-sd-{shape.version}-seed{seed}", _REQUIRED_FILES,

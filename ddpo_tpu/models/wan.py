@@ -123,9 +123,9 @@ def build_tiny_wan(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
 
 
 def ensure_tiny_wan(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """``cache_dir/tiny-wan-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
+    """``cache_dir/tiny-wan-{version}-seed{seed}``, built atomically on first use (proc/build_cache.py)."""
     from ddpo_tpu.catalog import family
-    from ddpo_tpu.models.build_cache import build_once, pipeline_files
+    from ddpo_tpu.proc.build_cache import build_once, pipeline_files
 
     required = pipeline_files(family("wan").subfolders)  # the catalog's list, as the loader checks
     return build_once(cache_dir, f"tiny-wan-{TINY_WAN_VERSION}-seed{seed}", required,

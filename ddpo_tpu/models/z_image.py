@@ -121,9 +121,9 @@ def build_tiny_z_image(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Pat
 
 
 def ensure_tiny_z_image(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """``cache_dir/tiny-z-image-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
+    """``cache_dir/tiny-z-image-{version}-seed{seed}``, built atomically on first use (proc/build_cache.py)."""
     from ddpo_tpu.catalog import family
-    from ddpo_tpu.models.build_cache import build_once, pipeline_files
+    from ddpo_tpu.proc.build_cache import build_once, pipeline_files
 
     required = pipeline_files(family("z_image").subfolders)
     return build_once(cache_dir, f"tiny-z-image-{TINY_Z_IMAGE_VERSION}-seed{seed}", required,

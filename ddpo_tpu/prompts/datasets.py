@@ -33,7 +33,7 @@ import json
 import pathlib
 from typing import Any, Mapping, Sequence
 
-from ddpo_tpu.prompts.sources import PromptError, PromptSource
+from ddpo_tpu.prompts.base import PromptError, PromptSource
 
 SPLITS: tuple[str, ...] = ("train", "test")
 SUFFIXES: tuple[str, ...] = (".txt", ".jsonl")

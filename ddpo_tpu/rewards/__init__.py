@@ -23,6 +23,8 @@ from ddpo_tpu.rewards import clip_features  # noqa: E402,F401
 from ddpo_tpu.rewards import digits  # noqa: E402,F401 -- the digits demo's classifier (torch on first use)
 # OCR (numpy; its recogniser imported when built) and GenEval (numpy rules; detector and colour models when built)
 from ddpo_tpu.rewards import geneval, ocr  # noqa: E402,F401
+# GenEval's built-in detectors and colour classifiers (mmdet, transformers; open_clip, clip) register themselves
+from ddpo_tpu.rewards import geneval_backends  # noqa: E402,F401
 from ddpo_tpu.rewards import vlm_judge  # noqa: E402,F401 -- VLM judges over a chat endpoint (stdlib + PIL)
 
 __all__ = ["REWARDS", "Reward", "RewardError", "make_reward", "register_reward", "to_uint8_images",

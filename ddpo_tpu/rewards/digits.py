@@ -78,7 +78,7 @@ def build_classifier(out_dir: pathlib.Path, seed: int = 0, log=print) -> pathlib
 
 
 def ensure_classifier(cache_dir: str | os.PathLike) -> pathlib.Path:
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     log = lambda line: print(f"ddpo_tpu: {line}", flush=True)  # noqa: E731
     return build_once(pathlib.Path(cache_dir).expanduser(), f"digit-classifier-{CLASSIFIER_VERSION}",

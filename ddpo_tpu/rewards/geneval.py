@@ -352,7 +352,3 @@ class GenevalReward(Reward):
         if self.lenient_accuracy:
             extras["geneval/accuracy"] = lenient
         return RewardScores(values, extras)
-
-
-# the built-in detectors and colour classifiers (mmdet, transformers; open_clip, clip) register themselves
-from ddpo_tpu.rewards import geneval_backends  # noqa: E402,F401

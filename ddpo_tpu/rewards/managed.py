@@ -44,6 +44,9 @@ import numpy as np
 from ddpo_tpu.env import process_rank, reward_process_environment
 from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, RewardScores
 
+# the one line rewards/serve.py prints on stdout once its reward is built and its socket listens, then the port
+READY_PREFIX = "ddpo_tpu reward process listening on 127.0.0.1:"
+
 __all__ = ["ManagedReward", "close_all", "describe_exit", "log_path_for"]
 
 LOG_NAME = "reward_process.log"
@@ -198,7 +201,6 @@ class ManagedReward(Reward):
                             proc, f"ended before it was ready ({describe_exit(proc.returncode)})")
                     line += chunk
         proc.stdout.close()
-        from ddpo_tpu.rewards.serve import READY_PREFIX
 
         text = line.decode(errors="replace").strip()
         if not text.startswith(READY_PREFIX) or not text[len(READY_PREFIX):].isdigit():

@@ -37,7 +37,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-READY_PREFIX = "ddpo_tpu reward process listening on 127.0.0.1:"
+from ddpo_tpu.rewards.managed import READY_PREFIX  # the line the managing side waits for
 EXIT_ORPHANED = 3  # the trainer that started it is gone
 _PARENT_POLL_S = 0.25
 

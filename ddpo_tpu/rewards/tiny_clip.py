@@ -124,7 +124,7 @@ def ensure_tiny_aesthetic(cache_dir: str | os.PathLike, seed: int = 0) -> tuple[
     so a killed or concurrent build never leaves a half-written model at the final path; concurrent builders
     race harmlessly (the first rename wins, the others discard their copy).
     """
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     final = build_once(cache_dir, f"tiny-aesthetic-{TINY_AESTHETIC_VERSION}-seed{seed}", _REQUIRED_FILES,
                        lambda tmp: build_tiny_aesthetic(tmp, seed=seed))

@@ -111,8 +111,8 @@ def build_tiny_hpsv2(out_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, P
 
 def ensure_tiny_hpsv2(cache_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, Path, Path]:
     """``(checkpoint, open_clip_config, tokenizer_dir)`` under ``cache_dir``, built once atomically
-    (``models/build_cache.build_once``)."""
-    from ddpo_tpu.models.build_cache import build_once
+    (``proc/build_cache.build_once``)."""
+    from ddpo_tpu.proc.build_cache import build_once
 
     final = build_once(cache_dir, f"tiny-hpsv2-{TINY_HPSV2_VERSION}-seed{seed}", _REQUIRED_FILES,
                        lambda tmp: build_tiny_hpsv2(tmp, seed=seed))

@@ -141,8 +141,8 @@ def build_tiny_imagereward(out_dir: str | os.PathLike, seed: int = 0) -> tuple[P
 
 def ensure_tiny_imagereward(cache_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, Path, Path]:
     """``(checkpoint, med_config, tokenizer_dir)`` under ``cache_dir``, built once atomically
-    (``models/build_cache.build_once``)."""
-    from ddpo_tpu.models.build_cache import build_once
+    (``proc/build_cache.build_once``)."""
+    from ddpo_tpu.proc.build_cache import build_once
 
     name = f"tiny-imagereward-{TINY_IMAGEREWARD_VERSION}-seed{seed}"
     final = build_once(cache_dir, name, _REQUIRED_FILES, lambda tmp: build_tiny_imagereward(tmp, seed=seed))

@@ -51,7 +51,7 @@ def build_tiny_mask2former(out_dir: str | os.PathLike, favour: str = "mouse", se
 
 def ensure_tiny_mask2former(cache_dir: str | os.PathLike, seed: int = 0) -> Path:
     """``cache_dir/tiny-mask2former-{version}-seed{seed}``, built once (atomically, as the other stand-ins)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
 
     return build_once(cache_dir, f"tiny-mask2former-{TINY_MASK2FORMER_VERSION}-seed{seed}", _REQUIRED_FILES,
                       lambda tmp: build_tiny_mask2former(tmp, seed=seed))

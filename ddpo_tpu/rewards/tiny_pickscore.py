@@ -62,9 +62,9 @@ def build_tiny_pickscore(out_dir: str | os.PathLike, seed: int = 0) -> tuple[Pat
 
 
 def ensure_tiny_pickscore(cache_dir: str | os.PathLike, seed: int = 0) -> tuple[Path, Path]:
-    """``(processor_dir, model_dir)`` under ``cache_dir``, built once atomically (``models/build_cache.build_once``:
+    """``(processor_dir, model_dir)`` under ``cache_dir``, built once atomically (``proc/build_cache.build_once``:
     a temporary sibling renamed into place when complete, so a killed or concurrent build leaves no partial model)."""
-    from ddpo_tpu.models.build_cache import build_once
+    from ddpo_tpu.proc.build_cache import build_once
     from ddpo_tpu.rewards.tiny_clip import TINY_AESTHETIC_VERSION
 
     name = f"tiny-pickscore-{TINY_PICKSCORE_VERSION}-clip{TINY_AESTHETIC_VERSION}-seed{seed}"

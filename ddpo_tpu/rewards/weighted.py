@@ -31,7 +31,7 @@ import numpy as np
 
 from ddpo_tpu.rewards.base import Metadata, Reward, RewardError, RewardScores, make_reward, register_reward
 
-__all__ = ["WeightedReward", "component_keys"]
+__all__ = ["WeightedReward", "component_keys", "component_weights"]
 
 _NAME = "weighted"
 
@@ -127,3 +127,9 @@ class WeightedReward(Reward):
     def __repr__(self) -> str:
         inner = ", ".join(f"{w:g}*{r!r}" for w, r in zip(self.weights, self.components))
         return f"WeightedReward({inner})"
+
+
+def component_weights(reward_cfg) -> dict[str, float]:
+    """reward=weighted's components as the reward reports them in its extras (rewards/weighted.py) -> their weights."""
+    comps = reward_cfg.components
+    return dict(zip(component_keys([c.name for c in comps]), (float(c.weight) for c in comps)))

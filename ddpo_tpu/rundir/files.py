@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddpo_tpu.env import current_umask
 from ddpo_tpu.rundir.events import append_line  # torch- and numpy-free: ddpo-status imports this module
 
 if TYPE_CHECKING:  # annotations only: the module stays importable without numpy
@@ -36,18 +37,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it (os.umask would, briefly, for every thread)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
 
 
 def interrupted_writes(directory: Path) -> list[Path]:

@@ -234,10 +234,10 @@ class DistributedRuntime(Runtime):
 
     def lost_peers(self, error: BaseException, run_dir) -> list[tuple[str, bool]]:
         """The ranks that went away (killed, a node gone) when a collective fails, from their heartbeats
-        (launch/rankwatch.py): the failing collective's own message names only the connection."""
+        (proc/rankwatch.py): the failing collective's own message names only the connection."""
         if not isinstance(error, (RuntimeError, dist.DistError)) or self.process_count == 1:
             return []
-        from ddpo_tpu.launch.rankwatch import lost_peers
+        from ddpo_tpu.proc.rankwatch import lost_peers
 
         return lost_peers(run_dir, self.process_count, self.process_index)
 

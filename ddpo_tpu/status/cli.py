@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddpo_tpu.launch.cli_args import OneLineParser, at_least
+from ddpo_tpu.proc.cli_args import OneLineParser, at_least
 from ddpo_tpu.display.plot import CURVE_FILE
 
 from ddpo_tpu.status.facts import DEFAULT_STALE_S, Facts, collect

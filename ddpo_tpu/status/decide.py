@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddpo_tpu.rundir import events as ev
-from ddpo_tpu.launch.process import EXIT_PREEMPTED
+from ddpo_tpu.proc.exit_codes import EXIT_PREEMPTED
 from ddpo_tpu.status.read import Heartbeat, Holder, Stamped
 
 HEARTBEAT_DEAD_S = 60.0  # the training process rewrites heartbeat.json every 10 s, even while compiling

@@ -11,7 +11,7 @@ from typing import Any
 
 from ddpo_tpu.catalog.executions import execution_or_none
 from ddpo_tpu.rundir import events as ev
-from ddpo_tpu.launch.process import EXIT_PREEMPTED
+from ddpo_tpu.proc.exit_codes import EXIT_PREEMPTED
 from ddpo_tpu.status.decide import Evidence, attempts, decide, last_of
 from ddpo_tpu.status.progress import Compiling, epochs_of, locate, open_compile, optimizer_steps, training_detail
 from ddpo_tpu.status.read import Holder, Layout, RunFiles, Stamped, get, num, read_any

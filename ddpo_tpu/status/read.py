@@ -283,7 +283,7 @@ def find_live_holder(run_dir: Path, cfg: dict, lock_paths: list[Path] | None = N
     """A live process that holds a lock naming this run dir: run_dir/lock, or this host's accelerator lock.
 
     Only positive evidence: locks are per host, so a free lock says nothing when the run lives on another machine."""
-    from ddpo_tpu.launch.lock import AcceleratorLock, run_dir_lock_path
+    from ddpo_tpu.proc.lock import AcceleratorLock, run_dir_lock_path
 
     own = run_dir_lock_path(run_dir)
     if lock_paths is None:
@@ -305,7 +305,7 @@ def _accelerator_lock_paths(cfg: dict) -> list[Path]:
     if not isinstance(accelerator, str) or not accelerator:
         return []
     from ddpo_tpu.env import cache_root  # the one module that reads the environment
-    from ddpo_tpu.launch.lock import default_lock_path
+    from ddpo_tpu.proc.lock import default_lock_path
 
     return [default_lock_path(cache_root(), accelerator)]
 

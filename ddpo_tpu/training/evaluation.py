@@ -1,4 +1,4 @@
-"""The held-out evaluation (issue 39): a whole pass over the evaluation prompts (training/eval_plan.py: the items,
+"""The held-out evaluation (issue 39): a whole pass over the evaluation prompts (config/eval_plan.py: the items,
 their seeds, the fixed-size batches), sampled with evaluation's own sampler (steps, the noise-free step, CFG scale,
 batch size; the EMA weights when train.ema), scored by a panel of rewards, written to `eval/<name>/`:
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ddpo_tpu.training.eval_plan import EvalItem, EvalPlan, make_plan
+from ddpo_tpu.config.eval_plan import EvalItem, EvalPlan, make_plan
 from ddpo_tpu.waits import REWARD, waiting
 
 PREFIX_SEP = "/"

@@ -27,7 +27,7 @@ from ddpo_tpu.rundir import events as ev
 from ddpo_tpu.catalog.reward_checks import request_bound_s
 from ddpo_tpu.config.plan import RunPlan, run_plan
 from ddpo_tpu.config.schema import RunConfig
-from ddpo_tpu.algorithms.multi_reward import component_weights
+from ddpo_tpu.rewards.weighted import component_weights
 from ddpo_tpu.random_streams import NOISE, PROMPTS, stream_seed
 from ddpo_tpu.training.checkpointing import CheckpointManager, StopRequest
 from ddpo_tpu.training.epoch_data import EpochSamples, drawn_rows, epoch_samples, extras_means, gather_extras

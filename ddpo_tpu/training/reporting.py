@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -169,11 +170,21 @@ def _mean(steps: list[dict], key: str) -> float | None:
     return float(np.mean([s[key] for s in steps])) if steps else None
 
 
+def zero_std_ratio(rewards: np.ndarray, group_ids: Sequence) -> float:
+    """The share of groups whose rewards all equal (std 0), as flow_grpo's calculate_zero_std_ratio logs it."""
+    r = np.asarray(rewards, dtype=np.float64)
+    _, inverse = np.unique(np.asarray(group_ids), return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if r.size == 0:
+        return 0.0
+    stds = np.array([np.std(r[inverse == g]) for g in range(int(inverse.max()) + 1)])
+    return float(np.count_nonzero(stds == 0) / len(stds))
+
+
 def prompt_zero_std_ratio(rewards: np.ndarray, prompts: list[str]) -> float | None:
     """The share of an epoch's prompt groups whose (finite) rewards all equal, as flow_grpo's
-    calculate_zero_std_ratio counts them (algorithms/grpo.py zero_std_ratio), for an algorithm that does not report
+    calculate_zero_std_ratio counts them (zero_std_ratio above), for an algorithm that does not report
     it; None when the rewards and prompts do not pair up (a video family's prompts are per sample too)."""
-    from ddpo_tpu.algorithms.grpo import zero_std_ratio
 
     r = np.asarray(rewards, dtype=np.float64)
     if len(prompts) != r.size:

@@ -1,4 +1,4 @@
-"""Rank beat files as launch/rankwatch.py's RankBeat writes them, for the rank-watch tests, and a poll helper."""
+"""Rank beat files as proc/rankwatch.py's RankBeat writes them, for the rank-watch tests, and a poll helper."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from ddpo_tpu.launch import rankwatch
+from ddpo_tpu.proc import rankwatch
 
 
 def write_beat(run_dir, rank: int, pid: int, age_s: float = 0.0, **state) -> None:

@@ -26,21 +26,21 @@ GROUPS_DIR_KEY = "ddpo_tpu_test_groups_dir"  # in each worker's workerinput
 # Only the order depends on them: a stale or missing entry makes the end less even, never a test wrong.
 MEASURED_S: dict[str, float] = {
     "tests/test_xla.py::test_no_new_compilations_after_the_first_epoch": 692,
-    "tests/test_nft_learns.py::test_nft_smoke_raises_jpeg_compressibility_over_a_frozen_policy": 398,
+    "tests/test_learns.py::test_the_smoke_learns[nft_smoke]": 398,
     "tests/test_xla.py::test_sd14_topology_trains_on_xla_with_a_fixed_graph_set": 288,
     "tests/test_training.py::test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch[cpu]": 287,
     "tests/test_xla.py::test_fsdp_with_lora_resumes_split_and_compiles_nothing_after_its_first_epoch": 242,
     "tests/test_distributed.py::test_a_stopped_or_killed_rank_ends_the_job_naming_it_and_the_run_resumes_exactly": 227,
     "tests/test_distributed.py::test_checkpoints_resume_across_world_sizes": 210,
     "tests/test_flow_grpo_e2e.py::test_flow_grpo_under_spmd_over_4_devices": 182,
-    "tests/test_flow_grpo_learns.py::test_flow_grpo_smoke_raises_jpeg_compressibility": 165,
+    "tests/test_learns.py::test_the_smoke_learns[flow_grpo_smoke]": 165,
     "tests/test_nft_e2e.py::test_xla_compiles_nothing_after_the_first_epoch": 146,
     "tests/test_distributed_nodes.py::test_two_nodes_train_what_one_node_trains_and_a_lost_node_is_named": 146,
-    "tests/test_qwen_image_learns.py::test_qwen_image_grpo_smoke_raises_jpeg_compressibility_over_a_frozen_control":
+    "tests/test_learns.py::test_the_smoke_learns[qwen_image_grpo_smoke]":
         140,
     "tests/test_events.py::test_an_xla_run_says_what_it_compiles_while_it_compiles": 124,
     "tests/test_distributed.py::test_compiled_steps_compile_in_epoch_0_only[sd1_ddpo]": 123,
-    "tests/test_wan_learns.py::test_wan_grpo_smoke_raises_per_frame_jpeg_compressibility_over_a_frozen_control": 122,
+    "tests/test_learns.py::test_the_smoke_learns[wan_grpo_smoke]": 122,
     "tests/test_training.py::test_smoke_run_learns_jpeg_compressibility": 121,
     "tests/test_bucket_e2e.py::test_sigkill_and_a_lost_disk_then_the_same_command_continues_from_the_bucket": 107,
     "tests/test_evaluation_e2e.py::test_every_test_prompt_is_evaluated_once_by_every_reward[xla]": 104,

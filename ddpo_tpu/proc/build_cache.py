@@ -1,6 +1,6 @@
 """Build a directory once into a cache, atomically: the build goes into a temporary sibling that is os.replace'd into
 place only when complete, so a killed or concurrent build never leaves a half-written directory at the final path.
-Concurrent builders take turns: a lock per build (the flock of launch/lock.py, freed by the kernel however its holder
+Concurrent builders take turns: a lock per build (the flock of proc/lock.py, freed by the kernel however its holder
 ends; under the host's lock dir, ~/.cache/ddpo_tpu/locks/, so the cache folder holds only builds) makes a second process (another run on the same machine, another rank) say whom it
 waits for and then reuse the finished build instead of building it again beside the first (two digits-model builds
 at once took 70x longer on a 2-core machine). Used by the tiny local models and the reward stand-ins.
@@ -26,11 +26,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ddpo_tpu.env import cache_root
-from ddpo_tpu.launch.lock import AcceleratorBusy, AcceleratorLock
-from ddpo_tpu.rundir.files import current_umask
+from ddpo_tpu.env import cache_root, current_umask
+from ddpo_tpu.proc.lock import AcceleratorBusy, AcceleratorLock
 
-STALE_TMP_SECONDS = 15 * 60  # temporary dirs older than this were left by a killed build
+STALE_TMP_SECONDS = 15 * 60
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded: the configured one (model.pretrained / model.revision, models/loading.py) or an
+    entry of this cache that can be neither used nor set aside; the message says how to fix it. Defined here, on the
+    bottom floor, because the build cache raises it too; models/loading.py hands it on as the loaders' error, and the
+    training process ends on it in one line."""  # temporary dirs older than this were left by a killed build
 
 
 def pipeline_files(subfolders: Iterable[str]) -> tuple[str, ...]:
@@ -141,8 +147,6 @@ def _set_aside(final: Path, reason: str) -> None:
     except FileNotFoundError:  # another host sharing the cache moved it first
         return
     except OSError as e:
-        from ddpo_tpu.models.loading import ModelLoadError
-
         raise ModelLoadError(f"the model cache entry {final} is damaged ({reason}) and cannot be moved aside "
                              f"({e.strerror or e}): remove it (rm -r {final}) or give the run a writable cache "
                              f"directory, then run the same command again") from None

@@ -124,7 +124,7 @@ def _gone(pid: int, host: str) -> bool:
         return True
     except PermissionError:
         return False
-    from ddpo_tpu.launch.lock import proc_state
+    from ddpo_tpu.proc.lock import proc_state
 
     state = proc_state(pid)  # a zombie, or a stopped process, is gone too
     return state is not None and state[0] in ("Z", "X", "T", "t")
