@@ -15,7 +15,7 @@ Like `ddpo-train`, the front end never imports torch: it reads and checks everyt
 (exit 2), writes the config into the output dir and starts the evaluation process (`--worker`, under torchrun for
 the distributed topologies) on the run's runtime. The checkpoint's own evaluation is reproduced exactly: the same
 plan, seeds, sampler and weights give the same images and scores as the run's in-training evaluation of that epoch
-(tests/test_evaluation_e2e.py).
+(tests/e2e/test_evaluation_e2e.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ CHECK_FLAGS = ("--check", "--validate")  # compose, validate and check this mach
 # is refused, not previewed
 CHECK_HERE = "--check-here"
 # with --check: print each run's plan as JSON, one object per line ({"job", "overrides", "run_dir", "plan"}), instead
-# of the screen (what a script or tests/test_run_plan.py reads)
+# of the screen (what a script or tests/unit/config/test_run_plan.py reads)
 JSON_FLAG = "--json"
 
 _failures: list[str] = []

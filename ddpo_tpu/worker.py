@@ -161,7 +161,7 @@ def _end_with_parent() -> None:
 def load_validated(run_dir: Path) -> Validated:
     """The run's saved config (config.yaml, or this node's), validated: the one validation of this process, whose
     plan (config/plan.py) the Trainer and the out-of-memory line read. The front end validated the same tree and saved
-    the same plan in parity.json (tests/test_run_plan.py compares them)."""
+    the same plan in parity.json (tests/unit/config/test_run_plan.py compares them)."""
     from omegaconf import OmegaConf
 
     from ddpo_tpu import env as envmod

@@ -5,7 +5,7 @@ prose; this script writes the names, so a new family, algorithm or preset cannot
     python scripts/readme_tables.py            # rewrite README.md's generated cells and block
     python scripts/readme_tables.py --check    # exit 1, saying what differs, if README.md is not what it writes
 
-tests/test_docs.py runs the check. Torch-free: the catalog is what the front end reads."""
+tests/unit/project/test_docs.py runs the check. Torch-free: the catalog is what the front end reads."""
 
 from __future__ import annotations
 

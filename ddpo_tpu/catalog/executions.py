@@ -4,7 +4,7 @@ Each spec says what the rest of the package asks of an execution (how many devic
 torch_xla drives them, what starts its processes, what compiles its step, which XLA settings it reads, which runtime
 backend runs it), so the config rules, the launcher, the worker, the loop and the status read a capability instead
 of comparing the kind's name. Only the catalog and runtime/ (the backends themselves) spell a kind out:
-tests/test_executions.py keeps every other module of ddpo_tpu free of those names.
+tests/unit/config/test_executions.py keeps every other module of ddpo_tpu free of those names.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ SD3 = FAMILIES.register(FamilySpec(
 # CLIPTextModel and T5EncoderModel built with the checkpoint's configs on the meta device): the transformer (19
 # double-stream blocks of 0.340 and 38 single-stream blocks of 0.142), CLIP-L, T5-XXL's encoder, the VAE (float32).
 # The transformer has no positional table (RoPE from the ids).
-# Measured by: python scripts/bench.py --flux-activations (tests/test_flux_model.py counts them again)
+# Measured by: python scripts/bench.py --flux-activations (tests/unit/models/test_flux_model.py counts them again)
 FLUX1_DEV_BILLIONS = {"transformer": 11.901, "clip": 0.123, "t5": 4.762, "vae": 0.084}
 # flow_grpo's LoRA (rank 64 on the attention and feed-forward layers, model=flux1_dev): 179.3M values x (weight,
 # gradient, 2 AdamW moments, EMA) in float32 = 3.3 GiB; an epoch's trajectories and prompt embeddings (36 samples a
@@ -269,7 +269,7 @@ FLUX = FAMILIES.register(FamilySpec(
 # --- Wan 2.1 text-to-video -------------------------------------------------------------------------------------------
 # Video latents (16 channels x (F - 1) / 4 + 1 frames x H / 8 x W / 8), flow_grpo's Wan SDE (sampler wan_sde). The
 # LoRA layers: WanTransformer3DModel's module paths (Wan 2.1 T2V 1.3B's and 14B's configs and the tiny build, on the
-# meta device: tests/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
+# meta device: tests/unit/models/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
 # (model.num_frames x the frame's patches), catalog/wan_memory.py says how each figure was measured or derived.
 WAN = FAMILIES.register(FamilySpec(
     name="wan", title="Wan 2.1 text-to-video (WanTransformer3DModel, flow matching)",
@@ -344,11 +344,12 @@ QWEN_IMAGE = FAMILIES.register(FamilySpec(
 # text encoder's second-to-last states of the real prompt tokens, Flow-GRPO's SDE step (Flow-Factory's "Flow-SDE",
 # src/flow_factory/scheduler/flow_match_euler_discrete.py:342-371 at a0b2bc5a). The LoRA layers: the Linear module
 # paths of ZImageTransformer2DModel (inside its layers / noise_refiner / context_refiner blocks, and the top-level
-# ones; tests/test_z_image_model.py builds both the tiny and the published config on the meta device).
+# ones; tests/unit/models/test_z_image_model.py builds both the tiny and the published config on the meta
+# device).
 # Parts in billions of values (diffusers' ZImageTransformer2DModel at its default config, which is the published one:
 # dim 3840, 30 layers + 2 noise and 2 context refiner layers, 30 heads, cap_feat_dim 2560; transformers' Qwen3Model
 # at Qwen3-4B's config, no LM head, as ZImagePipeline holds it; FLUX.1's AutoencoderKL), on the meta device:
-# tests/test_z_image_model.py::test_full_size_parameter_counts asserts them.
+# tests/unit/models/test_z_image_model.py asserts them (test_lora_layer_table_and_parameter_counts_...).
 Z_IMAGE_BILLIONS = {"transformer": 6.155, "text_encoder": 4.022, "vae": 0.084}
 # Flow-Factory's LoRA (rank 64 on its 7 default targets, examples/grpo/lora/z_image*/default.yaml): 158.8M values x
 # (weight, gradient, 2 AdamW moments, EMA) in float32 = 2.96 GiB; an epoch's trajectories and prompt states ~0.1 GiB;
@@ -379,4 +380,79 @@ Z_IMAGE = FAMILIES.register(FamilySpec(
     resolution_multiple=16,  # ZImagePipeline.__call__: height and width divisible by vae_scale_factor x 2
     memory=_split_transformer_memory(Z_IMAGE_BILLIONS, ("text_encoder",), Z_IMAGE_STATE_GIB, Z_IMAGE_EAGER_GIB,
                                      Z_IMAGE_ATTENTION_SCORES_GIB_512),
+))
+
+# --- FLUX.2-klein ----------------------------------------------------------------------------------------------------
+# Packed 2x2 latents normalised by the VAE's batch-norm statistics, Qwen3's hidden states 9/18/27 of the chat-templated
+# prompt (512 tokens), true CFG on the negative prompt "" (the base checkpoints; the step-distilled ones ignore the
+# scale), Flow-GRPO's SDE step (Flow-Factory@a0b2bc5's "Flow-SDE", the same step as SD 3's: sampler flow_sde). The LoRA
+# layers: Flux2Transformer2DModel's module paths (klein 4B's config on the meta device; the tiny build has the same
+# block kinds). FLUX.2-klein's parts in billions of values (diffusers' Flux2Transformer2DModel and AutoencoderKLFlux2,
+# transformers' Qwen3ForCausalLM built with the published configs on the meta device: 4B 5 double + 20 single blocks,
+# 24 heads of 128, joint_attention_dim 7680; 9B 8 + 24 blocks, 32 heads, 12288; the text encoders Qwen3-4B (its LM
+# head tied to the embedding, counted once) and Qwen3-8B loaded whole as the pipeline holds them; the VAE float32).
+# No positional table (RoPE from the ids). Counted by the meta-device build in tests/unit/models/test_flux2_model.py.
+FLUX2_KLEIN_BILLIONS = {
+    "4b": {"transformer": 3.876, "text_encoder": 4.022, "vae": 0.084},
+    "9b": {"transformer": 9.079, "text_encoder": 8.191, "vae": 0.084},
+}
+# Flow-Factory's LoRA (rank 64 on its 13 default targets, examples/grpo/lora/flux2_klein*/default.yaml): 76.7M values
+# (4B) / 142.6M (9B) x (weight, gradient, 2 AdamW moments, EMA) in float32; an epoch's trajectories and prompt states
+# (512 x 7680 or 12288 bf16 values a prompt, twice with CFG) ~0.3 GiB; ~1 GiB for the runtime and fragmentation.
+FLUX2_LORA_MILLIONS = {"4b": 76.68, "9b": 142.61}
+FLUX2_STATE_GIB = {k: v * 1e6 * 20 / GIB + 0.3 + 1.0 for k, v in FLUX2_LORA_MILLIONS.items()}
+# One transformer evaluation at 512 px: 1024 image + 512 text tokens (the pipeline pads every prompt to 512). Not
+# probed at full width: FLUX.1's measured saved bytes per block (float32, 3072 wide, 1152 tokens: 0.400 GiB for the
+# first block of each kind with the embedders, 0.239 per further double block, 0.159 per further single block) scaled
+# linearly to 1536 tokens and (9B) to 4096 wide: 4B (0.400 + 4 x 0.239 + 19 x 0.159) x 1536 / 1152 = 5.84 GiB; 9B
+# (0.400 + 7 x 0.239 + 23 x 0.159) x 1536 / 1152 x 4096 / 3072 = 10.19 GiB. bf16: x 0.74 (SD 3.5's measured ratio).
+# XLA's softmaxes: heads x S^2 x 4 bytes over every block (S = 1536). Checkpointing: SD 3.5's ratio, as FLUX.1's.
+FLUX2_EAGER_F32_GIB = {"4b": 5.84, "9b": 10.19}
+FLUX2_ATTENTION_SCORES_GIB_512 = {"4b": 25 * 24 * 1536 ** 2 * 4 / GIB, "9b": 32 * 32 * 1536 ** 2 * 4 / GIB}
+
+
+def _flux2_figures(size: str) -> FamilyMemory:
+    from dataclasses import replace
+
+    eager = {"no": FLUX2_EAGER_F32_GIB[size], "bf16": round(FLUX2_EAGER_F32_GIB[size] * 0.74, 2)}
+    figures = _split_transformer_memory(FLUX2_KLEIN_BILLIONS[size], ("text_encoder",), FLUX2_STATE_GIB[size], eager,
+                                        FLUX2_ATTENTION_SCORES_GIB_512[size])
+    return replace(figures, tokens_512=(1024, 512))  # 512 text tokens, not FLUX.1's 128
+
+
+FLUX2_MEMORY = {size: _flux2_figures(size) for size in FLUX2_KLEIN_BILLIONS}
+
+
+def flux2_size(model) -> str:
+    """Which klein a model config is: "9b" when its checkpoint id or name says 9B, else "4b"."""
+    text = f"{getattr(model, 'pretrained', '') or ''} {getattr(model, 'name', '') or ''}".lower()
+    return "9b" if "9b" in text else "4b"
+
+
+def _flux2_memory(model) -> FamilyMemory:
+    """The figures of the model's klein at the size it samples (a function of the model config, so the memory rule
+    takes them as they are: scaled here from 512 px to model.resolution, or to the checkpoint's own 1024 px when it
+    is null, as config/memory.py scales a table's)."""
+    mem = FLUX2_MEMORY[flux2_size(model)]
+    pixels = getattr(model, "resolution", None) or (mem.native_pixels if getattr(model, "builder", None) is None
+                                                    else None)
+    return mem if pixels in (None, 512) else mem.at_pixels(pixels)
+
+
+FLUX2 = FAMILIES.register(FamilySpec(
+    name="flux2", title="FLUX.2-klein (MMDiT, Qwen3 prompts, flow matching)",
+    module="ddpo_tpu.families.flux2:Flux2Family",
+    sampler="flow_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
+    example_hub_id="black-forest-labs/FLUX.2-klein-base-4B",
+    builders=("tiny_flux2",),
+    lora_layers=("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                 "attn.to_out", "attn.to_out.0", "attn.to_q", "attn.to_qkv_mlp_proj", "attn.to_v", "context_embedder",
+                 "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear", "ff.linear_in",
+                 "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out", "norm_out.linear", "proj_out",
+                 "single_stream_modulation.linear", "time_guidance_embed.timestep_embedder.linear_1",
+                 "time_guidance_embed.timestep_embedder.linear_2", "x_embedder"),
+    lora_example="attn.to_q",
+    resolution_multiple=16,  # Flux2KleinPipeline: height and width multiples of vae_scale_factor x 2
+    memory=_flux2_memory,
 ))

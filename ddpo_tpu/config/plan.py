@@ -12,7 +12,7 @@ there it is
     config/batch.py again.
 
 Torch-free and JSON-serialisable (`as_dict` / `from_dict` round-trip exactly), so the front end can print and save it
-and a test can compare what `--check` printed with what the loop was handed (tests/test_run_plan.py).
+and a test can compare what `--check` printed with what the loop was handed (tests/unit/config/test_run_plan.py).
 """
 
 from __future__ import annotations

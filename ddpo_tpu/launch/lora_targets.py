@@ -10,7 +10,7 @@ catalog spec's `lora_layers`, below the numbered block containers `CONTAINERS`).
 dotted suffix of one (not starting at an index: "to_out.0", not "0"), optionally under block containers
 ("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q").
 
-tests/test_bad_input.py checks the table against every builder's model on the meta device (tiny, sd14_topology,
+tests/unit/config/test_bad_input.py checks the table against every builder's model on the meta device (tiny, sd14_topology,
 sd14_random; tiny_sd3 and SD 3.5 Medium's config), so a diffusers upgrade that renames a layer fails there first.
 """
 

@@ -164,7 +164,7 @@ def _pass_latents_through(decoder) -> None:
     of one sample's spread) and Flow-GRPO's gradient had no direction: gradients of 16-sample epochs at the initial
     policy were uncorrelated (cosine -0.003 +- 0.13 over 12 epochs) and a step along their mean did not change the
     reward. With one group (v3) the colour of the latents survives (odd part 0.0095 kB) and the smoke, with
-    128 samples an epoch, learns (`tests/test_learns.py[flow_grpo_smoke]`)."""
+    128 samples an epoch, learns (`tests/learning/test_learns.py[flow_grpo_smoke]`)."""
     with torch.no_grad():
         for name, module in decoder.named_modules():
             if name.endswith(".conv2") or name.endswith(".to_out.0"):

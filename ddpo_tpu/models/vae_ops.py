@@ -13,7 +13,7 @@ Two idioms in their code do not lower to XLA as written, and each has an exact e
   only power-of-two factors are rewritten.
 
 ``xla_safe_vae()`` is a torch function mode applying both rewrites inside a decode, on every device (on CPU and CUDA
-the results are bit-identical: tests/test_wan_model.py checks it), so one code path serves all runtimes.
+the results are bit-identical: tests/unit/models/test_wan_model.py checks it), so one code path serves all runtimes.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ summary.json is written last: an evaluation whose summary exists is finished (a 
 Sharding: each global batch is split over the processes as sampling splits its batches (rt.local_rows); every
 process scores its own rows, the scores and images are gathered, and the padding of the last batch is dropped
 (eval_plan.py). The noise of each row comes from that row's own generator, so a prompt's image does not depend on
-the process count or the batch it lands in (tests/test_evaluation_e2e.py compares 1 and 2 processes).
+the process count or the batch it lands in (tests/e2e/test_evaluation_e2e.py compares 1 and 2 processes).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ EXPORTS = {
     "flux": FamilyExport("FluxPipeline", "transformer"),
     "wan": FamilyExport("WanPipeline", "transformer"),
     "qwen_image": FamilyExport("QwenImagePipeline", "transformer"),
+    "flux2": FamilyExport("Flux2KleinPipeline", "transformer"),
 }
 
 
@@ -99,6 +100,8 @@ def checkpoint_source(model_cfg) -> tuple[str, str | None, bool]:
         from ddpo_tpu.models.wan import ensure_tiny_wan as ensure
     elif m.family == "qwen_image":
         from ddpo_tpu.models.qwen_image import ensure_tiny_qwen_image as ensure
+    elif m.family == "flux2":
+        from ddpo_tpu.models.flux2 import ensure_tiny_flux2 as ensure
     else:
         family_export(m.family)  # raises, naming the families known
     path, revision, local = source(m, ensure)

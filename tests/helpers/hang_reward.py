@@ -1,4 +1,4 @@
-"""An OCR recogniser that never answers on one rank (tests/test_rank_hang.py), reached through the OCR reward's
+"""An OCR recogniser that never answers on one rank (tests/e2e/test_rank_hang.py), reached through the OCR reward's
 `module:function` key: `reward=ocr reward.recognizer=tests.helpers.hang_reward:read`. Its process stays healthy (the
 beat thread runs) while its reward call blocks, as a call to a reward server that never answers does.
 

@@ -1,4 +1,4 @@
-"""A model family of the tests' own (tests/test_catalog.py registers its spec): SD 1.x-shaped, so the test is about
+"""A model family of the tests' own (tests/unit/project/test_catalog.py registers its spec): SD 1.x-shaped, so the test is about
 registering a family, not about a new model. Counts what it encodes, to show the loop went through it."""
 
 from __future__ import annotations

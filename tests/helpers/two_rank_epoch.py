@@ -1,5 +1,5 @@
 """One epoch of the smoke on two gloo ranks, both ways of holding its samples (run under torchrun by
-tests/test_distributed.py; writes rank<N>.json into the directory it is given).
+tests/e2e/test_distributed.py; writes rank<N>.json into the directory it is given).
 
 Each rank samples the epoch once, then builds the training samples twice from the same rewards: with
 distributed.keep_samples_on_rank (its own samples) and as the default (the whole epoch gathered), counting the bytes

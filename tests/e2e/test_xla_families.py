@@ -1,0 +1,47 @@
+"""The flow families beyond SD 3 on torch_xla's PJRT CPU device, through the real launcher: FLUX, Wan (video),
+Qwen-Image and FLUX.2-klein each compile their graphs in epoch 0 and nothing after, run no op on the host while
+sampling but the text encoders' mask checks, and copy to the host only what is counted below (torch_xla's own
+counters, exact).
+
+What this caught (both fixed in ddpo_tpu/models): Wan's VAE decode raised on XLA ("Value out of range": diffusers'
+AutoencoderKLWan slices x[:, :, -2:] on a one-frame axis) and both video VAEs ran each 2x upsampling on the host
+(aten::_upsample_nearest_exact2d; models/vae_ops.py); Qwen-Image compiled a new text-encoder graph whenever a batch's
+longest prompt was new (prompts are now tokenized to a fixed length; models/qwen_image.py::encode_prompts_qwen) and
+put its RoPE tables, which stay on the host when the model moves, into every compiled graph as CPU constants
+(models/qwen_image.py::rope_tables_to)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import FAST_XLA_CPU, read_metrics, run_train
+
+pytestmark = [pytest.mark.slow, pytest.mark.xla]
+
+BATCHES = 2  # sampling batches an epoch (below)
+
+# host reads a sampling batch makes: the uint8 images (or video frames) once, plus transformers' SDPA mask check on a
+# padded prompt batch (masking_utils reads `padding_mask.all()` on the host: UMT5's bidirectional mask once,
+# Qwen2.5-VL's and Qwen3's (FLUX.2-klein) causal masks twice); FLUX's CLIP and T5 run unmasked
+HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_grpo_smoke": 3, "flux2_grpo_smoke": 3}
+
+
+@pytest.mark.parametrize("experiment", list(HOST_READS_PER_BATCH))
+def test_a_flow_family_compiles_its_graphs_once_and_samples_on_the_device(experiment, tmp_path, model_cache):
+    proc = run_train([f"+experiment={experiment}", "tpu_topology=cpu", "num_epochs=2", "sample.batch_size=8",
+                      f"sample.num_batches_per_epoch={BATCHES}", "train.batch_size=8",
+                      "train.gradient_accumulation_steps=1", "reward.host_workers=0", f"model.cache_dir={model_cache}",
+                      FAST_XLA_CPU], tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    epochs = read_metrics(tmp_path / "outputs" / experiment, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    assert epochs[0]["new_compilations"] > 0
+    assert epochs[1]["new_compilations"] == 0, epochs[1]["phases"]
+    # no host tensor inside a compiled graph (Qwen-Image's RoPE tables were: models/qwen_image.rope_tables_to)
+    assert "on cpu. Please move all tensors to xla device" not in (tmp_path / "outputs" / experiment / "train.log"
+                                                                    ).read_text()
+    for e in epochs:
+        sampling = e["phases"]["sampling"]
+        assert set(sampling.get("cpu_fallbacks", {})) <= {"aten::_local_scalar_dense"}, sampling  # the mask checks
+        assert sampling["host_transfers"] == BATCHES * HOST_READS_PER_BATCH[experiment], sampling
+        assert e["phases"]["training"]["host_transfers"] == 2  # one metrics copy per optimizer step (2 an epoch)
