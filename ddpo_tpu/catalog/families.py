@@ -339,6 +339,49 @@ QWEN_IMAGE = FAMILIES.register(FamilySpec(
                                      QWEN_IMAGE_EAGER_GIB, QWEN_IMAGE_ATTENTION_SCORES_GIB_512),
 ))
 
+# --- Z-Image ---------------------------------------------------------------------------------------------------------
+# Z-Image-Turbo and Z-Image base (one architecture): a single-stream DiT on FLUX.1's 16-channel latents, a Qwen3-4B
+# text encoder's second-to-last states of the real prompt tokens, Flow-GRPO's SDE step (Flow-Factory's "Flow-SDE",
+# src/flow_factory/scheduler/flow_match_euler_discrete.py:342-371 at a0b2bc5a). The LoRA layers: the Linear module
+# paths of ZImageTransformer2DModel (inside its layers / noise_refiner / context_refiner blocks, and the top-level
+# ones; tests/unit/models/test_z_image_model.py builds both the tiny and the published config on the meta
+# device).
+# Parts in billions of values (diffusers' ZImageTransformer2DModel at its default config, which is the published one:
+# dim 3840, 30 layers + 2 noise and 2 context refiner layers, 30 heads, cap_feat_dim 2560; transformers' Qwen3Model
+# at Qwen3-4B's config, no LM head, as ZImagePipeline holds it; FLUX.1's AutoencoderKL), on the meta device:
+# tests/unit/models/test_z_image_model.py asserts them (test_lora_layer_table_and_parameter_counts_...).
+Z_IMAGE_BILLIONS = {"transformer": 6.155, "text_encoder": 4.022, "vae": 0.084}
+# Flow-Factory's LoRA (rank 64 on its 7 default targets, examples/grpo/lora/z_image*/default.yaml): 158.8M values x
+# (weight, gradient, 2 AdamW moments, EMA) in float32 = 2.96 GiB; an epoch's trajectories and prompt states ~0.1 GiB;
+# ~1 GiB for the runtime and fragmentation. Whole on every chip, as FLUX's.
+Z_IMAGE_STATE_GIB = 0.1588 * 20 * 1e9 / GIB + 0.1 + 1.0
+# One Z-Image transformer evaluation at 512 px: 1024 image tokens + up to 128 prompt tokens. NOT probed: (1) the eager
+# float32 saved bytes are Qwen-Image's measured 0.239 GiB per block (width 3072, 1152 tokens) scaled by width (3840 /
+# 3072) over the 30 joint blocks, plus the 2 noise refiner blocks at 1024 tokens: 30 x 0.299 + 2 x 0.265 = 9.5 GiB;
+# bf16 x 0.74 (SD 3.5's measured ratio). (2) XLA's softmaxes: 30 heads x S^2 x 4 bytes over the 30 joint blocks at
+# S = 1152 and the 2 noise refiners at 1024. Checkpointing as the other transformer families. An estimate for the HBM
+# rule, not a TPU figure; `scripts/bench.py` has no Z-Image probe yet.
+Z_IMAGE_ATTENTION_SCORES_GIB_512 = (30 * 30 * 1152 ** 2 + 2 * 30 * 1024 ** 2) * 4 / GIB  # 4.68
+Z_IMAGE_EAGER_F32_GIB = 9.5
+Z_IMAGE_EAGER_GIB = {"no": Z_IMAGE_EAGER_F32_GIB, "bf16": round(Z_IMAGE_EAGER_F32_GIB * 0.74, 2)}
+
+Z_IMAGE = FAMILIES.register(FamilySpec(
+    name="z_image", title="Z-Image (single-stream DiT, Qwen3 prompts, flow matching; Turbo and base)",
+    module="ddpo_tpu.families.z_image:ZImageFamily",
+    sampler="flow_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
+    example_hub_id="Tongyi-MAI/Z-Image-Turbo",
+    builders=("tiny_z_image",),
+    lora_layers=("adaLN_modulation.0", "all_final_layer.2-1.adaLN_modulation.1", "all_final_layer.2-1.linear",
+                 "all_x_embedder.2-1", "attention.to_k", "attention.to_out.0", "attention.to_q", "attention.to_v",
+                 "cap_embedder.1", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "t_embedder.mlp.0",
+                 "t_embedder.mlp.2"),
+    lora_example="attention.to_q",
+    resolution_multiple=16,  # ZImagePipeline.__call__: height and width divisible by vae_scale_factor x 2
+    memory=_split_transformer_memory(Z_IMAGE_BILLIONS, ("text_encoder",), Z_IMAGE_STATE_GIB, Z_IMAGE_EAGER_GIB,
+                                     Z_IMAGE_ATTENTION_SCORES_GIB_512),
+))
+
 # --- FLUX.2-klein ----------------------------------------------------------------------------------------------------
 # Packed 2x2 latents normalised by the VAE's batch-norm statistics, Qwen3's hidden states 9/18/27 of the chat-templated
 # prompt (512 tokens), true CFG on the negative prompt "" (the base checkpoints; the step-distilled ones ignore the

@@ -72,6 +72,12 @@ CURVES = [
     Curve("qwen_image_grpo_smoke", 10, 3, 0.1, {"model.family": "qwen_image", "sample.name": "flow_sde"},
           "z = 8.7 (+0.096 kB: -1.2948 -> -1.1747; LoRA's B starts at zero, so the rise starts slowly), 9.3 standard "
           "errors above the control (z = -1.5); 8 epochs were too few (z 3.4)"),
+    # the tiny random Z-Image's samples vary little (reward std 0.012 kB within an epoch): the weakest curve here
+    Curve("z_image_grpo_smoke", 10, 4, 0.1, {"model.family": "z_image", "sample.name": "flow_sde"},
+          "z = 4.25 (+0.0124 kB: -1.5096 -> -1.4915), 10.7 standard errors above the control (+0.0004 kB, z = 0.6); "
+          "with 3 epochs a side z = 3.8 (18.2 over the control), so the window is 4; worse: learning rate 5e-2 "
+          "(-1.5096 -> -1.5081), 1e-1 (falling), 14 epochs (back to -1.5028), the tiny build's zero gates drawn at a "
+          "Linear's scale (-1.5090 -> -1.5020); about 4 min of CPU for both runs"),
     Curve("flux2_grpo_smoke", 10, 3, 0.1, {"model.family": "flux2", "sample.name": "flow_sde"},
           "z = 10.3 (+0.0205 kB: -1.2993 -> -1.2787), 15.2 standard errors above the control (z = -1.1); at learning "
           "rate 3e-2 the reward stayed inside the noise (the tiny build's LoRA moves the velocity ~6x less than tiny "

@@ -94,6 +94,7 @@ def test_experiment_list_is_the_tested_one():
     flow += ["wan_grpo_smoke"]  # composed in tests/unit/models/test_wan_model.py
     flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in unit/models/test_qwen_image_model.py
     flow += ["flux2_grpo_smoke"]  # composed in tests/unit/models/test_flux2_model.py
+    flow += ["z_image_grpo_smoke"]  # composed in tests/unit/models/test_z_image_model.py
     flow += ["dppo_smoke"]  # composed in tests/unit/algorithms/test_dppo.py
     flow += ["awm_smoke"]  # composed in tests/unit/algorithms/test_awm.py
     flow += [f"gardo_{n}" for n in ("sd3_ocr", "sd3_geneval", "sd3_compressibility", "flux_hps")]  # test_gardo_presets.py

@@ -1,0 +1,86 @@
+"""Z-Image (Turbo and base): a single-stream DiT predicting the negative velocity on FLUX.1's 16-channel latents,
+conditioned on a Qwen3 model's second-to-last hidden states of the chat-templated prompt (its real tokens only),
+sampled with Flow-GRPO's SDE: Flow-Factory's "Flow-SDE" dynamics (src/flow_factory/scheduler/
+flow_match_euler_discrete.py:342-371 at a0b2bc5a), the step diffusion/flow.py already has, on ZImagePipeline's
+schedule (linspace(1, 1/N, N) sigmas under the checkpoint scheduler's shift). models/z_image.py has the details.
+
+Turbo and base differ in configuration only (conf/model/z_image_turbo.yaml, z_image.yaml): Turbo is guidance-distilled
+and samples without guidance in few steps (Z-Image's guidance_scale 0 = sample.guidance_scale 1); base samples with
+Z-Image's guidance 4 (sample.guidance_scale 5, the usual CFG form) in more steps. The unconditional prompt is "", as
+ZImagePipeline's and Flow-Factory's default negative prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ddpo_tpu.diffusion.flow import FlowTables
+from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
+from ddpo_tpu.families.flow import FlowFamily
+from ddpo_tpu.families.sd1 import decoded_prompts
+
+TINY_PIXELS = 32  # the tiny build's images (8 x 8 latents, 16 image tokens)
+DEFAULT_PIXELS = 1024  # ZImagePipeline's default height and width
+
+
+class ZImageFamily(FlowFamily):
+    """A flow family with Z-Image's conditioning, schedule and (negated, guided) velocity; the sampling step, the
+    score step, the forward-process velocity and the reference policy are FlowFamily's."""
+
+    name = "z_image"
+    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by FlowFamily.load
+
+    def __init__(self, cfg, rt, components):
+        self.cfg, self.rt, self.c = cfg, rt, components
+        self.model = components.transformer
+        self.dtype = self.model.dtype
+        factor = components.vae_scale_factor
+        pixels = cfg.model.resolution or (TINY_PIXELS if cfg.model.builder is not None else DEFAULT_PIXELS)
+        # ZImagePipeline.prepare_latents: a latent side a multiple of 2 (the transformer's 2x2 patches)
+        side = 2 * (int(pixels) // (factor * 2))
+        self.latent_shape = (int(self.model.config.in_channels), side, side)
+        self.tokens = (side // 2) ** 2
+        self.tables = self.make_tables(cfg.sample.num_steps)
+        self.num_steps = self.tables.num_steps
+
+    @staticmethod
+    def load_components(m, dtype):
+        from ddpo_tpu.models.z_image import ensure_tiny_z_image, load_z_image
+
+        source, revision, local = checkpoint_source(m, ensure_tiny_z_image)
+        return load_z_image(source, revision=revision, local_files_only=local, dtype=dtype)
+
+    def make_tables(self, num_steps: int) -> FlowTables:
+        from ddpo_tpu.models.z_image import z_tables
+
+        return z_tables(self.c.scheduler, num_steps, self.tokens, self.rt.device)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> Cond:
+        from ddpo_tpu.models.z_image import encode_prompts_z
+
+        states, mask = encode_distinct(prompts, lambda ps: encode_prompts_z(self.c, ps, self.rt.device), self.rt)
+        if len(prompts) > 1:
+            states, mask = self.rt.shard_batch(states), self.rt.shard_batch(mask)
+        return states, mask
+
+    def prompt_keys(self, prompts: list[str], max_length: int) -> list[str]:
+        """Per-prompt statistics keys: the Qwen tokenizer's decoding of the prompt's ids."""
+        return decoded_prompts(self.c.tokenizer, prompts, max_length)
+
+    def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
+                 detach_uncond: bool = False) -> Tensor:
+        from ddpo_tpu.models.z_image import caption_list, z_velocity
+
+        tables = tables or self.tables
+        neg = caption_list(*uncond) if uncond is not None else None
+        return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), caption_list(*cond), neg,
+                          self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        from ddpo_tpu.models.z_image import decode_z_image
+
+        images = decode_z_image(self.c.vae, latents)
+        return (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
