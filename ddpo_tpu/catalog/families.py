@@ -44,6 +44,10 @@ class FamilySpec:
     # what decode makes: uint8 images (B, H, W, 3) or videos (B, F, H, W, 3). The rewards say what they take
     # (catalog/rewards.py RewardSpec.takes): an image reward scores a video's frames, a video reward needs videos
     output: Literal["images", "videos"] = "images"
+    # the denoiser's calls keep one shape whatever the prompts (padded to a fixed length): torch_xla then compiles a
+    # fixed set of graphs. False (Z-Image: its transformer takes each caption at its own length): refused where the
+    # execution traces graphs with torch_xla, which would compile a new graph for every new set of prompt lengths
+    fixed_shapes: bool = True
 
 
 FAMILIES: Registry[FamilySpec] = Registry("model family")
@@ -380,6 +384,7 @@ Z_IMAGE = FAMILIES.register(FamilySpec(
     resolution_multiple=16,  # ZImagePipeline.__call__: height and width divisible by vae_scale_factor x 2
     memory=_split_transformer_memory(Z_IMAGE_BILLIONS, ("text_encoder",), Z_IMAGE_STATE_GIB, Z_IMAGE_EAGER_GIB,
                                      Z_IMAGE_ATTENTION_SCORES_GIB_512),
+    fixed_shapes=False,  # ZImageTransformer2DModel takes the captions as a list, each at its own length
 ))
 
 # --- FLUX.2-klein ----------------------------------------------------------------------------------------------------

@@ -48,15 +48,18 @@ class FamilyExport:
 
     pipeline: str   # diffusers class name
     component: str  # "unet" or "transformer": the key prefix of its LoRA file and the checkpoint's subfolder
+    # "module:function" building the family's tiny model into a cache dir once (cache_dir -> path), as its loader does
+    ensure_tiny: str = ""
 
 
 EXPORTS = {
     "sd1": FamilyExport("StableDiffusionPipeline", "unet"),
-    "sd3": FamilyExport("StableDiffusion3Pipeline", "transformer"),
-    "flux": FamilyExport("FluxPipeline", "transformer"),
-    "wan": FamilyExport("WanPipeline", "transformer"),
-    "qwen_image": FamilyExport("QwenImagePipeline", "transformer"),
-    "flux2": FamilyExport("Flux2KleinPipeline", "transformer"),
+    "sd3": FamilyExport("StableDiffusion3Pipeline", "transformer", "ddpo_tpu.models.sd3:ensure_tiny_sd3"),
+    "flux": FamilyExport("FluxPipeline", "transformer", "ddpo_tpu.models.flux:ensure_tiny_flux"),
+    "wan": FamilyExport("WanPipeline", "transformer", "ddpo_tpu.models.wan:ensure_tiny_wan"),
+    "qwen_image": FamilyExport("QwenImagePipeline", "transformer", "ddpo_tpu.models.qwen_image:ensure_tiny_qwen_image"),
+    "flux2": FamilyExport("Flux2KleinPipeline", "transformer", "ddpo_tpu.models.flux2:ensure_tiny_flux2"),
+    "z_image": FamilyExport("ZImagePipeline", "transformer", "ddpo_tpu.models.z_image:ensure_tiny_z_image"),
 }
 
 
@@ -92,18 +95,9 @@ def checkpoint_source(model_cfg) -> tuple[str, str | None, bool]:
 
             return str(ensure_digits_model(Path(m.cache_dir).expanduser())), None, True
         return source(m, lambda cache: ensure_tiny_model(cache, spec=m.builder))
-    if m.family == "sd3":
-        from ddpo_tpu.models.sd3 import ensure_tiny_sd3 as ensure
-    elif m.family == "flux":
-        from ddpo_tpu.models.flux import ensure_tiny_flux as ensure
-    elif m.family == "wan":
-        from ddpo_tpu.models.wan import ensure_tiny_wan as ensure
-    elif m.family == "qwen_image":
-        from ddpo_tpu.models.qwen_image import ensure_tiny_qwen_image as ensure
-    elif m.family == "flux2":
-        from ddpo_tpu.models.flux2 import ensure_tiny_flux2 as ensure
-    else:
-        family_export(m.family)  # raises, naming the families known
+    from ddpo_tpu.catalog.registry import load_object
+
+    ensure = load_object(family_export(m.family).ensure_tiny)
     path, revision, local = source(m, ensure)
     return str(path), revision, local
 

@@ -177,3 +177,13 @@ def test_one_diffusion_nft_epoch_trains_on_the_velocity(tmp_path, model_cache):
                                           "sample.num_batches_per_epoch=1"])
     (epoch,) = epochs
     assert np.isfinite(epoch["reward_mean"]) and len(steps) >= 1 and all(np.isfinite(s["loss"]) for s in steps)
+
+
+@pytest.mark.parametrize("topology", ["cpu", "cpu_spmd4"])
+def test_torch_xla_executions_are_refused_naming_why(topology):
+    """Each caption reaches the transformer at its own length (ZImagePipeline's list of tensors): on torch_xla every
+    new set of prompt lengths would be a new graph, so the family says so at compose time (catalog fixed_shapes)."""
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=z_image_grpo_smoke", f"tpu_topology={topology}"])
+    assert "tpu_topology.execution" in str(e.value) and "own length" in str(e.value), str(e.value)
+    compose_and_validate(["+experiment=z_image_grpo_smoke", "tpu_topology=cpu_dist2"])  # torchrun: not torch_xla

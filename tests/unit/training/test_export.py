@@ -34,6 +34,7 @@ CONFIGS = {
     "wan": ["+experiment=wan_grpo_smoke", "sample.num_steps=3"],
     "qwen_image": ["+experiment=qwen_image_grpo_smoke", "sample.num_steps=3", "sample.sde_window.size=2"],
     "flux2": ["+experiment=flux2_grpo_smoke", "sample.num_steps=3", "sample.sde_window.size=2"],
+    "z_image": ["+experiment=z_image_grpo_smoke", "sample.num_steps=3"],
 }
 PROMPTS = ["a cat", "a red bicycle"]
 # the loaded model computes what ours does (measured: 0, every family and format, torch 2.9 CPU): the bound leaves
