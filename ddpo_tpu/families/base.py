@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # annotations only: no import cycle, no cost at runtime
+    from ddpo_tpu.config.schema import RunConfig
+    from ddpo_tpu.diffusion.ddim import DDIMTables
+    from ddpo_tpu.diffusion.flow import FlowTables
+    from ddpo_tpu.runtime.base import Runtime
 
 Cond = tuple[Tensor, ...]  # a batch's conditioning, batch first (SD 1.x: (text embeds,); SD 3: (embeds, pooled))
 
@@ -50,13 +56,16 @@ class StepScore(NamedTuple):
 
 class ModelFamily(abc.ABC):
     name: str
+    cfg: RunConfig                   # the run's validated config (set at construction)
+    rt: Runtime                      # the runtime the model lives on (set at construction)
     model: torch.nn.Module           # the denoiser; its trainable parameters are what a run trains
     latent_shape: tuple[int, ...]    # (C, h, w)
     num_steps: int                   # denoising steps per sample
     # what the step functions call: the model, or the runtime's data-parallel wrapper of it (DDP's forward arms its
     # gradient hooks); set by the trainer before the steps are made (Runtime.prepare_model)
     denoiser: torch.nn.Module | None = None
-    tables = None                    # the sampler's device tables for the run's schedule (DDIMTables, FlowTables)
+    # the sampler's device tables for the run's schedule, set at construction (each family narrows the type)
+    tables: DDIMTables | FlowTables
 
     @classmethod
     @abc.abstractmethod

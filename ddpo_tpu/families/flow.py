@@ -10,6 +10,7 @@ step; Wan overrides it with flow_grpo's Wan step)."""
 from __future__ import annotations
 
 import abc
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -20,10 +21,26 @@ from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
 from ddpo_tpu.families.sd1 import adapters_off, decoded_prompts
 
 
+class FlowComponents(Protocol):
+    """What FlowFamily itself reads of a family's loaded parts (each family declares its own class: FluxComponents,
+    SD3Components, ...). Read-only members, so a family's narrower field types satisfy it."""
+
+    @property
+    def scheduler(self) -> object: ...
+
+    @property
+    def tokenizer(self) -> object: ...
+
+
 class FlowFamily(ModelFamily):
     PARTS: tuple[str, ...] = ()  # the pipeline's parts `load` moves to the device
-    c = None                     # the loaded pipeline parts (load_components')
+    c: FlowComponents            # the loaded pipeline parts (load_components'), set at construction
+    tables: FlowTables
     dtype: torch.dtype
+
+    @abc.abstractmethod
+    def __init__(self, cfg, rt, components) -> None:
+        """Every flow family is built from the run config, the runtime and its loaded parts (what `load` calls)."""
 
     @classmethod
     def load(cls, cfg, rt) -> "FlowFamily":
@@ -54,6 +71,8 @@ class FlowFamily(ModelFamily):
                     prev_sample: Tensor | None = None):
         """The sampler's stochastic step: (x_prev, log_prob, mean, std); given `prev_sample`, its log-prob there."""
         s = self.cfg.sample
+        # flow_sde's keys: config/components.py refuses a run whose sampler needs them and leaves them null
+        assert s.noise_level is not None and s.sde_type is not None
         return tables.step(v, idx, x, s.noise_level, sde_type=s.sde_type, noise=noise, prev_sample=prev_sample)
 
     def make_tables(self, num_steps: int) -> FlowTables:
@@ -105,4 +124,4 @@ class FlowFamily(ModelFamily):
         return adapters_off(self.model, self.cfg.model)
 
 
-__all__ = ["FlowFamily"]
+__all__ = ["FlowComponents", "FlowFamily"]

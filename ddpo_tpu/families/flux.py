@@ -9,12 +9,17 @@ ignores it (its spec says guidance="embedded" and the rules keep train.cfg false
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source
 from ddpo_tpu.families.flow import FlowFamily
+
+if TYPE_CHECKING:  # annotations only: the models module is imported where it is used
+    from ddpo_tpu.models.flux import FluxComponents
 
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for FLUX's T5 prompt (train_flux.py compute_text_embeddings)
 
@@ -25,6 +30,8 @@ class FluxFamily(FlowFamily):
     reference policy (the adapter off) are FlowFamily's."""
 
     name = "flux"
+    c: FluxComponents
+    guidance_embeds: bool
 
     def __init__(self, cfg, rt, components):
         from ddpo_tpu.models.flux import latent_image_ids, text_ids
@@ -37,6 +44,9 @@ class FluxFamily(FlowFamily):
         self.latent_size = 2 * (pixels // (components.vae_scale_factor * 2))
         tokens = (self.latent_size // 2) ** 2
         channels = int(self.model.config.in_channels)  # 4 x the VAE's latent channels
+        # a guidance-distilled checkpoint reads the scale through its guidance embedding (read once: the config is
+        # fixed; nn.Module's attribute type hides the transformer's `config`)
+        self.guidance_embeds = bool(self.model.config.guidance_embeds)
         self.latent_shape = (tokens, channels)          # packed: what the sampler and trainer hold
         self.tables = self.make_tables(cfg.sample.num_steps)
         self.num_steps = self.tables.num_steps
@@ -74,7 +84,7 @@ class FluxFamily(FlowFamily):
 
         x = x.to(self.dtype)
         guidance = None
-        if self.model.config.guidance_embeds:  # the scale as the embedding's input, float32 as the pipeline
+        if self.guidance_embeds:  # the scale as the embedding's input, float32 as the pipeline
             guidance = torch.full((x.shape[0],), float(self.cfg.sample.guidance_scale), device=x.device)
         return flux_velocity(self.call_denoiser(), x, (tables or self.tables).timestep_at(idx), guidance, cond[0],
                              cond[1], self.img_ids, self.txt_ids)

@@ -13,6 +13,8 @@ the pipeline's pieces and says what differs from FLUX.1.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -20,6 +22,9 @@ from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.flow import FlowFamily
 from ddpo_tpu.families.sd1 import decoded_prompts
+
+if TYPE_CHECKING:  # annotations only: the models module is imported where it is used
+    from ddpo_tpu.models.flux2 import Flux2Components
 
 TINY_PIXELS = 32  # the tiny build's images (8 x 8 latents, 16 packed tokens)
 
@@ -30,6 +35,7 @@ class Flux2Family(FlowFamily):
     reference policy (the adapter off) are FlowFamily's."""
 
     name = "flux2"
+    c: Flux2Components
 
     def __init__(self, cfg, rt, components):
         from ddpo_tpu.models.flux2 import TEXT_TOKENS, latent_ids, text_ids
@@ -86,8 +92,9 @@ class Flux2Family(FlowFamily):
         from ddpo_tpu.models.flux2 import flux2_velocity
 
         guided = self.guided(uncond)
+        neg = uncond[0] if guided and uncond is not None else None  # guided implies uncond; mypy can't see that
         return flux2_velocity(self.call_denoiser(), x.to(self.dtype), (tables or self.tables).timestep_at(idx),
-                              cond[0], self.img_ids, self.txt_ids, uncond[0] if guided else None,
+                              cond[0], self.img_ids, self.txt_ids, neg,
                               float(self.cfg.sample.guidance_scale) if guided else 1.0, detach_uncond)
 
     @torch.no_grad()

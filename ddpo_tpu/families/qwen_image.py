@@ -14,6 +14,8 @@ flow_grpo's Qwen-Image sampler has no noise on its last step when it has no SDE 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -21,6 +23,9 @@ from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.sd1 import decoded_prompts
 from ddpo_tpu.families.flow import FlowFamily
+
+if TYPE_CHECKING:  # annotations only: the models module is imported where it is used
+    from ddpo_tpu.models.qwen_image import QwenImageComponents
 
 TINY_PIXELS = 32  # the tiny build's images (8 x 8 latents, 16 packed tokens)
 PROMPT_KEY_TOKENS = 256  # train_qwenimage.py: per-prompt statistics keys are the tokenizer's decoding at max_length 256
@@ -32,6 +37,7 @@ class QwenImageFamily(FlowFamily):
     policy (the adapter off) are FlowFamily's."""
 
     name = "qwen_image"
+    c: QwenImageComponents
 
     def __init__(self, cfg, rt, components):
         from ddpo_tpu.models.qwen_image import img_shapes, rope_tables_to

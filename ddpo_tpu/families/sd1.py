@@ -15,6 +15,7 @@ from ddpo_tpu.families.base import Cond, ModelFamily, StepScore
 
 class SD1Family(ModelFamily):
     name = "sd1"
+    tables: DDIMTables
 
     def __init__(self, cfg, rt, unet, vae, text_encoder, tokenizer, scheduler):
         self.cfg, self.rt = cfg, rt
@@ -54,6 +55,7 @@ class SD1Family(ModelFamily):
     def make_denoise_step(self, autocast, tables: DDIMTables | None = None, deterministic: bool = False):
         unet, tables, s = self.call_denoiser(), tables or self.tables, self.cfg.sample
         if not deterministic:
+            assert s.eta is not None  # ddim's key: config/components.py refuses a run that leaves it null
             step = make_denoise_step(unet, tables, eta=s.eta, guidance_scale=s.guidance_scale, autocast=autocast)
             return lambda x, idx, z, cond, uncond: step(x, idx, z, cond[0], uncond[0])
 

@@ -4,6 +4,8 @@ policies (Liu et al. 2025)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -11,11 +13,15 @@ from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source
 from ddpo_tpu.families.flow import FlowFamily
 
+if TYPE_CHECKING:  # annotations only: the models module is imported where it is used
+    from ddpo_tpu.models.sd3 import SD3Components
+
 T5_TOKENS = 128  # flow_grpo's max_sequence_length for the T5 part of the prompt (zeros without T5)
 
 
 class SD3Family(FlowFamily):
     name = "sd3"
+    c: SD3Components
 
     def __init__(self, cfg, rt, components):
         self.cfg, self.rt, self.c = cfg, rt, components

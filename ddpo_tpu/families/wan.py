@@ -15,6 +15,8 @@ pipeline and compute_log_prob do; the unconditional prompt is "" encoded like an
 from __future__ import annotations
 
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,9 @@ from ddpo_tpu.diffusion.wan_sde import wan_sde_step
 from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.sd1 import decoded_prompts
 from ddpo_tpu.families.flow import FlowFamily
+
+if TYPE_CHECKING:  # annotations only: the models module is imported where it is used
+    from ddpo_tpu.models.wan import WanComponents
 
 
 def video_size(model, builder_frame, default_frame) -> tuple[int, int, int]:
@@ -40,6 +45,7 @@ class WanFamily(FlowFamily):
     forward-process velocity (DiffusionNFT) and the reference policy (the adapter off) are FlowFamily's."""
 
     name = "wan"
+    c: WanComponents
 
     def __init__(self, cfg, rt, components):
         from ddpo_tpu.models.wan import FLOW_GRPO_FRAME, TINY_FRAME

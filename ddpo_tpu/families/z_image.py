@@ -12,6 +12,8 @@ ZImagePipeline's and Flow-Factory's default negative prompt.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,9 @@ from ddpo_tpu.diffusion.flow import FlowTables
 from ddpo_tpu.families.base import Cond, checkpoint_source, encode_distinct
 from ddpo_tpu.families.flow import FlowFamily
 from ddpo_tpu.families.sd1 import decoded_prompts
+
+if TYPE_CHECKING:  # annotations only: the models module is imported where it is used
+    from ddpo_tpu.models.z_image import ZImageComponents
 
 TINY_PIXELS = 32  # the tiny build's images (8 x 8 latents, 16 image tokens)
 DEFAULT_PIXELS = 1024  # ZImagePipeline's default height and width
@@ -29,6 +34,7 @@ class ZImageFamily(FlowFamily):
     score step, the forward-process velocity and the reference policy are FlowFamily's."""
 
     name = "z_image"
+    c: ZImageComponents
     PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by FlowFamily.load
 
     def __init__(self, cfg, rt, components):
