@@ -208,7 +208,7 @@ def build_tiny_flux2(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
 
 
 def ensure_tiny_flux2(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
-    """``cache_dir/tiny-flux2-{version}-seed{seed}``, built atomically on first use (models/build_cache.py)."""
+    """``cache_dir/tiny-flux2-{version}-seed{seed}``, built atomically on first use (proc/build_cache.py)."""
     from ddpo_tpu.catalog import family
     from ddpo_tpu.proc.build_cache import build_once, pipeline_files
 
