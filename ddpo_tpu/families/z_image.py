@@ -39,6 +39,7 @@ class ZImageFamily(FlowFamily):
 
     def __init__(self, cfg, rt, components):
         self.cfg, self.rt, self.c = cfg, rt, components
+        self._caption_memo: list[tuple[tuple[Tensor, Tensor], list[Tensor]]] = []  # _captions
         self.model = components.transformer
         self.dtype = self.model.dtype
         factor = components.vae_scale_factor
@@ -77,12 +78,27 @@ class ZImageFamily(FlowFamily):
 
     def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
                  detach_uncond: bool = False) -> Tensor:
-        from ddpo_tpu.models.z_image import caption_list, z_velocity
+        from ddpo_tpu.models.z_image import z_velocity
 
         tables = tables or self.tables
-        neg = caption_list(*uncond) if uncond is not None else None
-        return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), caption_list(*cond), neg,
+        neg = self._captions(uncond) if uncond is not None else None
+        return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), self._captions(cond), neg,
                           self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+
+    def _captions(self, cond: Cond) -> list[Tensor]:
+        """The caption list of (states, mask), cut once per conditioning rather than at every step: the mask's
+        selection has a data-dependent shape, so each cut reads the mask on the host (a sync per denoising step on
+        an accelerator). Kept for the last two conditionings (the prompt's and the negative's), by identity: the
+        tensors themselves are held, so a new tensor never matches an old entry."""
+        from ddpo_tpu.models.z_image import caption_list
+
+        states, mask = cond
+        for key, caps in self._caption_memo:
+            if key[0] is states and key[1] is mask:
+                return caps
+        caps = caption_list(states, mask)
+        self._caption_memo = [((states, mask), caps), *self._caption_memo][:2]
+        return caps
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
