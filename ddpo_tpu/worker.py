@@ -170,6 +170,16 @@ def load_validated(run_dir: Path) -> Validated:
     return validate(OmegaConf.load(run_dir / envmod.config_file_from_environment()))
 
 
+def keep_torch_xla_out(cfg: RunConfig) -> None:
+    """An execution that does not run on torch_xla (eager, distributed) keeps it unimportable in this process, before
+    torch is imported: diffusers, accelerate and transformers import an installed torch_xla at their own import (about
+    3 CPU-s of every start on this project's 2-core machines, measured 2026-11-29), and an imported torch_xla may
+    claim an accelerator. `None` in sys.modules is Python's own "not importable": `importlib.util.find_spec` answers
+    None and an import raises ImportError, which is how those libraries probe for it."""
+    if not cfg.tpu_topology.spec.torch_xla:
+        sys.modules.setdefault("torch_xla", None)
+
+
 def main() -> int:
     from ddpo_tpu import env as envmod
 
@@ -178,6 +188,7 @@ def main() -> int:
         print("ddpo_tpu.worker is started by `python -m ddpo_tpu.train`, not directly", file=sys.stderr)
         return 2
     validated = load_validated(run_dir)
+    keep_torch_xla_out(validated.cfg)
     ranks = envmod.torchrun_ranks() if validated.cfg.tpu_topology.spec.torchrun else None
     if ranks is not None:  # a rank under torchrun: the launcher (ddpo_tpu/torchrun.py) holds the locks
         _end_with_parent()

@@ -23,10 +23,20 @@ if [[ -x $venv/bin/python && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; the
 fi
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "ddpo_tpu needs Python >= 3.11"'
 [[ -x $venv/bin/python ]] || "$PY" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
-"$venv/bin/python" -m pip install -q -r "$lock"
+# uv installs the lockfile (measured on a 2-core machine without a download cache, 2026-11-29: 44 s against pip's
+# 211 s for requirements.txt; the same versions). It is pinned in both lockfiles and bootstrapped with the venv's pip;
+# where uv cannot reach an index pip can (pip.conf mirrors uv does not read), pip installs instead.
+UV_VERSION="$(sed -n 's/^uv==//p' "$lock")"
+"$venv/bin/python" -m pip install -q "uv==$UV_VERSION"
+install() {  # install ARGS... into the venv: uv, else pip
+  "$venv/bin/uv" pip install -q --python "$venv/bin/python" "$@" && return 0
+  echo "setup: uv could not install ($*); pip installs instead" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+  "$venv/bin/python" -m pip install -q "$@"
+}
+install -r "$lock"
 # setuptools boxes a warning about editable installs (a folder named like the package in the working directory may
-# shadow it: here it is the package itself); the message filter reaches pip's isolated build through the environment
-PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q --no-deps -e .
+# shadow it: here it is the package itself); the message filter reaches the isolated build through the environment
+PYTHONWARNINGS="ignore:Editable installation" install --no-deps -e .
 echo "$want" > "$stamp"
 echo "setup: $venv ready"
