@@ -1,5 +1,5 @@
 """What one training step costs the host, counted: ddpo_tpu's tiny-SD3 GRPO step against yifan123/flow_grpo's
-(issue 41, item 2; docs/performance.md "Contention: ops per training step").
+(issue 41, item 2; docs/performance.md "Where the tiny-SD3 epoch's time goes").
 
 A training step here is one micro-step (one timestep of one train batch: the guided forward, the loss, the
 backward) plus its share of the optimizer steps, as the side-by-side bench's tiny sd35 pair runs it
