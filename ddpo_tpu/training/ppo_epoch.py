@@ -32,12 +32,19 @@ class EpochTrainer:
         raise NotImplementedError
 
 
+def _repeat(x, K: int):
+    """Each row K times (sample-major), as repeat_interleave; at K = 1 the tensor itself: repeat_interleave(1) is a
+    full copy (for the conditioning, a B x tokens x width tensor every micro-step: benchmarks/step_ops.py counted it
+    as ddpo_tpu's one extra pool-sized op a step against flow_grpo's)."""
+    return x if K == 1 else x.repeat_interleave(K, dim=0)
+
+
 def _flat_step_inputs(cur, nxt, idx, cond, cols):
     """Columns `cols` (K timesteps) of a train batch of B samples as B x K samples, sample-major (so each
     data-parallel shard keeps its own samples)."""
     B, K = cur.shape[0], cols.shape[0]
     flat = lambda x: x.index_select(1, cols).reshape(B * K, *x.shape[2:])
-    return flat(cur), flat(idx), flat(nxt), tuple(c.repeat_interleave(K, dim=0) for c in cond), flat
+    return flat(cur), flat(idx), flat(nxt), tuple(_repeat(c, K) for c in cond), flat
 
 
 def make_micro_step_loss(score_step, loss, sqrt_dt=None):
@@ -52,10 +59,10 @@ def make_micro_step_loss(score_step, loss, sqrt_dt=None):
         # old_mean: the sampling policy's step means (GRPO-Guard), with each row's sqrt(-dt) from the flow tables
         guard = {} if old_mean is None else {"old_mean": old_mean, "sqrt_dt": sqrt_dt(i), "steps": i}
         if kl_gate is not None:  # (B,) GARDO: the KL's row weights (0 on the samples that do not carry it)
-            guard["kl_gate"] = kl_gate.repeat_interleave(K)
+            guard["kl_gate"] = _repeat(kl_gate, K)
         # w (B,): each sample's loss weight (EpochSamples.weights), None = 1
-        return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), adv.repeat_interleave(K), reference_mean,
-                    w.repeat_interleave(K) if w is not None else None, **guard)
+        return loss(score_step(x, i, x_prev, c, uncond), flat(old_lp), _repeat(adv, K), reference_mean,
+                    _repeat(w, K) if w is not None else None, **guard)
 
     return micro_step_loss
 

@@ -165,3 +165,32 @@ def test_checkpointed_micro_steps_give_the_same_gradient(micro_step_grads):
     assert loss_ckpt == pytest.approx(loss, rel=1e-7)
     assert float((g_ckpt - g).abs().max() / g.abs().max()) < 1e-6
     assert float(g.abs().max()) > 0
+
+
+def test_one_timestep_a_micro_step_passes_the_conditioning_without_a_copy():
+    """At K = 1 the micro-step's inputs are the batch's own conditioning, advantages and weights (repeat_interleave(1)
+    copied the text embeddings every micro-step: benchmarks/step_ops.py, docs/performance.md); at K > 1 each row is
+    repeated K times, sample-major, as before."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ddpo_tpu.training.ppo_epoch import _flat_step_inputs, _repeat
+
+    B, T = 3, 4
+    cur, nxt = torch.randn(B, T, 2, 2), torch.randn(B, T, 2, 2)
+    idx = torch.arange(T).expand(B, T)
+    cond = (torch.randn(B, 5, 8), torch.randn(B, 8))
+    ops = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        _, _, _, c, _ = _flat_step_inputs(cur, nxt, idx, cond, torch.tensor([2]))
+    assert all(a is b for a, b in zip(c, cond)) and "aten.clone" not in ops and "aten.repeat_interleave" not in ops
+    adv = torch.tensor([1.0, 2.0, 3.0])
+    assert _repeat(adv, 1) is adv
+    _, _, _, c2, _ = _flat_step_inputs(cur, nxt, idx, cond, torch.tensor([1, 3]))
+    assert torch.equal(c2[0], cond[0].repeat_interleave(2, dim=0)) and c2[1].shape == (2 * B, 8)
+    assert torch.equal(_repeat(adv, 2), torch.tensor([1.0, 1.0, 2.0, 2.0, 3.0, 3.0]))
