@@ -24,11 +24,15 @@ Wan 2.2 is the same family (models/wan.py: its builds and loading):
 
 How the expert is chosen without data-dependent graphs: the schedule is fixed per run (the tables' timesteps), so
 which expert a step index calls is a host-side table (``_high_steps``: one bool per step index, computed once per
-schedule). ``velocity`` reads the batch's step indices on the host (uploaded data, never a computed value: on torch_xla
-a transfer of an input, under dynamo a graph break before the transformer) and calls the one expert all its rows
-need, a graph per expert. A batch mixing both sides (training's fused timesteps straddling the boundary) runs each
-expert on its own rows when eager; on a graph-compiling runtime it runs both experts on every row and keeps each row's
-own (torch.where), one more fixed graph, so the set of graphs is at most three whatever the batches hold.
+schedule). ``velocity`` reads the batch's step indices on the host (``_expert_side``: a transfer of a small int
+tensor, outside any graph) and calls the one expert all its rows need: eager, and torch_xla's lazy tracing
+(xla.step_compiler=lazy), which then compiles one graph per expert. A batch mixing both sides (training's fused
+timesteps straddling the boundary) runs each expert on its own rows when eager, and both experts on every row with a
+per-row select (torch.where on ``timestep >= boundary``, a device op) where graphs are compiled: one more fixed graph,
+so the set is at most three whatever the batches hold. Under dynamo (xla.step_compiler=dynamo, the default) a step is
+captured whole and a host read would break its graph (torch_xla 2.9's dynamo bridge fails on the resumed graphs:
+"Failed to get computation by hash"), so there every two-expert step takes the per-row select: one fixed graph, both
+experts' work. Making that a host-side choice too needs the loop to hand the step index over as a Python int.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class WanFamily(FlowFamily):
         self.latent_shape = components.latent_shape(*self.video)      # (C, latent frames, h, w)
         self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
         self.num_steps = self.tables.num_steps
+        self._high_steps(self.tables)  # the run's own, read once at load (not inside an epoch's counted transfers)
 
     PARTS = ("transformer", "transformer_2", "vae", "text_encoder")  # moved to the device by load
 
@@ -147,6 +152,11 @@ class WanFamily(FlowFamily):
             load_trainable_state_dict(module, self.cfg.model,
                                       {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
+    @property
+    def _captured(self) -> bool:
+        """Steps captured whole by dynamo (xla.step_compiler=dynamo): no host read inside them (module docstring)."""
+        return getattr(self.rt, "step_compiler", None) == "dynamo"
+
     def _high_steps(self, tables: FlowTables) -> np.ndarray | None:
         """One bool per step index of ``tables``: True where WanPipeline calls ``transformer`` (t >= boundary)."""
         boundary = self.c.boundary_timestep
@@ -176,6 +186,10 @@ class WanFamily(FlowFamily):
         from ddpo_tpu.models.wan import wan_velocity
 
         tables = tables or self.tables
+        high_steps = self._high_steps(tables)
+        # the host-side schedule (module docstring), read before anything is computed here: under dynamo the graph
+        # breaks at the read with nothing traced before it in this frame
+        side = None if high_steps is None else "mixed" if self._captured else _expert_side(idx, high_steps)
         timestep = tables.timestep_at(idx)
         if self.c.expand_timesteps:  # a timestep per video token (WanPipeline: mask[0][0][:, ::2, ::2] * t)
             p = self.c.transformer.config.patch_size
@@ -187,19 +201,16 @@ class WanFamily(FlowFamily):
             cond[0] if rows is None else cond[0].index_select(0, rows),
             None if uncond is None else uncond[0] if rows is None else uncond[0].index_select(0, rows),
             self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
-        high_steps = self._high_steps(tables)
-        if high_steps is None:
+        if side is None:
             return call(self.call_denoiser())
         experts = self.call_denoiser()
         experts = getattr(experts, "module", experts)  # a data-parallel wrapper holds the WanExperts
-        high = high_steps[idx.detach().cpu().numpy()]  # the host-side schedule (module docstring)
-        if high.all():
-            return call(experts.high)
-        if not high.any():
-            return call(experts.low)
-        if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row
-            keep = torch.as_tensor(high, device=x.device).view(-1, *([1] * (x.dim() - 1)))
+        if side != "mixed":
+            return call(experts.high if side == "high" else experts.low)
+        if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
+            keep = (tables.timestep_at(idx) >= self.c.boundary_timestep).view(-1, *([1] * (x.dim() - 1)))
             return torch.where(keep, call(experts.high), call(experts.low))
+        high = high_steps[idx.detach().cpu().numpy()]  # eager: each expert on its own rows
         rows_high = torch.as_tensor(np.flatnonzero(high), device=x.device)
         rows_low = torch.as_tensor(np.flatnonzero(~high), device=x.device)
         v_high, v_low = call(experts.high, rows_high), call(experts.low, rows_low)
@@ -223,3 +234,12 @@ class WanFamily(FlowFamily):
         from ddpo_tpu.rewards.video import for_videos
 
         return for_videos(reward, self.cfg.reward)
+
+
+@torch.compiler.disable
+def _expert_side(idx: Tensor, high_steps: np.ndarray) -> str:
+    """"high", "low" or "mixed": which expert(s) the rows at step indices ``idx`` call, read on the host from the
+    fixed schedule's table. Outside any compiled graph (dynamo breaks the graph here and resumes with a str it guards
+    on: one graph per expert), and returning no tensor, so nothing it does joins a traced graph."""
+    high = high_steps[idx.detach().cpu().numpy()]
+    return "high" if high.all() else "low" if not high.any() else "mixed"

@@ -69,6 +69,10 @@ CURVES = [
     Curve("wan_grpo_smoke", 8, 3, 0.3, {"model.family": "wan", "sample.name": "wan_sde"},
           "z = 6.5 (+0.0155 kB: -1.0317 -> -1.0104), 16.2 standard errors above the control (+0.0021 kB, z = 2.6: "
           "three epochs a side are few)"),
+    # Wan 2.2 A14B's two tiny experts (2 high-noise steps, 4 low), LoRA on both: wan_grpo_smoke's recipe
+    Curve("wan22_grpo_smoke", 8, 3, 0.3, {"model.family": "wan", "model.builder": "tiny_wan22",
+                                          "sample.name": "wan_sde"},
+          "measured: see the commit adding this row"),
     Curve("qwen_image_grpo_smoke", 10, 3, 0.1, {"model.family": "qwen_image", "sample.name": "flow_sde"},
           "z = 8.7 (+0.096 kB: -1.2948 -> -1.1747; LoRA's B starts at zero, so the rise starts slowly), 9.3 standard "
           "errors above the control (z = -1.5); 8 epochs were too few (z 3.4)"),
