@@ -29,10 +29,11 @@ tensor, outside any graph) and calls the one expert all its rows need: eager, an
 (xla.step_compiler=lazy), which then compiles one graph per expert. A batch mixing both sides (training's fused
 timesteps straddling the boundary) runs each expert on its own rows when eager, and both experts on every row with a
 per-row select (torch.where on ``timestep >= boundary``, a device op) where graphs are compiled: one more fixed graph,
-so the set is at most three whatever the batches hold. Under dynamo (xla.step_compiler=dynamo, the default) a step is
-captured whole and a host read would break its graph (torch_xla 2.9's dynamo bridge fails on the resumed graphs:
-"Failed to get computation by hash"), so there every two-expert step takes the per-row select: one fixed graph, both
-experts' work. Making that a host-side choice too needs the loop to hand the step index over as a Python int.
+so the set is at most three whatever the batches hold. Under dynamo (xla.step_compiler=dynamo, the default) two
+experts are refused at load: a host read breaks the captured graph and torch_xla 2.9's dynamo bridge failed on the
+resumed graphs ("Failed to get computation by hash"), and a step holding both experts failed in its output
+deduplication too ("Executable expected parameter 0 of size 16384 but got buffer with incompatible size 24"), both on
+XLA CPU. A dynamo path needs the loop to hand the step index over as a Python int (one captured step per expert).
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ class WanFamily(FlowFamily):
         if comps.transformer_2 is None and names != ["high"]:
             raise ModelLoadError(f"model.train_experts={names}: this checkpoint has one transformer (no "
                                  "transformer_2), so only 'high' names an expert. Fix: model.train_experts=null")
+        if comps.transformer_2 is not None and getattr(rt, "step_compiler", None) == "dynamo":
+            raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) on XLA needs "
+                                 "xla.step_compiler=lazy: the expert is chosen on the host per step, which a "
+                                 "dynamo-captured step cannot do (families/wan.py). Fix: xla.step_compiler=lazy")
         if comps.transformer_2 is not None and rt.process_count > 1:
             # the family calls an expert inside the data-parallel wrapper, past its forward (which arms the
             # gradient all-reduce): one process until the loop passes the step to the wrapper
@@ -152,11 +157,6 @@ class WanFamily(FlowFamily):
             load_trainable_state_dict(module, self.cfg.model,
                                       {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
 
-    @property
-    def _captured(self) -> bool:
-        """Steps captured whole by dynamo (xla.step_compiler=dynamo): no host read inside them (module docstring)."""
-        return getattr(self.rt, "step_compiler", None) == "dynamo"
-
     def _high_steps(self, tables: FlowTables) -> np.ndarray | None:
         """One bool per step index of ``tables``: True where WanPipeline calls ``transformer`` (t >= boundary)."""
         boundary = self.c.boundary_timestep
@@ -189,7 +189,7 @@ class WanFamily(FlowFamily):
         high_steps = self._high_steps(tables)
         # the host-side schedule (module docstring), read before anything is computed here: under dynamo the graph
         # breaks at the read with nothing traced before it in this frame
-        side = None if high_steps is None else "mixed" if self._captured else _expert_side(idx, high_steps)
+        side = None if high_steps is None else _expert_side(idx, high_steps)
         timestep = tables.timestep_at(idx)
         if self.c.expand_timesteps:  # a timestep per video token (WanPipeline: mask[0][0][:, ::2, ::2] * t)
             p = self.c.transformer.config.patch_size

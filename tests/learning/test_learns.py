@@ -70,7 +70,7 @@ CURVES = [
           "z = 6.5 (+0.0155 kB: -1.0317 -> -1.0104), 16.2 standard errors above the control (+0.0021 kB, z = 2.6: "
           "three epochs a side are few)"),
     # Wan 2.2 A14B's two tiny experts (2 high-noise steps, 4 low), LoRA on both: wan_grpo_smoke's recipe
-    Curve("wan22_grpo_smoke", 8, 3, 0.3, {"model.family": "wan", "model.builder": "tiny_wan22",
+    Curve("wan22_grpo_smoke", 12, 3, 0.3, {"model.family": "wan", "model.builder": "tiny_wan22",
                                           "sample.name": "wan_sde"},
           "measured: see the commit adding this row"),
     Curve("qwen_image_grpo_smoke", 10, 3, 0.1, {"model.family": "qwen_image", "sample.name": "flow_sde"},
