@@ -73,9 +73,8 @@ class WanFamily(FlowFamily):
     c: WanComponents
 
     def __init__(self, cfg, rt, components):
-        from ddpo_tpu.models.wan import FLOW_GRPO_FRAME, TINY_FRAME
-
-        from ddpo_tpu.models.wan import WanExperts
+        from ddpo_tpu.models.loading import ModelLoadError
+        from ddpo_tpu.models.wan import FLOW_GRPO_FRAME, TINY_FRAME, WanExperts
 
         self.cfg, self.rt, self.c = cfg, rt, components
         # A14B: both experts as one module (what the loop trains); else the one transformer
@@ -85,6 +84,13 @@ class WanFamily(FlowFamily):
         self._high: dict[int, np.ndarray] = {}  # id(tables) -> the host table of steps that call the high expert
         self.video = video_size(cfg.model, TINY_FRAME, FLOW_GRPO_FRAME)  # (frames, height, width) in pixels
         self.latent_shape = components.latent_shape(*self.video)      # (C, latent frames, h, w)
+        # WanPipeline.check_inputs: frames in multiples of the VAE's factor x the patch (32 for TI2V-5B's VAE)
+        multiple = components.scale_factors[1] * components.transformer.config.patch_size[1]
+        if any(side % multiple for side in self.video[1:]):
+            raise ModelLoadError(f"model.resolution={cfg.model.resolution}: this checkpoint's frames are multiples of "
+                                 f"{multiple} pixels (its VAE's {components.scale_factors[1]}x and 2x2 patches), "
+                                 f"not {self.video[1]}x{self.video[2]}. Fix: model.resolution="
+                                 f"{max(multiple, round(self.video[1] / multiple) * multiple)}")
         self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
         self.num_steps = self.tables.num_steps
         self._high_steps(self.tables)  # the run's own, read once at load (not inside an epoch's counted transfers)

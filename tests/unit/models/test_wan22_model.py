@@ -274,3 +274,10 @@ def test_memory_counts_both_experts_and_ti2vs_tokens():
                                patch_size=2, is_residual=True, scale_factor_spatial=16,
                                latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD)
     assert round(sum(p.numel() for p in vae.parameters()) / 1e9, 3) == wm.VAE22_BILLIONS
+
+
+def test_ti2v_frames_off_its_32_pixel_grid_are_refused_with_the_fix(model_cache):
+    from ddpo_tpu.models.loading import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match=r"multiples of 32 pixels .* Fix: model.resolution=64"):
+        _family(model_cache, "model=tiny_wan22_ti2v", "model.resolution=48", trained_adapter=False)
