@@ -193,8 +193,7 @@ class WanFamily(FlowFamily):
 
         tables = tables or self.tables
         high_steps = self._high_steps(tables)
-        # the host-side schedule (module docstring), read before anything is computed here: under dynamo the graph
-        # breaks at the read with nothing traced before it in this frame
+        # the host-side schedule (module docstring): which expert(s) these rows call, read outside any graph
         side = None if high_steps is None else _expert_side(idx, high_steps)
         timestep = tables.timestep_at(idx)
         if self.c.expand_timesteps:  # a timestep per video token (WanPipeline: mask[0][0][:, ::2, ::2] * t)
