@@ -276,19 +276,19 @@ FLUX = FAMILIES.register(FamilySpec(
 # meta device: tests/unit/models/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
 # (model.num_frames x the frame's patches), catalog/wan_memory.py says how each figure was measured or derived.
 WAN = FAMILIES.register(FamilySpec(
-    name="wan", title="Wan 2.1 text-to-video (WanTransformer3DModel, flow matching)",
+    name="wan", title="Wan 2.1 / 2.2 text-to-video (WanTransformer3DModel, flow matching; A14B's two experts)",
     module="ddpo_tpu.families.wan:WanFamily",
     sampler="wan_sde", denoiser="transformer",
     subfolders=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
     example_hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-    builders=("tiny_wan",),
+    builders=("tiny_wan", "tiny_wan22", "tiny_wan22_ti2v"),
     lora_layers=("attn1.to_k", "attn1.to_out.0", "attn1.to_q", "attn1.to_v", "attn2.to_k", "attn2.to_out.0",
                  "attn2.to_q", "attn2.to_v", "condition_embedder.text_embedder.linear_1",
                  "condition_embedder.text_embedder.linear_2", "condition_embedder.time_embedder.linear_1",
                  "condition_embedder.time_embedder.linear_2", "condition_embedder.time_proj", "ffn.net.0.proj",
                  "ffn.net.2", "patch_embedding", "proj_out"),
     lora_example="attn1.to_q",
-    own_keys={"num_frames": None},
+    own_keys={"num_frames": None, "train_experts": None},
     resolution_multiple=16,  # WanPipeline.check_inputs: height and width divisible by 16 (VAE 8 x 2x2 patches)
     output="videos",
     # AutoencoderKLWan's 4x temporal compression keeps the first frame apart: F = 4k + 1 frames, (F - 1) / 4 + 1

@@ -21,6 +21,13 @@ Per denoiser evaluation and sample (estimates for the HBM rule, not TPU figures)
   of its largest attentions at once. The other families scale 0.51 with their attention count; for Wan's 30-40 blocks
   that would hold 15-20 blocks' recomputations at once, which the measurement does not show: here 3 blocks (2.6 up).
 
+Wan 2.2 (docs/families.md): TI2V-5B's video tokens are ((F - 1) / 4 + 1) x (H / 32) x (W / 32) (its VAE compresses
+16x and the transformer patches 2x2), read from the checkpoint's ``in_channels`` 48; its VAE is the larger Wan 2.2 VAE.
+T2V-A14B has two experts of Wan 2.1 14B's shape: both are resident (each denoising step calls one, but a run samples
+and trains across the boundary), LoRA and its optimizer state are counted on each trained expert
+(model.train_experts), and one evaluation's activations are one expert's (the experts never run in the same pass,
+except a mixed training batch on XLA, which the figures do not count).
+
 Resident (held through training): the transformer's weights (counted from its config, split by mesh.fsdp), UMT5-XXL's
 encoder and the VAE (whole), LoRA's values x (weight, gradient, 2 AdamW moments, EMA) in float32, and 1 GiB for an
 epoch's trajectories (flow_grpo's 16 videos a GPU x 21 latents of 0.86 MiB: 0.3 GiB) and the runtime.
@@ -47,10 +54,21 @@ WAN21_T2V = {
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": dict(_COMMON, num_attention_heads=40, attention_head_dim=128, ffn_dim=13824,
                                             num_layers=40),
 }
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers transformer/config.json (48 channels, 24 heads of 128, ffn 14336, 30 layers) and
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers transformer/ and transformer_2/ (each Wan 2.1 14B's shape)
+WAN22 = {
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": dict(_COMMON, in_channels=48, out_channels=48, num_attention_heads=24,
+                                            attention_head_dim=128, ffn_dim=14336, num_layers=30),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": WAN21_T2V["Wan-AI/Wan2.1-T2V-14B-Diffusers"],
+}
+EXPERTS = {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 2}  # transformers a known checkpoint holds (else model_index.json's)
 DEFAULT_CONFIG = WAN21_T2V["Wan-AI/Wan2.1-T2V-14B-Diffusers"]
 # UMT5-XXL's encoder (the checkpoints' text_encoder/, d_model 4096, 24 layers, vocabulary 256384) and AutoencoderKLWan
 # (Wan 2.1's, the class defaults), in billions of values, counted on the meta device (tests/unit/config/test_wan_memory.py)
 UMT5_XXL_BILLIONS, VAE_BILLIONS = 5.681, 0.127
+# the Wan 2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: base_dim 160, decoder_base_dim 256, z_dim 48),
+# counted on the meta device (tests/unit/models/test_wan22_model.py)
+VAE22_BILLIONS = 0.705
 STATE_GIB = 1.0
 # the fit (module docstring): values saved per block per video token and per text token
 SAVED_PER_TOKEN = dict(dim=14, ffn=1, heads=2, const=33)
@@ -68,7 +86,30 @@ def transformer_config(model) -> dict[str, Any]:
     try:
         return dict(DEFAULT_CONFIG, **json.loads(path.read_text()))
     except (OSError, ValueError):
-        return WAN21_T2V.get(pretrained, DEFAULT_CONFIG)
+        return WAN21_T2V.get(pretrained) or WAN22.get(pretrained, DEFAULT_CONFIG)
+
+
+def experts(model) -> int:
+    """Transformers the checkpoint holds: 2 for Wan 2.2 A14B (model_index.json names a transformer_2), else 1."""
+    pretrained = model.pretrained or ""
+    if model.builder == "tiny_wan22":
+        return 2
+    path = Path(pretrained).expanduser() / "model_index.json"
+    try:
+        return 2 if (json.loads(path.read_text()).get("transformer_2") or [None])[0] else 1
+    except (OSError, ValueError, AttributeError):
+        return EXPERTS.get(pretrained, 1)
+
+
+def trained_experts(model) -> int:
+    """Experts that carry LoRA (or train whole): model.train_experts' count, null: all of them."""
+    return len(model.train_experts) if model.train_experts is not None else experts(model)
+
+
+def pixels_per_token(c: dict[str, Any]) -> int:
+    """Pixels a video token spans: 16 for Wan 2.1 / A14B (VAE 8 x patch 2), 32 for TI2V-5B's 48-channel latents
+    (its VAE 16 x patch 2)."""
+    return 2 * PIXELS_PER_TOKEN if c["in_channels"] == 48 else PIXELS_PER_TOKEN
 
 
 def transformer_parameters(c: dict[str, Any]) -> int:
@@ -89,7 +130,8 @@ def tokens(model) -> int:
     """Video tokens a sample has: latent frames x patches per frame."""
     height, width = (model.resolution, model.resolution) if model.resolution else DEFAULT_FRAME
     frames = (int(model.num_frames or 1) - 1) // FRAMES_PER_LATENT + 1
-    return frames * (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
+    px = pixels_per_token(transformer_config(model))
+    return frames * (height // px) * (width // px)
 
 
 def saved_values_per_block(c: dict[str, Any], S: int, L: int = TEXT_TOKENS) -> int:
@@ -129,11 +171,16 @@ def lora_values(model, c: dict[str, Any]) -> int:
                                  if any(path == t or path.endswith("." + t) for t in targets))
 
 
+def vae_billions(c: dict[str, Any]) -> float:
+    return VAE22_BILLIONS if c["in_channels"] == 48 else VAE_BILLIONS
+
+
 def resident_gib(model, fsdp: int, dtype: str) -> float:
     c = transformer_config(model)
     size = 2 if dtype == "bfloat16" else 4
-    frozen = transformer_parameters(c) / fsdp * size + UMT5_XXL_BILLIONS * 1e9 * size + VAE_BILLIONS * 1e9 * 4
-    return (frozen + lora_values(model, c) * 20) / GIB + STATE_GIB
+    frozen = (experts(model) * transformer_parameters(c) / fsdp * size + UMT5_XXL_BILLIONS * 1e9 * size
+              + vae_billions(c) * 1e9 * 4)
+    return (frozen + trained_experts(model) * lora_values(model, c) * 20) / GIB + STATE_GIB
 
 
 def figures(model):
@@ -149,6 +196,10 @@ def figures(model):
 
 
 def full_finetune_gib(model, fsdp: int) -> float:
-    """The transformer x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; UMT5 (bf16) and the VAE whole."""
-    whole = (UMT5_XXL_BILLIONS * 2 + VAE_BILLIONS * 4) * 1e9 / GIB + STATE_GIB
-    return transformer_parameters(transformer_config(model)) * 16 / GIB / fsdp + whole
+    """The trained experts x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp, a frozen expert in bf16;
+    UMT5 (bf16) and the VAE whole."""
+    c = transformer_config(model)
+    whole = (UMT5_XXL_BILLIONS * 2 + vae_billions(c) * 4) * 1e9 / GIB + STATE_GIB
+    trained = trained_experts(model)
+    frozen = experts(model) - trained
+    return transformer_parameters(c) * (16 * trained + 2 * frozen) / GIB / fsdp + whole

@@ -62,6 +62,8 @@ class ModelConfig(_Strict):
     text_encoder_3: bool = False     # SD 3: load the T5 encoder too (false: zeros in its place, as SD 3 allows)
     resolution: int | None = Field(default=None, ge=8, le=4096)  # image size in pixels (null: the model's own)
     num_frames: int | None = Field(default=None, ge=1, le=1025)  # video families: frames a sample has
+    # Wan 2.2 A14B: the experts that train (high: WanPipeline's transformer, low: transformer_2); null: all of them
+    train_experts: list[Literal["high", "low"]] | None = Field(default=None, min_length=1)
     lora: LoraConfig
 
 

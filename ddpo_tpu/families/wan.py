@@ -10,6 +10,30 @@ samples are written as mp4 files with a contact sheet (``RunDir.save_videos``).
 
 Guidance is classifier-free with two transformer passes (conditional, then unconditional), as flow_grpo's Wan
 pipeline and compute_log_prob do; the unconditional prompt is "" encoded like any prompt.
+
+Wan 2.2 is the same family (models/wan.py: its builds and loading):
+
+* TI2V-5B's text-to-video path: 48 latent channels, 16x spatial compression (the VAE's own 2x2 patching on top of
+  its 8x), so a frame is H / 32 x W / 32 video tokens; with ``expand_timesteps`` the transformer gets the step's
+  timestep once per video token, as WanPipeline.__call__ builds it (diffusers 0.42.1 pipeline_wan.py:607-611).
+* T2V-A14B's two experts: ``transformer`` for the steps whose timestep t >= boundary_ratio x num_train_timesteps,
+  ``transformer_2`` below (pipeline_wan.py:585-604), held as one module (models/wan.py ``WanExperts``) so the loop
+  trains, checkpoints, switches adapters off for the reference and moves them as one. ``model.train_experts`` names
+  the experts that get LoRA (or are fine-tuned): ``[high, low]`` (null: both) or one of them; the other stays frozen.
+  Guidance: sample.guidance_scale for both experts (WanPipeline's guidance_scale_2 defaults to it).
+
+How the expert is chosen without data-dependent graphs: the schedule is fixed per run (the tables' timesteps), so
+which expert a step index calls is a host-side table (``_high_steps``: one bool per step index, computed once per
+schedule). ``velocity`` reads the batch's step indices on the host (``_expert_side``: a transfer of a small int
+tensor, outside any graph) and calls the one expert all its rows need: eager, and torch_xla's lazy tracing
+(xla.step_compiler=lazy), which then compiles one graph per expert. A batch mixing both sides (training's fused
+timesteps straddling the boundary) runs each expert on its own rows when eager, and both experts on every row with a
+per-row select (torch.where on ``timestep >= boundary``, a device op) where graphs are compiled: one more fixed graph,
+so the set is at most three whatever the batches hold. Under dynamo (xla.step_compiler=dynamo, the default) two
+experts are refused at load: a host read breaks the captured graph and torch_xla 2.9's dynamo bridge failed on the
+resumed graphs ("Failed to get computation by hash"), and a step holding both experts failed in its output
+deduplication too ("Executable expected parameter 0 of size 16384 but got buffer with incompatible size 24"), both on
+XLA CPU. A dynamo path needs the loop to hand the step index over as a Python int (one captured step per expert).
 """
 
 from __future__ import annotations
@@ -17,6 +41,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,24 +73,105 @@ class WanFamily(FlowFamily):
     c: WanComponents
 
     def __init__(self, cfg, rt, components):
-        from ddpo_tpu.models.wan import FLOW_GRPO_FRAME, TINY_FRAME
+        from ddpo_tpu.models.loading import ModelLoadError
+        from ddpo_tpu.models.wan import FLOW_GRPO_FRAME, TINY_FRAME, WanExperts
 
         self.cfg, self.rt, self.c = cfg, rt, components
-        self.model = components.transformer
+        # A14B: both experts as one module (what the loop trains); else the one transformer
+        self.model = components.transformer if components.transformer_2 is None else WanExperts(
+            components.transformer, components.transformer_2)
         self.dtype = self.model.dtype
+        self._high: dict[int, np.ndarray] = {}  # id(tables) -> the host table of steps that call the high expert
         self.video = video_size(cfg.model, TINY_FRAME, FLOW_GRPO_FRAME)  # (frames, height, width) in pixels
         self.latent_shape = components.latent_shape(*self.video)      # (C, latent frames, h, w)
+        # WanPipeline.check_inputs: frames in multiples of the VAE's factor x the patch (32 for TI2V-5B's VAE)
+        multiple = components.scale_factors[1] * components.transformer.config.patch_size[1]
+        if any(side % multiple for side in self.video[1:]):
+            raise ModelLoadError(f"model.resolution={cfg.model.resolution}: this checkpoint's frames are multiples of "
+                                 f"{multiple} pixels (its VAE's {components.scale_factors[1]}x and 2x2 patches), "
+                                 f"not {self.video[1]}x{self.video[2]}. Fix: model.resolution="
+                                 f"{max(multiple, round(self.video[1] / multiple) * multiple)}")
         self.tables = FlowTables.from_scheduler(components.scheduler, cfg.sample.num_steps, rt.device)
         self.num_steps = self.tables.num_steps
+        self._high_steps(self.tables)  # the run's own, read once at load (not inside an epoch's counted transfers)
 
-    PARTS = ("transformer", "vae", "text_encoder")  # moved to the device by FlowFamily.load
+    PARTS = ("transformer", "transformer_2", "vae", "text_encoder")  # moved to the device by load
+
+    @classmethod
+    def load(cls, cfg, rt) -> "WanFamily":
+        """FlowFamily.load with Wan 2.2 A14B's experts: LoRA (or full training) on the experts model.train_experts
+        names (null: every expert the checkpoint has), the others frozen."""
+        from ddpo_tpu.models.lora import make_trainable
+        from ddpo_tpu.models.loading import ModelLoadError
+
+        m = cfg.model
+        comps = cls.load_components(m, torch.bfloat16 if m.dtype == "bfloat16" else torch.float32)
+        experts = {"high": comps.transformer, "low": comps.transformer_2}
+        names = list(m.train_experts) if m.train_experts is not None else [k for k, v in experts.items() if v]
+        if comps.transformer_2 is None and names != ["high"]:
+            raise ModelLoadError(f"model.train_experts={names}: this checkpoint has one transformer (no "
+                                 "transformer_2), so only 'high' names an expert. Fix: model.train_experts=null")
+        if comps.transformer_2 is not None and getattr(rt, "step_compiler", None) == "dynamo":
+            raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) on XLA needs "
+                                 "xla.step_compiler=lazy: the expert is chosen on the host per step, which a "
+                                 "dynamo-captured step cannot do (families/wan.py). Fix: xla.step_compiler=lazy")
+        if comps.transformer_2 is not None and rt.process_count > 1:
+            # the family calls an expert inside the data-parallel wrapper, past its forward (which arms the
+            # gradient all-reduce): one process until the loop passes the step to the wrapper
+            raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) trains on one process for now. "
+                                 "Fix: a single-process tpu_topology (eager_cpu, or one XLA process)")
+        for name in names:
+            make_trainable(experts[name], m)  # adapter weights drawn from torch's global generator (seeded)
+        for name in cls.PARTS:
+            part = getattr(comps, name, None)
+            if part is not None:
+                setattr(comps, name, part.to(rt.device))
+        fam = cls(cfg, rt, comps)
+        fam.trained_experts = tuple(names)
+        return fam
+
+    trained_experts: tuple[str, ...] = ("high",)
 
     @staticmethod
     def load_components(m, dtype):
-        from ddpo_tpu.models.wan import ensure_tiny_wan, load_wan
+        from ddpo_tpu.models.wan import ensure_tiny_wan_build, load_wan
 
-        source, revision, local = checkpoint_source(m, ensure_tiny_wan)
+        source, revision, local = checkpoint_source(m, lambda cache: ensure_tiny_wan_build(m.builder, cache))
         return load_wan(source, revision=revision, local_files_only=local, dtype=dtype)
+
+    def _trained_modules(self) -> dict[str, torch.nn.Module]:
+        """The experts that train, by name (one transformer: {"": it}, the state's keys unprefixed as before)."""
+        if self.c.transformer_2 is None:
+            return {"": self.model}
+        return {f"{name}.": self.model.expert(name) for name in self.trained_experts}
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        """The trained weights; A14B's prefixed by expert ("high." / "low."), so a checkpoint keeps both adapters."""
+        from ddpo_tpu.models.lora import trainable_state_dict
+
+        return {prefix + k: v for prefix, module in self._trained_modules().items()
+                for k, v in trainable_state_dict(module, self.cfg.model, to_host=False).items()}
+
+    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
+        from ddpo_tpu.models.lora import load_trainable_state_dict
+
+        modules = self._trained_modules()
+        unknown = [k for k in state if not any(k.startswith(p) for p in modules)]
+        if unknown:
+            raise RuntimeError(f"checkpoint has weights of experts this run does not train: {unknown[:3]}")
+        for prefix, module in modules.items():
+            load_trainable_state_dict(module, self.cfg.model,
+                                      {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+    def _high_steps(self, tables: FlowTables) -> np.ndarray | None:
+        """One bool per step index of ``tables``: True where WanPipeline calls ``transformer`` (t >= boundary)."""
+        boundary = self.c.boundary_timestep
+        if boundary is None:
+            return None
+        key = id(tables)
+        if key not in self._high:
+            self._high[key] = tables.timesteps.detach().float().cpu().numpy() >= boundary
+        return self._high[key]
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Cond:
@@ -85,10 +191,36 @@ class WanFamily(FlowFamily):
                  detach_uncond: bool = False) -> Tensor:
         from ddpo_tpu.models.wan import wan_velocity
 
-        timestep = (tables or self.tables).timestep_at(idx)
-        return wan_velocity(self.call_denoiser(), x.to(self.dtype), timestep, cond[0],
-                            uncond[0] if uncond is not None else None,
-                            self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+        tables = tables or self.tables
+        high_steps = self._high_steps(tables)
+        # the host-side schedule (module docstring): which expert(s) these rows call, read outside any graph
+        side = None if high_steps is None else _expert_side(idx, high_steps)
+        timestep = tables.timestep_at(idx)
+        if self.c.expand_timesteps:  # a timestep per video token (WanPipeline: mask[0][0][:, ::2, ::2] * t)
+            p = self.c.transformer.config.patch_size
+            tokens = x.shape[2] // p[0] * (x.shape[3] // p[1]) * (x.shape[4] // p[2])
+            timestep = timestep.float()[:, None].expand(x.shape[0], tokens)
+        call = lambda model, rows=None: wan_velocity(  # noqa: E731
+            model, x.to(self.dtype) if rows is None else x.to(self.dtype).index_select(0, rows),
+            timestep if rows is None else timestep.index_select(0, rows),
+            cond[0] if rows is None else cond[0].index_select(0, rows),
+            None if uncond is None else uncond[0] if rows is None else uncond[0].index_select(0, rows),
+            self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+        if side is None:
+            return call(self.call_denoiser())
+        experts = self.call_denoiser()
+        experts = getattr(experts, "module", experts)  # a data-parallel wrapper holds the WanExperts
+        if side != "mixed":
+            return call(experts.high if side == "high" else experts.low)
+        if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
+            keep = (tables.timestep_at(idx) >= self.c.boundary_timestep).view(-1, *([1] * (x.dim() - 1)))
+            return torch.where(keep, call(experts.high), call(experts.low))
+        high = high_steps[idx.detach().cpu().numpy()]  # eager: each expert on its own rows
+        rows_high = torch.as_tensor(np.flatnonzero(high), device=x.device)
+        rows_low = torch.as_tensor(np.flatnonzero(~high), device=x.device)
+        v_high, v_low = call(experts.high, rows_high), call(experts.low, rows_low)
+        out = v_high.new_empty((x.shape[0], *v_high.shape[1:]))
+        return out.index_copy(0, rows_high, v_high).index_copy(0, rows_low, v_low)
 
     def policy_step(self, tables: FlowTables, v: Tensor, idx: Tensor, x: Tensor, noise: Tensor | None = None,
                     prev_sample: Tensor | None = None):
@@ -107,3 +239,12 @@ class WanFamily(FlowFamily):
         from ddpo_tpu.rewards.video import for_videos
 
         return for_videos(reward, self.cfg.reward)
+
+
+@torch.compiler.disable
+def _expert_side(idx: Tensor, high_steps: np.ndarray) -> str:
+    """"high", "low" or "mixed": which expert(s) the rows at step indices ``idx`` call, read on the host from the
+    fixed schedule's table. Outside any compiled graph (dynamo breaks the graph here and resumes with a str it guards
+    on: one graph per expert), and returning no tensor, so nothing it does joins a traced graph."""
+    high = high_steps[idx.detach().cpu().numpy()]
+    return "high" if high.all() else "low" if not high.any() else "mixed"

@@ -23,6 +23,19 @@ through the same code:
   epochs: -1.0029 -> -0.9976 kB, inside its noise.)
 * UMT5EncoderModel (d_model 32, 1 layer) over the tiny SD3's printable-ASCII T5 tokenizer.
 * UniPCMultistepScheduler with Wan 2.1-T2V's scheduler config (flow_prediction, use_flow_sigmas, flow_shift 3.0).
+
+Wan 2.2 (diffusers 0.42.1 ``WanPipeline``: ``transformer_2``, ``boundary_ratio``, ``expand_timesteps``) is two more
+builds of the same family, loaded by the same ``load_wan``:
+
+* ``tiny_wan22`` (``build_tiny_wan22``), T2V-A14B's layout: two experts of the tiny transformer's shape (seeded apart),
+  ``transformer`` for the high-noise steps (timestep >= boundary_ratio x num_train_timesteps) and ``transformer_2``
+  for the rest, ``boundary_ratio`` 0.875 (Wan-AI/Wan2.2-T2V-A14B-Diffusers model_index.json), Wan 2.1's VAE (A14B
+  keeps it). :class:`WanExperts` holds the two as one trainable module; families/wan.py picks the expert per step.
+* ``tiny_wan22_ti2v`` (``build_tiny_wan22_ti2v``), TI2V-5B's text-to-video path: the Wan 2.2 VAE (AutoencoderKLWan
+  with z_dim 48, ``is_residual``, pixels patched 2x2 into 12 channels, 16x spatial compression, Wan 2.2's
+  latents_mean / latents_std from Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json) at base_dim 8, a 48-channel
+  transformer, ``expand_timesteps`` (WanPipeline then gives the transformer a timestep per video token) and
+  flow_shift 5.0 (the checkpoint's scheduler config).
 """
 
 from __future__ import annotations
@@ -40,6 +53,21 @@ from ddpo_tpu.models.loading import ModelLoadError, family_load_failure, frozen
 from ddpo_tpu.models.vae_ops import xla_safe_vae
 
 TINY_WAN_VERSION = "v1"
+TINY_WAN22_VERSION = "v1"  # tiny_wan22 and tiny_wan22_ti2v (bump on any change to their builders)
+EXPERTS = ("high", "low")  # model.train_experts' names: WanPipeline's transformer, transformer_2
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers model_index.json (diffusers' own two-expert test uses it too)
+A14B_BOUNDARY_RATIO = 0.875
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: the 48-channel Wan 2.2 VAE's latent statistics
+WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813, 0.0891, 0.1570,
+    -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502, -0.2055, -0.0322,
+    0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520,
+    0.3748, 0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667]
+WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165,
+    0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659, 0.7069, 0.5338, 0.4889, 0.4917,
+    0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600,
+    0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the keys that decide its sigmas and timesteps)
 WAN_SCHEDULER = dict(num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True,
                      flow_shift=3.0, final_sigmas_type="zero", timestep_spacing="linspace", solver_order=2)
@@ -56,11 +84,11 @@ TINY_FRAME = (32, 32)           # 4x4 latents
 # --------------------------------------------------------------------------------------
 
 
-def _build_transformer():
+def _build_transformer(channels: int = 16):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), in_channels=16, out_channels=16,
+        patch_size=(1, 2, 2), in_channels=channels, out_channels=channels,
         num_attention_heads=2, attention_head_dim=16, ffn_dim=64, num_layers=2,  # Wan 2.1 1.3B: 12 x 128, 8960, 30
         text_dim=_TINY_TEXT_WIDTH, freq_dim=32, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=64,
@@ -72,6 +100,17 @@ def _build_vae():
 
     return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                             temperal_downsample=[False, True, True])
+
+
+def _build_vae22():
+    """The Wan 2.2 VAE's structure (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: base_dim 160, decoder_base_dim
+    256, z_dim 48, in/out 12 channels, patch_size 2, is_residual, 16x spatial) at base width 8."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                            latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATENTS_STD)
 
 
 def _pass_latents_through(decoder, prefix: str = "Wan") -> None:
@@ -122,6 +161,53 @@ def build_tiny_wan(out_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     return out
 
 
+def build_tiny_wan22(out_dir: str | os.PathLike, seed: int = 0, ti2v: bool = False) -> pathlib.Path:
+    """A tiny Wan 2.2 pipeline in WanPipeline's layout (module docstring): ``ti2v`` False: T2V-A14B's two experts
+    with boundary_ratio 0.875; True: TI2V-5B's 48-channel VAE and transformer with expand_timesteps."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    from ddpo_tpu.models.sd3 import _build_t5
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        _, tokenizer = _build_t5()
+        torch.manual_seed(seed)
+        text_encoder = _build_text_encoder(len(tokenizer))
+        torch.manual_seed(seed + 1)
+        transformer = _build_transformer(48 if ti2v else 16)
+        torch.manual_seed(seed + 2)
+        vae = _build_vae22() if ti2v else _build_vae()
+        _pass_latents_through(vae.decoder)
+        torch.manual_seed(seed + 3)
+        transformer_2 = None if ti2v else _build_transformer(16)
+    scheduler = UniPCMultistepScheduler(**dict(WAN_SCHEDULER, flow_shift=5.0 if ti2v else 3.0))
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                       scheduler=scheduler, transformer_2=transformer_2,
+                       boundary_ratio=None if ti2v else A14B_BOUNDARY_RATIO, expand_timesteps=ti2v)
+    pipe.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def ensure_tiny_wan22(cache_dir: str | os.PathLike, seed: int = 0, ti2v: bool = False) -> pathlib.Path:
+    """``cache_dir/tiny-wan22[-ti2v]-{version}-seed{seed}``, built atomically on first use."""
+    from ddpo_tpu.catalog import family
+    from ddpo_tpu.proc.build_cache import build_once, pipeline_files
+
+    subfolders = family("wan").subfolders + (() if ti2v else ("transformer_2",))
+    name = f"tiny-wan22{'-ti2v' if ti2v else ''}-{TINY_WAN22_VERSION}-seed{seed}"
+    return build_once(cache_dir, name, pipeline_files(subfolders), lambda tmp: build_tiny_wan22(tmp, seed, ti2v))
+
+
+def ensure_tiny_wan_build(builder: str, cache_dir: str | os.PathLike) -> pathlib.Path:
+    """The local build a model.builder of the Wan family names."""
+    if builder == "tiny_wan":
+        return ensure_tiny_wan(cache_dir)
+    if builder in ("tiny_wan22", "tiny_wan22_ti2v"):
+        return ensure_tiny_wan22(cache_dir, ti2v=builder == "tiny_wan22_ti2v")
+    raise ValueError(f"model.builder={builder}: not a Wan build")
+
+
 def ensure_tiny_wan(cache_dir: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """``cache_dir/tiny-wan-{version}-seed{seed}``, built atomically on first use (proc/build_cache.py)."""
     from ddpo_tpu.catalog import family
@@ -144,6 +230,16 @@ class WanComponents:
     text_encoder: object  # UMT5EncoderModel
     tokenizer: object     # T5TokenizerFast (umt5-xxl)
     scheduler: object     # UniPCMultistepScheduler with flow sigmas: only its sigmas and timesteps are used
+    transformer_2: object | None = None  # Wan 2.2 A14B: the low-noise expert (WanPipeline's transformer_2)
+    boundary_ratio: float | None = None  # its switch: transformer for timesteps >= boundary_ratio x train steps
+    expand_timesteps: bool = False       # Wan 2.2 TI2V: a timestep per video token (WanPipeline.expand_timesteps)
+
+    @property
+    def boundary_timestep(self) -> float | None:
+        """WanPipeline.__call__'s ``boundary_ratio * scheduler.config.num_train_timesteps`` (None: one transformer)."""
+        if self.transformer_2 is None or self.boundary_ratio is None:
+            return None
+        return self.boundary_ratio * self.scheduler.config.num_train_timesteps
 
     @property
     def scale_factors(self) -> tuple[int, int]:
@@ -174,15 +270,88 @@ def load_wan(pretrained: str | os.PathLike, revision: str | None = None, local_f
 
     classes = dict(transformer=WanTransformer3DModel, vae=AutoencoderKLWan, text_encoder=UMT5EncoderModel,
                    tokenizer=AutoTokenizer, scheduler=UniPCMultistepScheduler)
-    parts = load_parts(pretrained, revision, local_files_only, classes, dict(transformer=dtype, vae=vae_dtype),
+    index = _model_index(pretrained, revision, local_files_only)
+    two = (index.get("transformer_2") or [None])[0] is not None  # Wan 2.2 A14B: [library, class] of the 2nd expert
+    if two:
+        classes["transformer_2"] = WanTransformer3DModel
+    parts = load_parts(pretrained, revision, local_files_only, classes,
+                       dict(transformer=dtype, transformer_2=dtype, vae=vae_dtype),
                        lambda rev, what, exc: _load_failure(os.fspath(pretrained), rev, what, exc), "Wan")
     if not parts["scheduler"].config.get("use_flow_sigmas", False):
         raise _load_failure(os.fspath(pretrained), revision, "scheduler/ has no flow sigmas (use_flow_sigmas false): "
                             "not Wan 2.1's flow-matching schedule")
-    for name in ("transformer", "text_encoder"):
-        parts[name] = frozen(parts[name], dtype)
+    for name in ("transformer", "text_encoder", "transformer_2"):
+        if name in parts:
+            parts[name] = frozen(parts[name], dtype)
     parts["vae"] = frozen(parts["vae"], vae_dtype)
-    return WanComponents(**parts)
+    boundary = index.get("boundary_ratio")
+    if two and boundary is None:
+        raise _load_failure(os.fspath(pretrained), revision, "model_index.json names a transformer_2 but no "
+                            "boundary_ratio: WanPipeline would never call it")
+    return WanComponents(**parts, boundary_ratio=boundary if two else None,
+                         expand_timesteps=bool(index.get("expand_timesteps", False)))
+
+
+def _model_index(pretrained, revision, local_files_only) -> dict:
+    """The checkpoint's model_index.json (WanPipeline's config: transformer_2, boundary_ratio, expand_timesteps); {}
+    when it cannot be read (the parts' own loading then names what is missing)."""
+    source = os.path.expanduser(os.fspath(pretrained))
+    if os.path.isdir(source):
+        try:
+            import json
+
+            return json.loads(pathlib.Path(source, "model_index.json").read_text())
+        except (OSError, ValueError):
+            return {}
+    try:
+        from huggingface_hub import hf_hub_download
+        import json
+
+        path = hf_hub_download(os.fspath(pretrained), "model_index.json", revision=revision,
+                               local_files_only=local_files_only)
+        return json.loads(pathlib.Path(path).read_text())
+    except Exception:  # noqa: BLE001 -- not in the cache: the parts' loading reports it with the fix
+        return {}
+
+
+class WanExperts(torch.nn.Module):
+    """Wan 2.2 A14B's two experts as the one module a run trains: ``high`` (WanPipeline's ``transformer``, the
+    high-noise steps) and ``low`` (``transformer_2``). Its parameters, train/eval, LoRA switches and gradient
+    checkpointing are both experts'; which expert a step calls is the family's (``families/wan.py``), from the step
+    indices and the fixed schedule, never from a tensor inside a graph."""
+
+    def __init__(self, high, low):
+        super().__init__()
+        self.high, self.low = high, low
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.high.dtype
+
+    @property
+    def config(self):
+        return self.high.config
+
+    def expert(self, name: str):
+        return {"high": self.high, "low": self.low}[name]
+
+    def _each(self, method: str, *args) -> None:
+        for m in (self.high, self.low):
+            if method in ("disable_adapters", "enable_adapters") and not getattr(m, "_hf_peft_config_loaded", False):
+                continue  # an expert trained without an adapter (model.train_experts left it out)
+            getattr(m, method)(*args)
+
+    def disable_adapters(self) -> None:
+        self._each("disable_adapters")
+
+    def enable_adapters(self) -> None:
+        self._each("enable_adapters")
+
+    def enable_gradient_checkpointing(self, *args) -> None:
+        self._each("enable_gradient_checkpointing", *args)
+
+    def forward(self, *args, **kwargs):  # noqa: D401 -- the family calls an expert, never the pair
+        raise RuntimeError("WanExperts has no forward of its own: call .high or .low (families/wan.py chooses)")
 
 
 # --------------------------------------------------------------------------------------

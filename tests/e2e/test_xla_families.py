@@ -23,15 +23,29 @@ BATCHES = 2  # sampling batches an epoch (below)
 # host reads a sampling batch makes: the uint8 images (or video frames) once, plus transformers' SDPA mask check on a
 # padded prompt batch (masking_utils reads `padding_mask.all()` on the host: UMT5's bidirectional mask once,
 # Qwen2.5-VL's and Qwen3's (FLUX.2-klein) causal masks twice); FLUX's CLIP and T5 run unmasked
-HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_grpo_smoke": 3, "flux2_grpo_smoke": 3}
+HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_grpo_smoke": 3, "flux2_grpo_smoke": 3,
+                        # Wan 2.2 A14B's two experts: Wan's 2, plus the step indices read once a step (6 steps) to
+                        # pick the expert from the fixed schedule (families/wan.py: the host-side schedule)
+                        "wan22_grpo_smoke": 2 + 6}
+# host reads a training epoch makes beyond the metrics copy of each of its 2 optimizer steps: wan22's step indices,
+# once per score call (the policy's and the KL reference's) of each micro-step (5 trained timesteps x 2 train batches)
+TRAIN_READS = {"wan22_grpo_smoke": 2 * 5 * 2}
+# wan22 under torch_xla's lazy tracing: its host-side expert schedule reads the step indices, which a dynamo-captured
+# step cannot do (families/wan.py refuses two experts under dynamo). Measured once: 12 graphs in epoch 0 (4 sampling,
+# 8 training), none in epoch 1; 112 s on this machine (so it is extended)
+EXTRA = {"wan22_grpo_smoke": ["xla.step_compiler=lazy"]}
 
 
-@pytest.mark.parametrize("experiment", list(HOST_READS_PER_BATCH))
+EXTENDED = {"wan22_grpo_smoke"}  # over ~30 s here
+
+
+@pytest.mark.parametrize("experiment", [pytest.param(e, marks=[pytest.mark.extended] if e in EXTENDED else [])
+                                        for e in HOST_READS_PER_BATCH])
 def test_a_flow_family_compiles_its_graphs_once_and_samples_on_the_device(experiment, tmp_path, model_cache):
     proc = run_train([f"+experiment={experiment}", "tpu_topology=cpu", "num_epochs=2", "sample.batch_size=8",
                       f"sample.num_batches_per_epoch={BATCHES}", "train.batch_size=8",
                       "train.gradient_accumulation_steps=1", "reward.host_workers=0", f"model.cache_dir={model_cache}",
-                      FAST_XLA_CPU], tmp_path, timeout=900)
+                      FAST_XLA_CPU, *EXTRA.get(experiment, [])], tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     epochs = read_metrics(tmp_path / "outputs" / experiment, "epoch")
     assert [e["epoch"] for e in epochs] == [0, 1]
@@ -44,4 +58,5 @@ def test_a_flow_family_compiles_its_graphs_once_and_samples_on_the_device(experi
         sampling = e["phases"]["sampling"]
         assert set(sampling.get("cpu_fallbacks", {})) <= {"aten::_local_scalar_dense"}, sampling  # the mask checks
         assert sampling["host_transfers"] == BATCHES * HOST_READS_PER_BATCH[experiment], sampling
-        assert e["phases"]["training"]["host_transfers"] == 2  # one metrics copy per optimizer step (2 an epoch)
+        # one metrics copy per optimizer step (2 an epoch)
+        assert e["phases"]["training"]["host_transfers"] == 2 + TRAIN_READS.get(experiment, 0), e["phases"]

@@ -92,6 +92,7 @@ def test_experiment_list_is_the_tested_one():
     flow += ["nft_smoke"]  # composed in tests/unit/algorithms/test_nft.py
     flow += [f"nft_sd3_{n}" for n in ("pickscore", "geneval", "ocr", "hpsv2", "multi_reward")]  # test_nft_presets.py
     flow += ["wan_grpo_smoke"]  # composed in tests/unit/models/test_wan_model.py
+    flow += ["wan22_grpo_smoke"]  # composed in tests/unit/models/test_wan22_model.py
     flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in unit/models/test_qwen_image_model.py
     flow += ["flux2_grpo_smoke"]  # composed in tests/unit/models/test_flux2_model.py
     flow += ["z_image_grpo_smoke"]  # composed in tests/unit/models/test_z_image_model.py
