@@ -19,6 +19,13 @@ from such a file and the run's model config, folders another program loads witho
   diffusion_pytorch_model.safetensors), loaded by `UNet2DConditionModel.from_pretrained(...)` (or the family's
   transformer class), or as `unet=`/`transformer=` of the pipeline's from_pretrained.
 
+A model with two experts (Wan 2.2 A14B: the trainer's state prefixes each expert's keys with `high.` / `low.`)
+exports each trained expert for its pipeline component: `NAME_diffusers/pytorch_lora_weights.safetensors` for
+`transformer` and `pytorch_lora_weights_transformer_2.safetensors` for `transformer_2`, loaded by
+`pipe.load_lora_weights(dir)` and `pipe.load_lora_weights(dir, weight_name="pytorch_lora_weights_transformer_2.safetensors",
+load_into_transformer_2=True)` (diffusers 0.42.1 WanLoraLoaderMixin.load_lora_weights); the peft folder and a full
+fine-tune's folder get one subfolder per component (`NAME_peft/transformer_2/`, `NAME_diffusers/transformer/`).
+
 When: at the end of a run, for `final` (and `final_ema` when EMA is kept), by the main process
 (training/checkpointing.py `CheckpointManager.save`); and for any saved weights file by
 `python -m ddpo_tpu.export RUN_DIR [NAME ...]` (ddpo_tpu/export.py, the `ddpo-export` script).
@@ -48,15 +55,38 @@ class FamilyExport:
 
     pipeline: str   # diffusers class name
     component: str  # "unet" or "transformer": the key prefix of its LoRA file and the checkpoint's subfolder
-    # "module:function" building the family's tiny model into a cache dir once (cache_dir -> path), as its loader does
+    # "module:function" building the family's tiny model into a cache dir once (cache_dir -> path), as its loader
+    # does; with `builds` it is called (model.builder, cache_dir): a family with several tiny builds
     ensure_tiny: str = ""
+    builds: bool = False
+    # (state key prefix, pipeline component) of each expert of a model with several (Wan 2.2 A14B)
+    experts: tuple[tuple[str, str], ...] = ()
+
+    def split(self, state: dict) -> list[tuple[str, dict]]:
+        """(component, its state with the expert prefix cut) for each expert the state holds; the whole state as
+        `component`'s when it names no expert (one transformer)."""
+        parts = [(comp, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+                 for prefix, comp in self.experts]
+        parts = [(comp, part) for comp, part in parts if part]
+        if not parts:
+            return [(self.component, state)]
+        left = len(state) - sum(len(part) for _, part in parts)
+        if left:
+            raise ValueError(f"{left} weights belong to no expert of {self.pipeline} "
+                             f"(prefixes {[p for p, _ in self.experts]})")
+        return parts
+
+    def by_expert(self, state: dict) -> bool:
+        """The state's keys name experts (each then gets its own subfolder in the peft and full exports)."""
+        return any(k.startswith(prefix) for k in state for prefix, _ in self.experts)
 
 
 EXPORTS = {
     "sd1": FamilyExport("StableDiffusionPipeline", "unet"),
     "sd3": FamilyExport("StableDiffusion3Pipeline", "transformer", "ddpo_tpu.models.sd3:ensure_tiny_sd3"),
     "flux": FamilyExport("FluxPipeline", "transformer", "ddpo_tpu.models.flux:ensure_tiny_flux"),
-    "wan": FamilyExport("WanPipeline", "transformer", "ddpo_tpu.models.wan:ensure_tiny_wan"),
+    "wan": FamilyExport("WanPipeline", "transformer", "ddpo_tpu.models.wan:ensure_tiny_wan_build", builds=True,
+                        experts=(("high.", "transformer"), ("low.", "transformer_2"))),
     "qwen_image": FamilyExport("QwenImagePipeline", "transformer", "ddpo_tpu.models.qwen_image:ensure_tiny_qwen_image"),
     "flux2": FamilyExport("Flux2KleinPipeline", "transformer", "ddpo_tpu.models.flux2:ensure_tiny_flux2"),
     "z_image": FamilyExport("ZImagePipeline", "transformer", "ddpo_tpu.models.z_image:ensure_tiny_z_image"),
@@ -97,8 +127,9 @@ def checkpoint_source(model_cfg) -> tuple[str, str | None, bool]:
         return source(m, lambda cache: ensure_tiny_model(cache, spec=m.builder))
     from ddpo_tpu.catalog.registry import load_object
 
-    ensure = load_object(family_export(m.family).ensure_tiny)
-    path, revision, local = source(m, ensure)
+    fam = family_export(m.family)
+    ensure = load_object(fam.ensure_tiny)
+    path, revision, local = source(m, (lambda cache: ensure(m.builder, cache)) if fam.builds else ensure)
     return str(path), revision, local
 
 
@@ -111,10 +142,19 @@ def write_lora_diffusers(directory: Path, state: dict, model_cfg) -> Path:
 
     fam = family_export(model_cfg.family)
     pipeline = getattr(diffusers, fam.pipeline)
-    pipeline.save_lora_weights(str(directory), **{f"{fam.component}_lora_layers": _contiguous(state),
-                                                  f"{fam.component}_lora_adapter_metadata":
-                                                      lora_config(model_cfg).to_dict()})
+    for component, part in fam.split(state):
+        # the pipeline's loader reads each expert as `transformer`'s (load_into_transformer_2 says where it goes)
+        name = {} if component == fam.component else {"weight_name": lora_file_of(component)}
+        pipeline.save_lora_weights(str(directory), **{f"{fam.component}_lora_layers": _contiguous(part),
+                                                      f"{fam.component}_lora_adapter_metadata":
+                                                          lora_config(model_cfg).to_dict()}, **name)
     return directory
+
+
+def lora_file_of(component: str) -> str:
+    """The diffusers LoRA file of an expert other than the pipeline's first (the first keeps diffusers' default
+    name, pytorch_lora_weights.safetensors)."""
+    return f"pytorch_lora_weights_{component}.safetensors"
 
 
 def write_lora_peft(directory: Path, state: dict, model_cfg) -> Path:
@@ -125,9 +165,14 @@ def write_lora_peft(directory: Path, state: dict, model_cfg) -> Path:
 
     from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
 
-    lora_config(model_cfg).save_pretrained(str(directory))
-    save_file({PEFT_PREFIX + k: v for k, v in _contiguous(state).items()}, str(directory / SAFETENSORS_WEIGHTS_NAME),
-              metadata={"format": "pt"})
+    fam = family_export(model_cfg.family)
+    parts = fam.split(state)
+    for component, part in parts:
+        folder = directory / component if fam.by_expert(state) else directory
+        folder.mkdir(exist_ok=True)
+        lora_config(model_cfg).save_pretrained(str(folder))
+        save_file({PEFT_PREFIX + k: v for k, v in _contiguous(part).items()}, str(folder / SAFETENSORS_WEIGHTS_NAME),
+                  metadata={"format": "pt"})
     return directory
 
 
@@ -140,18 +185,20 @@ def write_full_model(directory: Path, state: dict, model_cfg) -> Path:
 
     fam = family_export(model_cfg.family)
     source, revision, local = checkpoint_source(model_cfg)
-    config = _load_denoiser_config(source, fam.component, revision, local)
-    cls = getattr(diffusers, config["_class_name"])
-    with init_empty_weights():
-        model = cls.from_config(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit {config['_class_name']} of {source}: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
-    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if meta:
-        raise ValueError(f"weights leave {config['_class_name']} without values for {meta[:3]}")
-    model.save_pretrained(str(directory), safe_serialization=True)
+    for component, part in fam.split(state):
+        config = _load_denoiser_config(source, component, revision, local)
+        cls = getattr(diffusers, config["_class_name"])
+        with init_empty_weights():
+            model = cls.from_config(config)
+        missing, unexpected = model.load_state_dict(part, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit {config['_class_name']} of {source}: missing "
+                             f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if meta:
+            raise ValueError(f"weights leave {config['_class_name']} without values for {meta[:3]}")
+        model.save_pretrained(str(directory / component if fam.by_expert(state) else directory),
+                              safe_serialization=True)
     return directory
 
 

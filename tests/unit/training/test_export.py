@@ -407,3 +407,60 @@ def test_a_failed_export_warns_once_and_the_final_checkpoint_is_still_written(mo
     lines = [x for x in (err.out + err.err).splitlines() if "exporting weights/final.safetensors" in x]
     assert len(lines) == 1 and "ValueError: no config.json for this checkpoint)" in lines[0], lines
     assert f"ddpo-export {tmp_path} final" in lines[0]
+
+
+# --- two experts (Wan 2.2 A14B) -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_experts(model_cache, tmp_path_factory):
+    """The tiny two-expert Wan 2.2 build with both experts' adapters moved off their start, each its own way (the
+    helper's seeds depend on the name's length, the same for `high.x` and `low.x`), saved and exported."""
+    from ddpo_tpu.rundir.files import RunDir
+    from ddpo_tpu.training.export import export_saved
+
+    fam = family_with_trained_adapter(["+experiment=wan22_grpo_smoke", f"model.cache_dir={model_cache}"])
+    with torch.no_grad():
+        for name, p in fam.model.named_parameters():
+            if name.startswith("low.") and "lora_B" in name:
+                p.mul_(-1.5)
+    run = RunDir(tmp_path_factory.mktemp("run_wan22"))
+    path = run.save_weights("final", {k: v.cpu() for k, v in fam.trainable_state().items()})
+    export_saved(path.parent, "final", fam.cfg.model)
+    return fam, path.parent
+
+
+def test_two_experts_export_a_lora_each_that_wan_pipeline_loads_into_its_transformers(two_experts):
+    """WanPipeline's loader reads each expert's file, the second with load_into_transformer_2 (diffusers 0.42.1
+    WanLoraLoaderMixin.load_lora_weights); both experts loaded sample what the trained pair samples (the schedule
+    calls `transformer` at 2 of its 6 steps and `transformer_2` at 4)."""
+    from ddpo_tpu.models.wan import WanExperts
+    from ddpo_tpu.training.export import lora_file_of
+
+    fam, weights = two_experts
+    folder = weights / "final_diffusers"
+    second = lora_file_of("transformer_2")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["pytorch_lora_weights.safetensors", second])
+    pipe = base_pipeline(fam)
+    pipe.load_lora_weights(str(folder))
+    pipe.load_lora_weights(str(folder), weight_name=second, load_into_transformer_2=True)
+    assert_same_as_trained(fam, WanExperts(pipe.transformer, pipe.transformer_2), "wan22 load_lora_weights x2")
+    swapped = base_pipeline(fam)  # each file in the other expert: not the trained pair
+    swapped.load_lora_weights(str(folder), load_into_transformer_2=True)
+    swapped.load_lora_weights(str(folder), weight_name=second)
+    x, _ = sample(fam, WanExperts(swapped.transformer, swapped.transformer_2))
+    ours, _ = sample(fam)
+    assert float((x - ours).abs().max() / ours.abs().max()) > 1e-3
+
+
+def test_two_experts_export_a_peft_folder_each(two_experts):
+    from peft import PeftModel
+
+    from ddpo_tpu.models.wan import WanExperts
+
+    fam, weights = two_experts
+    folder = weights / "final_peft"
+    assert sorted(p.name for p in folder.iterdir()) == ["transformer", "transformer_2"]
+    pipe = base_pipeline(fam)
+    high = PeftModel.from_pretrained(pipe.transformer, str(folder / "transformer"))
+    low = PeftModel.from_pretrained(pipe.transformer_2, str(folder / "transformer_2"))
+    assert_same_as_trained(fam, WanExperts(high, low), "wan22 PeftModel.from_pretrained x2")
