@@ -58,6 +58,8 @@ EXPORTS = {
     "flux": FamilyExport("FluxPipeline", "transformer", "ddpo_tpu.models.flux:ensure_tiny_flux"),
     "wan": FamilyExport("WanPipeline", "transformer", "ddpo_tpu.models.wan:ensure_tiny_wan"),
     "qwen_image": FamilyExport("QwenImagePipeline", "transformer", "ddpo_tpu.models.qwen_image:ensure_tiny_qwen_image"),
+    "qwen_image_edit": FamilyExport("QwenImageEditPlusPipeline", "transformer",
+                                    "ddpo_tpu.models.qwen_image_edit:ensure_tiny_qwen_image_edit"),
     "flux2": FamilyExport("Flux2KleinPipeline", "transformer", "ddpo_tpu.models.flux2:ensure_tiny_flux2"),
     "z_image": FamilyExport("ZImagePipeline", "transformer", "ddpo_tpu.models.z_image:ensure_tiny_z_image"),
 }
