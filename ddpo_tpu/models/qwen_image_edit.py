@@ -18,11 +18,12 @@ Which images (flow_grpo: two per row, the reference then the control image, both
 encodes what it is given as the pipeline does. The pipeline samples one prompt at a time; a batch here holds prompts
 with the same number of images at the same sizes (one RoPE shape list for the batch), which the dataset reader checks.
 
-The tiny build (``build_tiny_qwen_image_edit``, saved by ``QwenImageEditPlusPipeline.save_pretrained`` and loaded part
-by part with ``from_pretrained``): the tiny Qwen-Image transformer and VAE (models/qwen_image.py), a 1-layer
-Qwen2.5-VL whose vision tower is used (patch 14, merge 2), a byte-level tokenizer that spells each of the edit template's words
-as one token (its system part is then 74 tokens; the pipeline drops its first 64, ``prompt_template_encode_start_idx``,
-here as there) with the vision special tokens, and a Qwen2VLProcessor whose image processor keeps at most 56 x 56 pixels (4 image tokens a picture).
+The tiny build (``build_tiny_qwen_image_edit``, saved in QwenImageEditPlusPipeline's layout and loaded part by part
+with ``from_pretrained``): the tiny Qwen-Image transformer and VAE (models/qwen_image.py), a 1-layer Qwen2.5-VL whose
+vision tower is used (patch 14, merge 2), a byte-level tokenizer that spells each of the edit template's words as one
+token (its system part is then 74 tokens; the pipeline drops its first 64, ``prompt_template_encode_start_idx``, here
+as there) with the vision special tokens, and a Qwen2VLProcessor whose image processor keeps at most 56 x 56 pixels (4
+image tokens a picture).
 Its VAE side is ``TINY_VAE_IMAGE_SIZE`` (32 x 32 px: 16 packed tokens a picture), the only departure from the
 pipeline's constants (tests set the pipeline's to the same value).
 """
@@ -46,7 +47,7 @@ TINY_QWEN_IMAGE_EDIT_VERSION = "v1"
 CONDITION_IMAGE_SIZE = 384 * 384
 VAE_IMAGE_SIZE = 1024 * 1024
 TINY_VAE_IMAGE_SIZE = 32 * 32
-# flow_grpo's edit sampler encodes its pictures at 512 x 512 px (qwenimage_edit_plus_pipeline_with_logprob.py:40), not
+# flow_grpo's edit sampler encodes its pictures at 512 x 512 px (qwenimage_edit_plus_pipeline_with_logprob.py:42), not
 # the pipeline's 1024 x 1024: 1024 tokens a picture instead of 4096. The family's choice for real checkpoints
 FLOW_GRPO_VAE_IMAGE_SIZE = 512 * 512
 EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "

@@ -27,7 +27,7 @@ the same metadata are kept as rows (flow_grpo's geneval test_metadata.jsonl list
 as the references' samplers draw dataset indices (``PromptSource.sample`` / ``sample_distinct``).
 
 Edit datasets (model.family=qwen_image_edit): flow_grpo's edit layout as its scripts/train_qwenimage_edit_plus.py
-(yifan123/flow_grpo@9dcdc35b211205511f171a4f3566e40786575bc3, GenevalPromptImageDataset, lines 99-137) reads it: a
+(yifan123/flow_grpo@9dcdc35b211205511f171a4f3566e40786575bc3, class GenevalPromptImageDataset) reads it: a
 ``<split>_metadata.jsonl`` whose rows carry, beside ``prompt``, the image paths ``ref_image``, ``ctrl_image`` and
 ``sup_image`` relative to the dataset folder. Its sampler hands the pipeline ``[ref_image, ctrl_image]`` (in that
 order: "Picture 1" is the reference) and the reward the reference; ``sup_image`` is read and never used. A row may

@@ -6,7 +6,7 @@ yifan123/flow_grpo's edit script at 9dcdc35b211205511f171a4f3566e40786575bc3:
   family's ODE step from our own encoding equal at every step to float32 rounding: the pictures through the processor
   and Qwen2.5-VL in the edit template, through the VAE (mode, normalised, packed, appended), the RoPE shapes, the cut
   of the prediction. The pipeline's VAE_IMAGE_SIZE is set to the tiny build's (the family's one departure);
-* the training log-prob equals flow_grpo's ``compute_log_prob`` (scripts/train_qwenimage_edit_plus.py:271-316):
+* the training log-prob equals flow_grpo's scripts/train_qwenimage_edit_plus.py::compute_log_prob:
   the transformer on ``cat([latents, image_latents], dim=1)``, the prediction cut to the generated tokens, then
   sd3_sde_with_logprob's step scoring ``next_latents`` (written from flow_grpo in tests/parity/test_flux_parity.py).
   At guidance 1 its ``neg + 1 (cond - neg)`` rescaled to the conditional norm is the conditional prediction, so the

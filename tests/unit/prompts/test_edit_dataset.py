@@ -1,7 +1,7 @@
 """Edit datasets (prompts/datasets.py, model.family=qwen_image_edit): flow_grpo's edit layout read as its
 scripts/train_qwenimage_edit_plus.py reads it (yifan123/flow_grpo@9dcdc35b211205511f171a4f3566e40786575bc3,
-GenevalPromptImageDataset, lines 99-137: ``<split>_metadata.jsonl`` rows with ``prompt``, ``ctrl_image``,
-``ref_image``, ``sup_image`` paths under the dataset folder; the pipeline gets ``[ref, ctrl]``, lines 164-186 of
+class GenevalPromptImageDataset: ``<split>_metadata.jsonl`` rows with ``prompt``, ``ctrl_image``,
+``ref_image``, ``sup_image`` paths under the dataset folder; the pipeline gets ``[ref, ctrl]``, pipeline_with_logprob in
 qwenimage_edit_plus_pipeline_with_logprob.py), the pictures handed on in the metadata, and the refusals."""
 
 from __future__ import annotations
