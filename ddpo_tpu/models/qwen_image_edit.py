@@ -60,7 +60,9 @@ PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 _VISION_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 # conditioning tokens kept per prompt (the pictures' tokens included): the tiny build's pictures are 4 tokens each
 TINY_EDIT_TEXT_TOKENS = 128
-EDIT_TEXT_TOKENS = 1024  # 2 pictures at 384 x 384 are 2 x 196 tokens; flow_grpo's rows add a sentence
+# 2 pictures at 384 x 384 are 2 x 196 tokens and flow_grpo's rows add a sentence; its pipeline call's
+# max_sequence_length is 512 (which the edit-plus encoder does not apply; a longer prompt is refused here)
+EDIT_TEXT_TOKENS = 512
 
 
 def calculate_dimensions(target_area: int, ratio: float) -> tuple[int, int]:

@@ -137,3 +137,24 @@ def test_a_reward_taking_sources_is_refused_without_an_edit_dataset():
         compose_and_validate(["+experiment=qwen_image_grpo_smoke", "reward=edit_consistency"])
     assert "prompts=simple_animals: reward=edit_consistency scores each output against its prompt's source" \
         in str(e.value)
+
+
+def test_the_full_size_config_fits_8_gpus_split_and_is_refused_on_v6e():
+    """Qwen-Image-Edit-2509 at flow_grpo's settings (512 px, two 512 x 512 pictures: 3584 tokens an evaluation): the
+    memory rule takes 8 x 80 GiB with the transformer split 8 ways and checkpointing (flow_grpo trains it on 8 GPUs
+    with FSDP), and refuses a v6e chip (32 GiB) whatever the split: one sample's activations do not fit."""
+    from ddpo_tpu.config import memory
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.problems import ConfigError
+
+    real = ["+experiment=qwen_image_edit_grpo_smoke", "model=qwen_image_edit_2509", "train.mixed_precision=bf16",
+            "sample.num_steps=10", "sample.batch_size=4", "sample.num_batches_per_epoch=16", "algorithm.group_size=16",
+            "train.batch_size=1", "train.gradient_accumulation_steps=16", "sample.sde_window.size=2",
+            "sample.sde_window.placement=random", "sample.sde_window.range=[0,5]"]
+    split = compose_and_validate(real + ["tpu_topology=gpu-8", "tpu_topology.mesh.fsdp=8",
+                                         "tpu_topology.mesh.dp=1"]).cfg
+    assert memory.resident_gib(split) == pytest.approx(29.7, abs=0.1) and memory.activation_checkpointing(split)
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(real + ["tpu_topology=v6e-8", "tpu_topology.mesh.fsdp=8", "tpu_topology.mesh.dp=1"])
+    (p,) = e.value.problems
+    assert p.key == "tpu_topology.name" and "43.8 GiB of activations" in p.reason
