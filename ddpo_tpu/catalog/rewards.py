@@ -30,6 +30,7 @@ class EditConsistencyKeys(Keys):
 
     name: Literal["edit_consistency"]
     color_weight: float = Field(default=0.5, ge=0.0)
+    grid: int = Field(default=2, ge=0, le=64)  # blocks a side of the coarse colour layout compared (0: every pixel)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 the tiny build (flow_grpo's edit runs score with a VLM judge that is given the reference picture beside the output:
 train_qwenimage_edit_plus.py hands ``ref_images`` to its reward).
 
-reward = -mean |output - source| / 255 over the pixels (the first source picture, resized to the output by nearest
-neighbour: closeness to the picture the edit starts from) + ``color_weight`` x (the mean of the colour channel the
+reward = -mean |pool(output) - pool(source)| / 255 (the first source picture; both averaged over a ``grid`` x ``grid``
+grid of blocks: closeness to the picture the edit starts from in its coarse colour layout, a cheap feature that the
+tiny build's random outputs can approach; grid 0 compares every pixel, the source resized to the output by nearest
+neighbour) + ``color_weight`` x (the mean of the colour channel the
 prompt names, "red" / "green" / "blue", minus the other two's) / 255 (0 when the prompt names none): an edit that
 keeps the picture and moves it toward the asked colour scores higher. The sources come in each image's metadata,
 ``metadata[i]["source_images"]`` (uint8 (H, W, 3) arrays, rewards/base.py's contract); extras log both terms.
@@ -27,6 +29,13 @@ def _resize_nearest(img: np.ndarray, h: int, w: int) -> np.ndarray:
     return img[rows][:, cols]
 
 
+def _pool(img: np.ndarray, grid: int) -> np.ndarray:
+    """(grid, grid, 3) block means of an (H, W, 3) image (blocks as even as the sides allow)."""
+    rows = np.array_split(np.arange(img.shape[0]), grid)
+    cols = np.array_split(np.arange(img.shape[1]), grid)
+    return np.array([[img[r][:, c].reshape(-1, img.shape[2]).mean(0) for c in cols] for r in rows])
+
+
 def prompt_color(prompt: str) -> int | None:
     """The channel of the first colour word of the prompt, or None."""
     words = prompt.lower().replace(",", " ").split()
@@ -43,8 +52,8 @@ class EditConsistency(Reward):
     name = "edit_consistency"
     takes_sources = True
 
-    def __init__(self, color_weight: float = 0.5):
-        self.color_weight = float(color_weight)
+    def __init__(self, color_weight: float = 0.5, grid: int = 2):
+        self.color_weight, self.grid = float(color_weight), int(grid)
 
     def score(self, images: np.ndarray, prompts: list[str], metadata: Metadata = None) -> RewardScores:
         images = self._check_host_images(images, prompts)
@@ -56,8 +65,11 @@ class EditConsistency(Reward):
         keep = np.empty(b, np.float32)
         color = np.full(b, np.nan, np.float32)
         for i, (prompt, row) in enumerate(zip(prompts, metadata)):
-            src = _resize_nearest(np.asarray(row[SOURCE_IMAGES][0])[..., :3], h, w).astype(np.float32)
-            keep[i] = -np.abs(out[i] - src).mean() / 255.0
+            src = np.asarray(row[SOURCE_IMAGES][0])[..., :3].astype(np.float32)
+            if self.grid:
+                keep[i] = -np.abs(_pool(out[i], self.grid) - _pool(src, self.grid)).mean() / 255.0
+            else:
+                keep[i] = -np.abs(out[i] - _resize_nearest(src, h, w)).mean() / 255.0
             c = prompt_color(prompt)
             if c is not None:
                 means = out[i].reshape(-1, 3).mean(0)
