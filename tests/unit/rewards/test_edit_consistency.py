@@ -32,3 +32,17 @@ def test_without_sources_it_says_what_is_missing():
 
 def test_catalog_flags_it_as_taking_sources():
     assert REWARDS.get("edit_consistency").takes_sources and not REWARDS.get("jpeg_compressibility").takes_sources
+
+
+def test_the_grid_compares_block_means_and_grid_0_every_pixel():
+    src = np.zeros((4, 4, 3), np.uint8)
+    src[:, 2:] = 200  # left half 0, right half 200
+    out = np.full((1, 4, 4, 3), 100, np.uint8)  # the same overall mean, another layout
+    rows = [{"source_images": [src]}]
+    one = make_reward("edit_consistency", color_weight=0.0, grid=1).score(out, ["p"], rows).values
+    two = make_reward("edit_consistency", color_weight=0.0, grid=2).score(out, ["p"], rows).values
+    pixels = make_reward("edit_consistency", color_weight=0.0, grid=0).score(out, ["p"], rows).values
+    np.testing.assert_allclose([one[0], two[0], pixels[0]], [0.0, -100 / 255, -100 / 255], atol=1e-7)
+    flipped = out.copy()
+    flipped[0, :, :2], flipped[0, :, 2:] = 0, 200
+    assert make_reward("edit_consistency", color_weight=0.0, grid=2).score(flipped, ["p"], rows).values[0] == 0
