@@ -72,9 +72,8 @@ CURVES = [
     Curve("qwen_image_grpo_smoke", 10, 3, 0.1, {"model.family": "qwen_image", "sample.name": "flow_sde"},
           "z = 8.7 (+0.096 kB: -1.2948 -> -1.1747; LoRA's B starts at zero, so the rise starts slowly), 9.3 standard "
           "errors above the control (z = -1.5); 8 epochs were too few (z 3.4)"),
-    Curve("qwen_image_edit_grpo_smoke", 10, 3, None, {"model.family": "qwen_image_edit",
-                                                      "reward.name": "edit_consistency"},
-          "MEASURED"),
+    Curve("qwen_image_edit_grpo_smoke", 10, 3, None, {"model.family": "qwen_image_edit", "reward.name": "weighted"},
+          "MEASURED", control="paired"),
     # the tiny random Z-Image's samples vary little (reward std 0.012 kB within an epoch): the weakest curve here
     Curve("z_image_grpo_smoke", 10, 4, 0.1, {"model.family": "z_image", "sample.name": "flow_sde"},
           "z = 4.25 (+0.0124 kB: -1.5096 -> -1.4915), 10.7 standard errors above the control (+0.0004 kB, z = 0.6); "
