@@ -120,7 +120,6 @@ def _build_text_encoder(tokenizer, vision_ids: dict | None = None):
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=_TINY_TEXT_WIDTH,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[0])
-    # the image/video ids only need to be outside the tiny vocabulary (text prompts never hold them)
     return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
 
 
