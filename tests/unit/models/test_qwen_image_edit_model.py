@@ -116,7 +116,10 @@ def test_training_log_prob_equals_flow_grpo_edit_compute_log_prob(fam, monkeypat
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["reward=jpeg_compressibility"], "reward.name=jpeg_compressibility: model.family=qwen_image_edit"),
+    (["reward=jpeg_compressibility", "~reward.components"],
+     "reward.name=jpeg_compressibility: model.family=qwen_image_edit"),
+    (["reward.components=[{name: jpeg_compressibility, weight: 1.0}]"],  # no component sees the sources
+     "reward.name=weighted: model.family=qwen_image_edit"),
     (["prompts.name=simple_animals", "prompts.path=null"], "prompts=simple_animals: model.family=qwen_image_edit"),
     (["sample.guidance_scale=4.0", "train.cfg=true"], "sample.guidance_scale=4.0: model.family=qwen_image_edit"),
 ])
