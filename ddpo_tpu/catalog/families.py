@@ -461,3 +461,38 @@ FLUX2 = FAMILIES.register(FamilySpec(
     resolution_multiple=16,  # Flux2KleinPipeline: height and width multiples of vae_scale_factor x 2
     memory=_flux2_memory,
 ))
+
+# --- Qwen-Image-Edit-2509 ("edit plus") ------------------------------------------------------------------------------
+# Qwen-Image's transformer, VAE and text encoder (the same parts and sizes: Qwen/Qwen-Image-Edit-2509's configs are
+# Qwen-Image's), conditioned on each prompt's input images: their VAE latents appended to the generated tokens and
+# their patches in the prompt's Qwen2.5-VL states (families/qwen_image_edit.py). LoRA as flow_grpo's edit script
+# (rank 64 on the same 12 targets): the same state as Qwen-Image's. One transformer evaluation at 512 px with
+# flow_grpo's two 512 x 512 pictures: 1024 generated + 2 x 1024 picture tokens and 512 prompt tokens (the family's
+# fixed text length, pictures' 2 x 196 included). NOT probed: Qwen-Image's measured eager float32 bytes (14.37 GiB at
+# 1152 tokens) scaled linearly to 3584 tokens, 44.7 GiB; bf16 x 0.74; XLA's softmaxes 60 x 24 heads x 3584^2 x 4 bytes.
+QWEN_IMAGE_EDIT_TOKENS = 1024 + 2 * 1024 + 512
+QWEN_IMAGE_EDIT_EAGER_F32_GIB = round(QWEN_IMAGE_EAGER_F32_GIB * QWEN_IMAGE_EDIT_TOKENS / 1152, 2)
+QWEN_IMAGE_EDIT_ATTENTION_SCORES_GIB_512 = 60 * 24 * QWEN_IMAGE_EDIT_TOKENS ** 2 * 4 / GIB
+
+
+def _qwen_image_edit_memory() -> FamilyMemory:
+    from dataclasses import replace
+
+    eager = {"no": QWEN_IMAGE_EDIT_EAGER_F32_GIB, "bf16": round(QWEN_IMAGE_EDIT_EAGER_F32_GIB * 0.74, 2)}
+    figures = _split_transformer_memory(QWEN_IMAGE_BILLIONS, ("text_encoder",), QWEN_IMAGE_STATE_GIB, eager,
+                                        QWEN_IMAGE_EDIT_ATTENTION_SCORES_GIB_512)
+    return replace(figures, tokens_512=(3 * 1024, 512))
+
+
+QWEN_IMAGE_EDIT = FAMILIES.register(FamilySpec(
+    name="qwen_image_edit", title="Qwen-Image-Edit-2509 (Qwen-Image conditioned on input images; edit datasets)",
+    module="ddpo_tpu.families.qwen_image_edit:QwenImageEditFamily",
+    sampler="flow_sde", denoiser="transformer",
+    subfolders=("transformer", "vae", "text_encoder", "tokenizer", "scheduler", "processor"),
+    example_hub_id="Qwen/Qwen-Image-Edit-2509",
+    builders=("tiny_qwen_image_edit",),
+    lora_layers=QWEN_IMAGE.lora_layers,
+    lora_example="attn.to_q",
+    resolution_multiple=16,  # QwenImageEditPlusPipeline: height and width multiples of vae_scale_factor x 2
+    memory=_qwen_image_edit_memory(),
+))

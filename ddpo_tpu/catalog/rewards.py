@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
+from pydantic import Field
+
 from ddpo_tpu.catalog.registry import Registry
 from ddpo_tpu.catalog.reward_keys import (  # noqa: F401 -- re-exported: callers import the key classes from here
     FRAME_REDUCTIONS, Keys, FrameReductionKeys, _JpegKeys, JpegCompressibilityKeys, JpegIncompressibilityKeys,
@@ -19,8 +21,16 @@ from ddpo_tpu.catalog.reward_checks import (  # noqa: F401 -- re-exported: calle
     quoted_text, url_problems, IMAGEREWARD_FILES, HPSV2_FILES, _tiny_pair, _aesthetic_problems,
     _imagereward_problems, _hpsv2_problems, _ocr_problems, _ocr_prompt_problems, _geneval_problems,
     _geneval_source_problems, _vlm_judge_problems, _prompted_digit_problems, _in_own_process, _hf_cached,
-    _geneval_row_problem)
+    _geneval_row_problem, _sources_problems)
 from ddpo_tpu.problems import Problem
+
+
+class EditConsistencyKeys(Keys):
+    """rewards/edit_consistency.py: closeness to the source picture + color_weight x the colour the prompt names."""
+
+    name: Literal["edit_consistency"]
+    color_weight: float = Field(default=0.5, ge=0.0)
+    grid: int = Field(default=2, ge=0, le=64)  # blocks a side of the coarse colour layout compared (0: every pixel)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,9 @@ class RewardSpec:
     # config/inputs.py calls it beside prompt_problems)
     source_problems: Callable[[Any, str, Any, Any, list[str]], list[Problem]] = \
         lambda keys, prefix, prompts, source, evals: []
+    # scores each output against its prompt's source pictures (the edit task: metadata["source_images"], rewards/
+    # base.py): refused on prompts without them; an edit family needs its reward (or a component) to take them
+    takes_sources: bool = False
 
 
 REWARDS: Registry[RewardSpec] = Registry("reward")
@@ -82,6 +95,9 @@ REWARDS.register(RewardSpec("geneval", "GenEval object, count, colour and positi
                             source_problems=_geneval_source_problems))
 REWARDS.register(RewardSpec("vlm_judge", "a VLM judge over an OpenAI-compatible chat endpoint (vLLM, sglang)",
                             VlmJudgeKeys, "ddpo_tpu.rewards.vlm_judge", problems=_vlm_judge_problems))
+REWARDS.register(RewardSpec("edit_consistency", "closeness to the edit's source picture + the colour the prompt asks",
+                            EditConsistencyKeys, "ddpo_tpu.rewards.edit_consistency", takes_sources=True,
+                            source_problems=_sources_problems))
 # reward=weighted: a weighted sum of the others; its keys are built by the schema from the components above
 REWARDS.register(RewardSpec("weighted", "a weighted sum of rewards", Keys, "ddpo_tpu.rewards.weighted",
                             composite=True))

@@ -11,6 +11,7 @@ from ddpo_tpu.rundir.checkpoint_layout import holds_checkpoint
 from ddpo_tpu.config.batch import Totals
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem
+from ddpo_tpu.catalog.reward_checks import edit_family_problems
 
 # what XLA_FLAGS and LIBTPU_INIT_ARGS accept: space-separated --name or --name=value (anything else aborts the runtime)
 _FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")
@@ -34,6 +35,7 @@ def input_problems(cfg: RunConfig, tot: Totals) -> list[Problem]:
                                        verb="did you mean")))
     problems.extend(resume_problems(cfg.resume))
     problems.extend(prompt_problems(cfg))
+    problems.extend(edit_family_problems(cfg))  # the edit family's prompts, reward and guidance
     problems.extend(reward_process_problems(cfg))
     problems.extend(evaluation_problems(cfg))
     problems.extend(_xla_problems(cfg, tot))

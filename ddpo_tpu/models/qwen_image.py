@@ -68,7 +68,7 @@ _SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # --------------------------------------------------------------------------------------
 
 
-def _template_words(template: str) -> list[str]:
+def _template_words(template: str, specials: Sequence[str] = _SPECIALS) -> list[str]:
     """The template's pre-tokens (Qwen2's split regex, byte-level symbols) longer than one symbol, in order."""
     import regex
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -77,7 +77,7 @@ def _template_words(template: str) -> list[str]:
 
     b2u = _bytes_to_unicode()
     words: list[str] = []
-    for part in regex.split("|".join(regex.escape(s) for s in _SPECIALS), template):
+    for part in regex.split("|".join(regex.escape(s) for s in specials), template):
         for w in regex.findall(PRETOKENIZE_REGEX, part):
             sym = "".join(b2u[b] for b in w.encode())
             if len(sym) > 1 and sym not in words:
@@ -85,29 +85,33 @@ def _template_words(template: str) -> list[str]:
     return words
 
 
-def _build_tokenizer(template: str):
+def _build_tokenizer(template: str, specials: Sequence[str] = _SPECIALS):
+    """``specials``: the chat tokens (and, for Qwen-Image-Edit, the vision ones), each one token."""
     from transformers import Qwen2Tokenizer
 
     from ddpo_tpu.models.tiny import _bytes_to_unicode
 
     vocab = {s: i for i, s in enumerate(_bytes_to_unicode().values())}
     merges = []
-    for word in _template_words(template):  # each word one token: a chain of merges through its prefixes
+    for word in _template_words(template, specials):  # each word one token: a chain of merges through its prefixes
         for k in range(2, len(word) + 1):
             if word[:k] not in vocab:
                 vocab[word[:k]] = len(vocab)
                 merges.append((word[:k - 1], word[k - 1]))
-    for s in _SPECIALS:
+    for s in specials:
         vocab[s] = len(vocab)
     return Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
-                          pad_token="<|endoftext|>", additional_special_tokens=list(_SPECIALS[1:]),
+                          pad_token="<|endoftext|>", additional_special_tokens=list(specials[1:]),
                           model_max_length=32768)
 
 
-def _build_text_encoder(tokenizer):
+def _build_text_encoder(tokenizer, vision_ids: dict | None = None):
+    """``vision_ids``: the image/video/vision-start token ids (Qwen-Image-Edit reads images through the vision tower);
+    None: ids outside the vocabulary (text prompts never hold them)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     n = len(tokenizer)
+    ids = vision_ids or dict(image_token_id=n, video_token_id=n + 1, vision_start_token_id=n + 2)
     text = dict(vocab_size=n, hidden_size=_TINY_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
                 rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, tie_word_embeddings=False,
@@ -116,9 +120,7 @@ def _build_text_encoder(tokenizer):
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=_TINY_TEXT_WIDTH,
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[0])
-    # the image/video ids only need to be outside the tiny vocabulary (text prompts never hold them)
-    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=n, video_token_id=n + 1, vision_start_token_id=n + 2))
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
 
 
 def _build_transformer():

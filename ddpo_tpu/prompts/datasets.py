@@ -12,6 +12,9 @@ geneval):
     (train | test). A folder holding both files for the split is refused: name the file to read.
 ``prompts.path`` a ``.txt`` or ``.jsonl`` file
     read as above; ``prompts.split`` chooses only among a folder's files.
+``prompts.path`` a bare name that is no path here
+    a dataset folder shipped in ``ddpo_tpu/prompts/assets/`` (``edit_tiny``: 8 edit rows over 32 x 32 PNGs, for
+    tests and the edit smoke).
 
 A prompt's metadata is its row minus ``prompt`` (the references hand the whole row, prompt included; the prompt is
 the reward's ``prompts`` argument here); ``{}`` for a ``.txt`` line. Blank lines are skipped (the references keep
@@ -23,7 +26,18 @@ the same metadata are kept as rows (flow_grpo's geneval test_metadata.jsonl list
 2212 rows); the same text with different metadata is refused, naming the file and both lines. Sampling draws rows,
 as the references' samplers draw dataset indices (``PromptSource.sample`` / ``sample_distinct``).
 
-Standard library and numpy only (the config validation imports it).
+Edit datasets (model.family=qwen_image_edit): flow_grpo's edit layout as its scripts/train_qwenimage_edit_plus.py
+(yifan123/flow_grpo@9dcdc35b211205511f171a4f3566e40786575bc3, class GenevalPromptImageDataset) reads it: a
+``<split>_metadata.jsonl`` whose rows carry, beside ``prompt``, the image paths ``ref_image``, ``ctrl_image`` and
+``sup_image`` relative to the dataset folder. Its sampler hands the pipeline ``[ref_image, ctrl_image]`` (in that
+order: "Picture 1" is the reference) and the reward the reference; ``sup_image`` is read and never used. A row may
+instead name its pictures in an ``image`` field (a path or a list of paths: the layout of that script's commented-out
+first dataset class). A file whose rows name images is an edit dataset (``EditDatasetSource``): every row must name
+them, the same number, and each file must exist (refused naming file:line). Each prompt's metadata then holds
+``source_images``: its pictures as uint8 (H, W, 3) arrays, loaded (with PIL, on use) as stored; the model family
+resizes them as its pipeline does and the rewards that take sources see them there (docs/rewards.md).
+
+Standard library and numpy only (the config validation imports it; PIL only when an edit row's images are loaded).
 """
 
 from __future__ import annotations
@@ -59,6 +73,65 @@ class DatasetSource(PromptSource):
         return f"DatasetSource(file={str(self.file)!r}, rows={self.size})"
 
 
+# flow_grpo's edit rows: the pictures the pipeline gets, in its order (train_qwenimage_edit_plus.py; see the docstring)
+EDIT_IMAGE_FIELDS: tuple[str, ...] = ("ref_image", "ctrl_image")
+SOURCE_IMAGES = "source_images"  # the metadata field holding a row's pictures (uint8 arrays)
+
+
+def row_image_paths(row: Mapping[str, Any]) -> list[str] | None:
+    """The pictures a row names (paths as written), or None for a row that names none."""
+    image = row.get("image")
+    if image is not None:
+        return [image] if isinstance(image, str) else list(image)
+    named = [row[k] for k in EDIT_IMAGE_FIELDS if k in row]
+    return named or None
+
+
+class EditDatasetSource(DatasetSource):
+    """An edit dataset: each prompt's metadata also holds its pictures, loaded from the folder of the file."""
+
+    def __init__(self, name: str, rows: Sequence[tuple[str, Mapping[str, Any]]], file: pathlib.Path):
+        super().__init__(name, rows, file)
+        self.folder = file.parent
+
+    def image_paths(self, prompt: str) -> list[pathlib.Path]:
+        return [self.folder / p for p in row_image_paths(self._metadata.get(prompt, {})) or []]
+
+    def metadata(self, prompts: Sequence[str]) -> list[dict[str, Any]]:
+        import numpy as np
+        from PIL import Image
+
+        rows = super().metadata(prompts)
+        for prompt, row in zip(prompts, rows):
+            paths = self.image_paths(prompt)
+            if paths:
+                row[SOURCE_IMAGES] = [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+        return rows
+
+    def __repr__(self) -> str:
+        return f"EditDatasetSource(file={str(self.file)!r}, rows={self.size})"
+
+
+def _edit_rows_problem(file: pathlib.Path, rows: list[tuple[int, str, dict[str, Any]]], value: object) -> None:
+    """Every row names the same number of pictures, each an existing file (paths relative to the file's folder)."""
+    count = None
+    for n, _, meta in rows:
+        paths = row_image_paths(meta)
+        where = f"{file}:{n}"
+        if not paths:
+            raise _fail(value, f"{where}: no input images, while other rows of this edit dataset name theirs",
+                        f"give every row its pictures ({', '.join(EDIT_IMAGE_FIELDS)} or \"image\")")
+        if count is None:
+            count = len(paths)
+        elif len(paths) != count:
+            raise _fail(value, f"{where}: {len(paths)} input images, the first row {count} (a batch shares one "
+                        "picture count)", "give every row the same number of pictures")
+        for p in paths:
+            if not isinstance(p, str) or not (file.parent / p).is_file():
+                raise _fail(value, f"{where}: the picture {p!r} is not a file under {file.parent}",
+                            "paths in an edit dataset are relative to its folder (flow_grpo's layout)")
+
+
 def _fail(value: object, reason: str, fix: str) -> PromptError:
     return PromptError("prompts.path", value, reason, fix)
 
@@ -71,6 +144,12 @@ def resolve_dataset_file(path: str | None, split: str) -> pathlib.Path:
     if split not in SPLITS:
         raise PromptError("prompts.split", split, "unknown split", f"use one of {', '.join(SPLITS)}")
     p = pathlib.Path(str(path)).expanduser()
+    if not p.exists() and p.name == str(path):  # a bare name: a shipped dataset folder (assets/edit_tiny)
+        from importlib import resources
+
+        shipped = resources.files("ddpo_tpu.prompts").joinpath("assets").joinpath(str(path))
+        if isinstance(shipped, pathlib.Path) and shipped.is_dir():
+            p = shipped
     if p.is_dir():
         candidates = [p / f"{split}_metadata.jsonl", p / f"{split}.txt"]
         found = [c for c in candidates if c.is_file()]
@@ -148,4 +227,7 @@ def read_dataset(path: str | None, split: str = "train", name: str = "dataset") 
             raise _fail(path, f"{file}:{seen[0]} and line {n} give the prompt {prompt[:60]!r} different metadata, "
                         "and samples are grouped by prompt text (GRPO, per-prompt statistics)",
                         "make rows with one prompt text carry the same fields, or drop one of them")
+    if any(row_image_paths(m) for _, _, m in rows):
+        _edit_rows_problem(file, rows, path)
+        return EditDatasetSource(name, [(p, m) for _, p, m in rows], file)
     return DatasetSource(name, [(p, m) for _, p, m in rows], file)

@@ -26,6 +26,7 @@ from ddpo_tpu.rewards import geneval, ocr  # noqa: E402,F401
 # GenEval's built-in detectors and colour classifiers (mmdet, transformers; open_clip, clip) register themselves
 from ddpo_tpu.rewards import geneval_backends  # noqa: E402,F401
 from ddpo_tpu.rewards import vlm_judge  # noqa: E402,F401 -- VLM judges over a chat endpoint (stdlib + PIL)
+from ddpo_tpu.rewards import edit_consistency  # noqa: E402,F401 -- the edit task's stand-in (numpy; sees the sources)
 
 __all__ = ["REWARDS", "Reward", "RewardError", "make_reward", "register_reward", "to_uint8_images",
            "JpegCompressibility", "JpegIncompressibility"]

@@ -15,6 +15,13 @@ positions; an OCR target; anything a JSONL row carries), one mapping per image i
 mapping for a prompt without any, and ``None`` when the prompt source has no metadata at all. Rewards that do not use
 it ignore it.
 
+Source pictures (the edit task, model.family=qwen_image_edit): an edit dataset's rows name each prompt's input
+pictures, and each image's metadata then holds them as ``metadata[i]["source_images"]``: a list of uint8 (H, W, 3)
+arrays, as stored in the dataset (prompts/datasets.py; flow_grpo's order: the reference picture first, then the
+control picture), not resized to the output. A reward that needs them says so in its catalog entry
+(``RewardSpec(takes_sources=True)``, catalog/rewards.py): the front end refuses it on prompts that carry none, and
+refuses an edit family scored by a reward that cannot see them (catalog/reward_checks.py). docs/rewards.md.
+
 ``extras`` are per-image values a reward reports beside the one that trains (a weighted reward's components,
 GenEval's strict correctness per tag): float arrays of shape (B,), NaN where a value does not apply to an image. The
 loop logs each one's mean over the images where it applies.

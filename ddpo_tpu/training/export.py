@@ -88,6 +88,8 @@ EXPORTS = {
     "wan": FamilyExport("WanPipeline", "transformer", "ddpo_tpu.models.wan:ensure_tiny_wan_build", builds=True,
                         experts=(("high.", "transformer"), ("low.", "transformer_2"))),
     "qwen_image": FamilyExport("QwenImagePipeline", "transformer", "ddpo_tpu.models.qwen_image:ensure_tiny_qwen_image"),
+    "qwen_image_edit": FamilyExport("QwenImageEditPlusPipeline", "transformer",
+                                    "ddpo_tpu.models.qwen_image_edit:ensure_tiny_qwen_image_edit"),
     "flux2": FamilyExport("Flux2KleinPipeline", "transformer", "ddpo_tpu.models.flux2:ensure_tiny_flux2"),
     "z_image": FamilyExport("ZImagePipeline", "transformer", "ddpo_tpu.models.z_image:ensure_tiny_z_image"),
 }

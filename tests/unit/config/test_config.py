@@ -94,6 +94,7 @@ def test_experiment_list_is_the_tested_one():
     flow += ["wan_grpo_smoke"]  # composed in tests/unit/models/test_wan_model.py
     flow += ["wan22_grpo_smoke"]  # composed in tests/unit/models/test_wan22_model.py
     flow += ["qwen_image_grpo_smoke", "qwen_image_grpo_pickscore"]  # composed in unit/models/test_qwen_image_model.py
+    flow += ["qwen_image_edit_grpo_smoke"]  # composed in unit/models/test_qwen_image_edit_model.py
     flow += ["flux2_grpo_smoke"]  # composed in tests/unit/models/test_flux2_model.py
     flow += ["z_image_grpo_smoke"]  # composed in tests/unit/models/test_z_image_model.py
     flow += ["dppo_smoke"]  # composed in tests/unit/algorithms/test_dppo.py
@@ -302,7 +303,7 @@ RULES = [
      "reward.components.0.name", ["no reward of this name goes here", "jpeg_compressibility, "]),
     ("reward_unknown_name", ["reward.name=nope"], "reward.name",
      ["no reward of this name goes here", "choose one of: jpeg_compressibility, ",
-      ", remote, digit_classifier, ocr, geneval, vlm_judge, weighted"]),
+      ", remote, digit_classifier, ocr, geneval, vlm_judge, edit_consistency, weighted"]),
     ("reward_name_missing", ["~reward.name"], "reward.name", ["required key is missing", "jpeg_compressibility"]),
     ("reward_key_of_another_reward", ["reward=remote", "+reward.mlp_path=/x.pth"], "reward.mlp_path",
      ["unknown key", "valid keys here: backoff_s, batch_size, frame_reduction, headers, host_workers, image_format, name, process, retries"]),

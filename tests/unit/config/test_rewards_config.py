@@ -82,6 +82,8 @@ def test_strict_frozen_and_finite():
 @pytest.mark.parametrize("reward", sorted(p.stem for p in (REPO / "conf" / "reward").glob("*.yaml")))
 def test_each_reward_group_validates_to_its_model_and_dumps_back_the_same_tree(reward, tmp_path):
     overrides = ["+experiment=smoke", f"reward={reward}"]
+    if SPECS.get(reward).takes_sources:  # it scores against the prompts' source pictures: an edit dataset's
+        overrides += ["prompts=dataset", "prompts.path=edit_tiny"]
     if SPECS.get(reward).takes == "videos":  # a video model (the real one: reward_local has no tiny keys for it)
         overrides = ["+experiment=wan_grpo_smoke", f"reward={reward}", "model=wan21_t2v_1_3b",
                      "train.mixed_precision=bf16"]

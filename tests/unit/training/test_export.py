@@ -35,8 +35,14 @@ CONFIGS = {
     "qwen_image": ["+experiment=qwen_image_grpo_smoke", "sample.num_steps=3", "sample.sde_window.size=2"],
     "flux2": ["+experiment=flux2_grpo_smoke", "sample.num_steps=3", "sample.sde_window.size=2"],
     "z_image": ["+experiment=z_image_grpo_smoke", "sample.num_steps=3"],
+    "qwen_image_edit": ["+experiment=qwen_image_edit_grpo_smoke", "sample.num_steps=3", "sample.sde_window.size=2"],
 }
 PROMPTS = ["a cat", "a red bicycle"]
+EDIT_PROMPTS = ["make the square red", "make the square blue"]  # the edit family's prompts name their pictures
+
+
+def prompts_of(fam) -> list[str]:
+    return EDIT_PROMPTS if fam.name == "qwen_image_edit" else PROMPTS
 # the loaded model computes what ours does (measured: 0, every family and format, torch 2.9 CPU): the bound leaves
 # room for another BLAS ordering the same operations differently
 REL_TOL = 1e-6
@@ -62,11 +68,12 @@ def sample(fam, denoiser=None):
     fam.denoiser = denoiser
     try:
         gen = torch.Generator().manual_seed(7)
-        shape, steps = (len(PROMPTS), *fam.latent_shape), fam.num_steps
+        prompts = prompts_of(fam)
+        shape, steps = (len(prompts), *fam.latent_shape), fam.num_steps
         init, noise = torch.randn(shape, generator=gen), torch.randn((steps, *shape), generator=gen)
         with torch.no_grad():
-            traj = sample_trajectory(fam.make_denoise_step(None), steps, fam.encode(PROMPTS),
-                                     fam.encode([""] * len(PROMPTS)), init, noise, rt=fam.rt, sync_every=0)
+            traj = sample_trajectory(fam.make_denoise_step(None), steps, fam.encode(prompts),
+                                     fam.encode([""] * len(prompts)), init, noise, rt=fam.rt, sync_every=0)
             return traj.sample.float(), fam.decode(traj.sample)
     finally:
         fam.denoiser = None
@@ -96,6 +103,8 @@ def base_pipeline(fam):
     cls = getattr(diffusers, family_export(fam.name).pipeline)
     # the tiny SD 3 has no T5 (as SD 3 allows): its pipeline is told so
     extra = {"text_encoder_3": None, "tokenizer_3": None} if fam.name == "sd3" else {}
+    if fam.name == "qwen_image_edit":  # its processor without the video part (models/qwen_image_edit.make_processor)
+        extra = {"processor": fam.c.processor}
     return cls.from_pretrained(source, local_files_only=True, **extra)
 
 

@@ -1,0 +1,163 @@
+"""model.family=qwen_image_edit on its tiny build (ddpo_tpu.models.qwen_image_edit, families/qwen_image_edit.py)
+against diffusers' QwenImageEditPlusPipeline (0.42.1, pipelines/qwenimage/pipeline_qwenimage_edit_plus.py) and
+yifan123/flow_grpo's edit script at 9dcdc35b211205511f171a4f3566e40786575bc3:
+
+* the pipeline run whole on the same prompt, input pictures and initial latents (deterministic: the Euler ODE) and our
+  family's ODE step from our own encoding equal at every step to float32 rounding: the pictures through the processor
+  and Qwen2.5-VL in the edit template, through the VAE (mode, normalised, packed, appended), the RoPE shapes, the cut
+  of the prediction. The pipeline's VAE_IMAGE_SIZE is set to the tiny build's (the family's one departure);
+* the training log-prob equals flow_grpo's scripts/train_qwenimage_edit_plus.py::compute_log_prob:
+  the transformer on ``cat([latents, image_latents], dim=1)``, the prediction cut to the generated tokens, then
+  sd3_sde_with_logprob's step scoring ``next_latents`` (written from flow_grpo in tests/parity/test_flux_parity.py).
+  At guidance 1 its ``neg + 1 (cond - neg)`` rescaled to the conditional norm is the conditional prediction, so the
+  reference here makes the conditional pass only;
+* the compose-time refusals of the edit family and of a reward that takes sources.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.parity.test_flux_parity import ref_sde_step_with_logprob
+
+STEPS, NOISE_LEVEL = 3, 1.2
+
+
+@pytest.fixture(scope="module")
+def fam(model_cache):
+    from tests.helpers import family_with_trained_adapter
+
+    return family_with_trained_adapter(["+experiment=qwen_image_edit_grpo_smoke", f"model.cache_dir={model_cache}",
+                                        f"sample.num_steps={STEPS}", f"sample.sde_window.size={STEPS - 1}",
+                                        f"sample.noise_level={NOISE_LEVEL}"])
+
+
+def _pipeline(fam):
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
+
+    c = fam.c
+    return QwenImageEditPlusPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(c.scheduler.config),
+                                     vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
+                                     processor=c.processor, transformer=fam.model)
+
+
+def _run_pipeline(fam, monkeypatch, prompt, init):
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from ddpo_tpu.models.qwen_image_edit import TINY_VAE_IMAGE_SIZE
+
+    monkeypatch.setattr(plus, "VAE_IMAGE_SIZE", TINY_VAE_IMAGE_SIZE)
+    pipe, seen, steps = _pipeline(fam), [], []
+    hook = fam.model.register_forward_hook(lambda m, a, kw, out: seen.append((kw, out[0])), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(image=fam.pictures([prompt])[0], prompt=prompt, height=32, width=32, num_inference_steps=STEPS,
+                 true_cfg_scale=1.0, latents=init.clone(), output_type="latent",
+                 callback_on_step_end=lambda p, i, t, kw: steps.append(kw["latents"].clone()) or {})
+    finally:
+        hook.remove()
+    return pipe, seen, steps
+
+
+def test_ode_steps_equal_qwen_image_edit_plus_pipeline(fam, monkeypatch):
+    prompt = "make the square red"
+    init = torch.randn(1, *fam.latent_shape, generator=torch.Generator().manual_seed(1))
+    pipe, seen, steps = _run_pipeline(fam, monkeypatch, prompt, init)
+    assert len(steps) == STEPS and len(seen) == STEPS
+    cond = fam.encode([prompt])
+    kw = seen[0][0]
+    n = int(cond[1][0].sum())  # the real conditioning tokens (ours are padded with mask 0)
+    assert kw["encoder_hidden_states"].shape[1] == n > 8  # the pictures' tokens are in the conditioning
+    torch.testing.assert_close(cond[0][0, :n], kw["encoder_hidden_states"][0], rtol=1e-5, atol=1e-5)
+    assert not cond[0][0, n:].any()
+    # the pictures' packed VAE latents appended after the 16 generated tokens, RoPE shapes in the pipeline's order
+    torch.testing.assert_close(cond[2], kw["hidden_states"][:, init.shape[1]:], rtol=1e-5, atol=1e-6)
+    assert kw["img_shapes"] == [[(1, 4, 4), *fam.image_shapes]] and len(fam.image_shapes) == 2
+    step = fam.make_denoise_step(None, deterministic=True)
+    x = init
+    for i in range(STEPS):
+        x, _ = step(x, torch.full((1,), i, dtype=torch.long), torch.zeros_like(x), cond, None)
+        torch.testing.assert_close(x, steps[i], rtol=1e-5, atol=2e-5)
+
+
+def test_training_log_prob_equals_flow_grpo_edit_compute_log_prob(fam, monkeypatch):
+    prompts = ["make the square blue", "make the background dark"]
+    cond = fam.encode(prompts)
+    pipe = _pipeline(fam)
+    from ddpo_tpu.models.flux import flux_tables  # noqa: F401 -- the family's schedule: pipe.scheduler gets the same
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_shift, retrieve_timesteps
+    import numpy as np
+
+    cfg = pipe.scheduler.config
+    mu = calculate_shift(16, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+    timesteps, _ = retrieve_timesteps(pipe.scheduler, STEPS, "cpu", sigmas=np.linspace(1.0, 1 / STEPS, STEPS), mu=mu)
+    torch.testing.assert_close(fam.tables.timestep_at(torch.arange(STEPS)).float(), timesteps.float())
+    gen = torch.Generator().manual_seed(3)
+    lat = torch.randn(2, *fam.latent_shape, generator=gen)
+    nxt = lat + 0.1 * torch.randn(lat.shape, generator=gen)
+    score = fam.make_score_step(None)
+    shapes = [[(1, 4, 4), *fam.image_shapes]] * 2
+    for j in range(STEPS - 1):
+        t = timesteps[j].expand(2)
+        with torch.no_grad():
+            pred = fam.model(hidden_states=torch.cat([lat, cond[2]], dim=1), timestep=t / 1000,
+                             encoder_hidden_states=cond[0], encoder_hidden_states_mask=cond[1], img_shapes=shapes,
+                             return_dict=False)[0][:, :lat.shape[1]]
+            _, ref_lp, ref_mean, std = ref_sde_step_with_logprob(pipe.scheduler, pred.float(), t, lat.float(),
+                                                                 prev_sample=nxt.float(), noise_level=NOISE_LEVEL)
+        ours = score(lat, torch.full((2,), j, dtype=torch.long), nxt, cond, None)
+        torch.testing.assert_close(ours.log_prob, ref_lp, rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(ours.mean, ref_mean, rtol=1.3e-6, atol=1e-5)
+    ours.log_prob.sum().backward()  # the gradient reaches the adapter through the pictures' tokens too
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in fam.model.named_parameters() if "lora" in n)
+    fam.model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["reward=jpeg_compressibility", "~reward.components"],
+     "reward.name=jpeg_compressibility: model.family=qwen_image_edit"),
+    (["reward.components=[{name: jpeg_compressibility, weight: 1.0}]"],  # no component sees the sources
+     "reward.name=weighted: model.family=qwen_image_edit"),
+    (["prompts.name=simple_animals", "prompts.path=null"], "prompts=simple_animals: model.family=qwen_image_edit"),
+    (["sample.guidance_scale=4.0", "train.cfg=true"], "sample.guidance_scale=4.0: model.family=qwen_image_edit"),
+])
+def test_edit_family_refusals(overrides, key):
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.problems import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", *overrides])
+    assert key in str(e.value)
+
+
+def test_a_reward_taking_sources_is_refused_without_an_edit_dataset():
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.problems import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=qwen_image_grpo_smoke", "reward=edit_consistency"])
+    assert "prompts=simple_animals: reward=edit_consistency scores each output against its prompt's source" \
+        in str(e.value)
+
+
+def test_the_full_size_config_fits_8_gpus_split_and_is_refused_on_v6e():
+    """Qwen-Image-Edit-2509 at flow_grpo's settings (512 px, two 512 x 512 pictures: 3584 tokens an evaluation): the
+    memory rule takes 8 x 80 GiB with the transformer split 8 ways and checkpointing (flow_grpo trains it on 8 GPUs
+    with FSDP), and refuses a v6e chip (32 GiB) whatever the split: one sample's activations do not fit."""
+    from ddpo_tpu.config import memory
+    from ddpo_tpu.config.compose import compose_and_validate
+    from ddpo_tpu.problems import ConfigError
+
+    real = ["+experiment=qwen_image_edit_grpo_smoke", "model=qwen_image_edit_2509", "train.mixed_precision=bf16",
+            "sample.num_steps=10", "sample.batch_size=4", "sample.num_batches_per_epoch=16", "algorithm.group_size=16",
+            "train.batch_size=1", "train.gradient_accumulation_steps=16", "sample.sde_window.size=2",
+            "sample.sde_window.placement=random", "sample.sde_window.range=[0,5]"]
+    split = compose_and_validate(real + ["tpu_topology=gpu-8", "tpu_topology.mesh.fsdp=8",
+                                         "tpu_topology.mesh.dp=1"]).cfg
+    assert memory.resident_gib(split) == pytest.approx(29.7, abs=0.1) and memory.activation_checkpointing(split)
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(real + ["tpu_topology=v6e-8", "tpu_topology.mesh.fsdp=8", "tpu_topology.mesh.dp=1"])
+    (p,) = e.value.problems
+    assert p.key == "tpu_topology.name" and "43.8 GiB of activations" in p.reason
