@@ -343,42 +343,11 @@ def request_bound_s(reward: dict) -> float:
     return max(bounds)
 
 
-def _has_sources(source: Any) -> bool:
-    return type(source).__name__ == "EditDatasetSource"  # prompts/datasets.py (not imported: no cycle, no cost)
-
-
 def _sources_problems(r: Any, prefix: str, prompts: Any, source: Any, evals: list[str]) -> list[Problem]:
     """A reward that scores against the source pictures needs prompts whose rows name them (an edit dataset)."""
-    if _has_sources(source):
+    if getattr(source, "has_source_images", False):  # prompts/base.py PromptSource (None: not built)
         return []
     return [Problem("prompts", getattr(prompts, "name", None), f"{prefix}={r.name} scores each output against its "
                     "prompt's source pictures and these prompts name none",
                     "set prompts=dataset prompts.path=DIR on an edit dataset (flow_grpo's layout: ref_image, "
                     "ctrl_image per row; the shipped one: prompts.path=edit_tiny)")]
-
-
-def edit_family_problems(cfg: Any) -> list[Problem]:
-    """model.family=qwen_image_edit (families/qwen_image_edit.py): its prompts must name their input pictures, its
-    reward (or a reward=weighted component) must see them, and it samples without guidance (the loop's one negative
-    prompt cannot carry each row's pictures)."""
-    from ddpo_tpu.catalog.rewards import REWARDS
-
-    if cfg.model.family != "qwen_image_edit":
-        return []
-    problems: list[Problem] = []
-    if cfg.prompts.name != "dataset":
-        problems.append(Problem("prompts", cfg.prompts.name, "model.family=qwen_image_edit edits each prompt's input "
-                                "pictures and these prompts name none", "set prompts=dataset prompts.path=DIR on an "
-                                "edit dataset (flow_grpo's layout), e.g. prompts.path=edit_tiny"))
-    r = cfg.reward
-    names = [c.name for c in r.components] if r.name == "weighted" else [r.name]
-    if not any(REWARDS.get(n).takes_sources for n in names):
-        problems.append(Problem("reward.name", r.name, "model.family=qwen_image_edit makes edits, and this reward "
-                                "cannot see the source pictures (an edit scored without them rewards any image)",
-                                "use a reward that takes them, e.g. reward=edit_consistency (or as a reward=weighted "
-                                "component)"))
-    if cfg.sample.guidance_scale != 1.0:
-        problems.append(Problem("sample.guidance_scale", cfg.sample.guidance_scale, "model.family=qwen_image_edit "
-                                "samples without guidance (its negative prompt would need each row's pictures)",
-                                "set sample.guidance_scale=1.0 and train.cfg=false"))
-    return problems

@@ -11,7 +11,7 @@ from ddpo_tpu.rundir.checkpoint_layout import holds_checkpoint
 from ddpo_tpu.config.batch import Totals
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem
-from ddpo_tpu.catalog.reward_checks import edit_family_problems
+from ddpo_tpu.catalog.edit_checks import edit_family_problems
 
 # what XLA_FLAGS and LIBTPU_INIT_ARGS accept: space-separated --name or --name=value (anything else aborts the runtime)
 _FLAG = re.compile(r"--[A-Za-z0-9_]+(=\S*)?")

@@ -10,7 +10,7 @@ and the training step carry the images as any other conditioning tensor; nothing
 
 Guidance: the pipeline's negative prompt is encoded with the same pictures, one negative per row; the loop's one
 unconditional prompt (``encode([""])``) cannot carry them, so sample.guidance_scale must stay 1 (refused at compose
-time, catalog/reward_checks.py::edit_family_problems). flow_grpo's edit runs use true CFG; that is left to do.
+time, catalog/edit_checks.py::edit_family_problems). flow_grpo's edit runs use true CFG; that is left to do.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class QwenImageEditFamily(QwenImageFamily):
                 raise ValueError(f"model.family=qwen_image_edit: the prompt {prompt[:60]!r}'s pictures are "
                                  f"{shapes} latent tokens, others {self.image_shapes}: a batch shares one shape "
                                  "(give every row input images of one size and count)")
-            embeds.append(e), masks.append(m), latents.append(z[0].to(self.dtype))
+            embeds.append(e)
+            masks.append(m)
+            latents.append(z[0].to(self.dtype))
         return torch.stack(embeds), torch.stack(masks), torch.stack(latents)
 
     @torch.no_grad()

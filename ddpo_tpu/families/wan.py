@@ -39,7 +39,7 @@ XLA CPU. A dynamo path needs the loop to hand the step index over as a Python in
 from __future__ import annotations
 
 
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -143,7 +143,8 @@ class WanFamily(FlowFamily):
         """The experts that train, by name (one transformer: {"": it}, the state's keys unprefixed as before)."""
         if self.c.transformer_2 is None:
             return {"": self.model}
-        return {f"{name}.": self.model.expert(name) for name in self.trained_experts}
+        experts: Any = self.model  # WanExperts (models/wan.py) when there is a transformer_2
+        return {f"{name}.": experts.expert(name) for name in self.trained_experts}
 
     def trainable_state(self) -> dict[str, Tensor]:
         """The trained weights; A14B's prefixed by expert ("high." / "low."), so a checkpoint keeps both adapters."""
@@ -197,7 +198,8 @@ class WanFamily(FlowFamily):
         side = None if high_steps is None else _expert_side(idx, high_steps)
         timestep = tables.timestep_at(idx)
         if self.c.expand_timesteps:  # a timestep per video token (WanPipeline: mask[0][0][:, ::2, ::2] * t)
-            p = self.c.transformer.config.patch_size
+            transformer: Any = self.c.transformer
+            p = transformer.config.patch_size
             tokens = x.shape[2] // p[0] * (x.shape[3] // p[1]) * (x.shape[4] // p[2])
             timestep = timestep.float()[:, None].expand(x.shape[0], tokens)
         call = lambda model, rows=None: wan_velocity(  # noqa: E731
@@ -212,6 +214,7 @@ class WanFamily(FlowFamily):
         experts = getattr(experts, "module", experts)  # a data-parallel wrapper holds the WanExperts
         if side != "mixed":
             return call(experts.high if side == "high" else experts.low)
+        assert high_steps is not None and self.c.boundary_timestep is not None  # side is not None: two experts
         if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
             keep = (tables.timestep_at(idx) >= self.c.boundary_timestep).view(-1, *([1] * (x.dim() - 1)))
             return torch.where(keep, call(experts.high), call(experts.low))

@@ -36,6 +36,9 @@ class PromptSource:
     weigh more, as with ``random.choice`` in the reference.
     """
 
+    # the rows name input pictures, handed to the reward as metadata["source_images"] (an edit dataset's)
+    has_source_images = False
+
     def __init__(self, name: str, parts: Sequence[Sequence[str]]):
         if not parts or any(len(p) == 0 for p in parts):
             raise ValueError(f"prompt source {name!r}: every part needs at least one entry")

@@ -90,6 +90,8 @@ def row_image_paths(row: Mapping[str, Any]) -> list[str] | None:
 class EditDatasetSource(DatasetSource):
     """An edit dataset: each prompt's metadata also holds its pictures, loaded from the folder of the file."""
 
+    has_source_images = True
+
     def __init__(self, name: str, rows: Sequence[tuple[str, Mapping[str, Any]]], file: pathlib.Path):
         super().__init__(name, rows, file)
         self.folder = file.parent

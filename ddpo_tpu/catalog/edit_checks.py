@@ -1,0 +1,35 @@
+"""Compose-time checks of the edit task (issue 40 item 3): an edit family's prompts must name their input pictures,
+its reward must see them, and it samples without guidance. Its own module: it reads the reward catalog
+(catalog/rewards.py), which imports catalog/reward_checks.py, so it cannot live there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpo_tpu.catalog.rewards import REWARDS
+from ddpo_tpu.problems import Problem
+
+
+def edit_family_problems(cfg: Any) -> list[Problem]:
+    """model.family=qwen_image_edit (families/qwen_image_edit.py): its prompts must name their input pictures, its
+    reward (or a reward=weighted component) must see them, and it samples without guidance (the loop's one negative
+    prompt cannot carry each row's pictures)."""
+    if cfg.model.family != "qwen_image_edit":
+        return []
+    problems: list[Problem] = []
+    if cfg.prompts.name != "dataset":
+        problems.append(Problem("prompts", cfg.prompts.name, "model.family=qwen_image_edit edits each prompt's input "
+                                "pictures and these prompts name none", "set prompts=dataset prompts.path=DIR on an "
+                                "edit dataset (flow_grpo's layout), e.g. prompts.path=edit_tiny"))
+    r = cfg.reward
+    names = [c.name for c in r.components] if r.name == "weighted" else [r.name]
+    if not any(REWARDS.get(n).takes_sources for n in names):
+        problems.append(Problem("reward.name", r.name, "model.family=qwen_image_edit makes edits, and this reward "
+                                "cannot see the source pictures (an edit scored without them rewards any image)",
+                                "use a reward that takes them, e.g. reward=edit_consistency (or as a reward=weighted "
+                                "component)"))
+    if cfg.sample.guidance_scale != 1.0:
+        problems.append(Problem("sample.guidance_scale", cfg.sample.guidance_scale, "model.family=qwen_image_edit "
+                                "samples without guidance (its negative prompt would need each row's pictures)",
+                                "set sample.guidance_scale=1.0 and train.cfg=false"))
+    return problems
