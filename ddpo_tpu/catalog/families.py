@@ -48,6 +48,8 @@ class FamilySpec:
     # fixed set of graphs. False (Z-Image: its transformer takes each caption at its own length): refused where the
     # execution traces graphs with torch_xla, which would compile a new graph for every new set of prompt lengths
     fixed_shapes: bool = True
+    # with fixed_shapes False: what changes shape from batch to batch (the refusal says it)
+    varying_shapes: str = "gives its denoiser each prompt at its own length"
 
 
 FAMILIES: Registry[FamilySpec] = Registry("model family")
@@ -495,4 +497,9 @@ QWEN_IMAGE_EDIT = FAMILIES.register(FamilySpec(
     lora_example="attn.to_q",
     resolution_multiple=16,  # QwenImageEditPlusPipeline: height and width multiples of vae_scale_factor x 2
     memory=_qwen_image_edit_memory(),
+    # measured 2026-11-29 (+experiment=qwen_image_edit_grpo_smoke tpu_topology=cpu, 2 epochs): epoch 0 compiled 21
+    # sampling graphs, epoch 1 six more: each prompt's pictures are encoded one prompt at a time
+    fixed_shapes=False,
+    varying_shapes="encodes each prompt with its own pictures, one prompt at a time (epoch 1 of the smoke on XLA CPU "
+                   "compiled 6 new sampling graphs)",
 ))

@@ -66,9 +66,8 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
     problems.extend(frame_problems(m, spec))
     if not spec.fixed_shapes and cfg.tpu_topology.spec.torch_xla:
         eager = next(e.name for e in EXECUTIONS if not e.torch_xla and not e.multi_device)
-        problems.append(Problem("tpu_topology.execution", cfg.tpu_topology.execution, f"the {m.family} family's "
-                                f"{spec.denoiser} takes each prompt at its own length, so torch_xla would compile a "
-                                "new graph for every new set of prompt lengths",
+        problems.append(Problem("tpu_topology.execution", cfg.tpu_topology.execution, f"the {m.family} family "
+                                f"{spec.varying_shapes}, so torch_xla would compile new graphs after the first epoch",
                                 f"use a topology whose execution is not torch_xla's (e.g. one with execution={eager})"
                                 ", or a family with fixed shapes"))
     if m.dtype == "bfloat16" and cfg.train.mixed_precision != "bf16":

@@ -161,3 +161,14 @@ def test_the_full_size_config_fits_8_gpus_split_and_is_refused_on_v6e():
         compose_and_validate(real + ["tpu_topology=v6e-8", "tpu_topology.mesh.fsdp=8", "tpu_topology.mesh.dp=1"])
     (p,) = e.value.problems
     assert p.key == "tpu_topology.name" and "43.8 GiB of activations" in p.reason
+
+
+def test_torch_xla_executions_are_refused_naming_why():
+    """The pictures are encoded prompt by prompt: on XLA CPU the smoke's epoch 1 compiled 6 new sampling graphs
+    (2026-11-29), so the family is refused where graphs are traced (catalog fixed_shapes), eager and torchrun kept."""
+    from ddpo_tpu.config.compose import ConfigError, compose_and_validate
+
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "tpu_topology=cpu"])
+    assert "tpu_topology.execution" in str(e.value) and "its own pictures" in str(e.value), str(e.value)
+    compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "tpu_topology=cpu_dist2"])
