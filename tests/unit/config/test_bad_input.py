@@ -7,14 +7,12 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
-import time
-from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import clean_env, timed_run
+from tests.helpers import clean_env, front_end_in_process, timed_run
 from ddpo_tpu.catalog import family
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
@@ -111,35 +109,6 @@ def front_end(tmp: Path, args: list[str], **env_changes: str | None):
     return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")], cpu
 
 
-def front_end_in_process(tmp: Path, args: list[str], monkeypatch, capsys):
-    """The front end's `main(argv)` in this process, as front_end() runs it (cwd tmp/cwd, ddpo_tpu's variables unset):
-    (a process-like result: returncode, stdout, stderr; error lines; CPU seconds; heavy packages it newly imported).
-    A refusal is decided before Hydra's own main() runs, so nothing a subprocess adds matters to these cases but the
-    process's start (~0.8 CPU s of imports each, most of this file's time); the cases kept in SUBPROCESS prove the
-    exit code and console of a real process on each path (compose error, validation error, multirun)."""
-    from ddpo_tpu import train
-    from ddpo_tpu.env import OWNED_VARIABLES
-
-    cwd = tmp / "cwd"
-    cwd.mkdir(exist_ok=True)
-    monkeypatch.chdir(cwd)
-    for k in (*OWNED_VARIABLES, "HYDRA_FULL_ERROR"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(sys, "argv", [train.__file__])
-    capsys.readouterr()
-    before, start = set(sys.modules), time.process_time()
-    try:
-        train.main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    cpu = time.process_time() - start
-    new = {m.split(".")[0] for m in set(sys.modules) - before}
-    out = capsys.readouterr()
-    proc = SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
-    return proc, [ln for ln in out.err.splitlines() if ln.startswith("error: ")], cpu, new & set(HEAVY)
-
-
 HEAVY = ("torch", "torch_xla", "diffusers", "transformers", "peft", "safetensors")
 
 
@@ -189,7 +158,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, ke
         proc, errors, cpu = front_end(tmp_path, args)
         assert_refused(tmp_path, proc, errors, key, fragment, cpu)
     else:
-        proc, errors, cpu, heavy = front_end_in_process(tmp_path, args, monkeypatch, capsys)
+        proc, errors, cpu, heavy = front_end_in_process(tmp_path, args, monkeypatch, capsys, HEAVY)
         assert_refused(tmp_path, proc, errors, key, fragment, cpu, heavy)
 
 
