@@ -54,13 +54,15 @@ def timed_run(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, fl
 HEAVY = ("torch", "torch_xla", "diffusers", "transformers", "peft", "safetensors")
 
 
-def front_end_in_process(tmp: Path, args: list[str], monkeypatch, capsys, heavy: tuple[str, ...] = HEAVY):
+def front_end_in_process(tmp: Path, args: list[str], monkeypatch, capsys, heavy: tuple[str, ...] = HEAVY,
+                         **env: str):
     """The front end's `main(argv)` in this process, run as `python -m ddpo_tpu.train` would be in tmp/cwd with
     clean_env(): (a process-like result: returncode, stdout, stderr; error lines; CPU seconds; the heavy packages it
     newly imported).
     A refusal is decided before Hydra's own main() runs, so nothing a subprocess adds matters to these cases but the
     process's start (~0.8 CPU s of imports each). Keep one real process per path a test covers (what proves the
-    exit code and the console); heavy: the packages counted as heavy imports. A refusal or a --check only: a command
+    exit code and the console); heavy: the packages counted as heavy imports;
+    env: variables set for the call. A refusal or a --check only: a command
     that passes them would start its run in this process."""
     from ddpo_tpu import train
     from types import SimpleNamespace
@@ -71,6 +73,8 @@ def front_end_in_process(tmp: Path, args: list[str], monkeypatch, capsys, heavy:
     monkeypatch.chdir(cwd)
     for k in (*OWNED_VARIABLES, "HYDRA_FULL_ERROR"):
         monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():  # clean_env(**env)'s extra
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(sys, "argv", [train.__file__])
     capsys.readouterr()
     before, start = set(sys.modules), time.process_time()
