@@ -124,7 +124,8 @@ def test_a_gpu_topology_without_gpus_is_refused(tmp_path, monkeypatch, capsys):
 def test_a_torchtpu_topology_without_torchtpu_or_a_tpu_is_refused(tmp_path, monkeypatch, capsys):
     proc, errors, cpu, heavy = front_end_in_process(
         tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=v6e-8",
-                   "tpu_topology.execution=distributed", "sample.batch_size=1", "train.batch_size=1"], monkeypatch, capsys)
+                   "tpu_topology.execution=distributed", "sample.batch_size=1", "train.batch_size=1"],
+        monkeypatch, capsys)
     import importlib.util
 
     if importlib.util.find_spec("torch_tpu") is None:  # .venv: TorchTPU is not installed
