@@ -242,11 +242,12 @@ def _saved_job(tmp_path: Path, num: int, *overrides: str) -> Path:
     return job
 
 
-def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path):
+def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path, monkeypatch, capsys):
+    """In-process (the front end's main()): a multirun's refusal in a real process is the grammar_multirun case."""
     job = _saved_job(tmp_path, 1, "train.learning_rate=0.001")
     before = (job / "config.yaml").read_bytes()
-    proc, errors, cpu = front_end(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
-                                              "train.learning_rate=0.003,0.0001"])
+    proc, errors, cpu, _ = front_end_in_process(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
+                                                           "train.learning_rate=0.003,0.0001"], monkeypatch, capsys)
     print(proc.stderr)
     assert proc.returncode == 2 and len(errors) == 2, proc.stderr  # the point, then the sweep summary
     assert errors[0].startswith("error: [job 1: ") and "train.learning_rate=0.0001: " in errors[0]
