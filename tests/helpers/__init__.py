@@ -51,6 +51,45 @@ def timed_run(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, fl
     return proc, wall, cpu
 
 
+HEAVY = ("torch", "torch_xla", "diffusers", "transformers", "peft", "safetensors")
+
+
+def front_end_in_process(tmp: Path, args: list[str], monkeypatch, capsys, heavy: tuple[str, ...] = HEAVY,
+                         **env: str):
+    """The front end's `main(argv)` in this process, run as `python -m ddpo_tpu.train` would be in tmp/cwd with
+    clean_env(): (a process-like result: returncode, stdout, stderr; error lines; CPU seconds; the heavy packages it
+    newly imported).
+    A refusal is decided before Hydra's own main() runs, so nothing a subprocess adds matters to these cases but the
+    process's start (~0.8 CPU s of imports each). Keep one real process per path a test covers (what proves the
+    exit code and the console); heavy: the packages counted as heavy imports;
+    env: variables set for the call. A refusal or a --check only: a command
+    that passes them would start its run in this process."""
+    from ddpo_tpu import train
+    from types import SimpleNamespace
+    from ddpo_tpu.env import OWNED_VARIABLES
+
+    cwd = tmp / "cwd"
+    cwd.mkdir(exist_ok=True)
+    monkeypatch.chdir(cwd)
+    for k in (*OWNED_VARIABLES, "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():  # clean_env(**env)'s extra
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", [train.__file__])
+    capsys.readouterr()
+    before, start = set(sys.modules), time.process_time()
+    try:
+        train.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    cpu = time.process_time() - start
+    new = {m.split(".")[0] for m in set(sys.modules) - before}
+    out = capsys.readouterr()
+    proc = SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+    return proc, [ln for ln in out.err.splitlines() if ln.startswith("error: ")], cpu, new & set(heavy)
+
+
 def run_train(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """`python -m ddpo_tpu.train *args` in cwd, to completion, output captured."""
     return subprocess.run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=clean_env(**env),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers import clean_env, timed_run
+from tests.helpers import clean_env, front_end_in_process, timed_run
 from ddpo_tpu.catalog import family
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu import env as envmod
@@ -121,7 +121,11 @@ def heavy_imports(proc) -> set[str]:
     return names & set(HEAVY)
 
 
-def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, cpu: float) -> None:
+def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, cpu: float,
+                   heavy: set[str] | None = None) -> None:
+    """heavy: the heavy packages an in-process front end newly imported (None: read them from proc's -X importtime;
+    under --torch-free=only torch is also unimportable in this process, so a heavy import fails either way)."""
+    heavy = heavy_imports(proc) if heavy is None else heavy
     out = proc.stdout + proc.stderr
     print(f"refused in {cpu:.2f} CPU s: {errors}")
     assert proc.returncode == 2, out
@@ -130,19 +134,32 @@ def assert_refused(tmp: Path, proc, errors: list[str], key: str, fragment: str, 
     assert errors[0].endswith(")"), errors[0]  # ... (fix)
     assert "Traceback" not in out and "nothing was started" in proc.stderr
     assert list((tmp / "cwd").iterdir()) == [] and not (tmp / "out").exists()  # no run dir anywhere
-    assert not heavy_imports(proc) and cpu < 5.0, f"refusing took {cpu:.2f} CPU s, imports {heavy_imports(proc)}"
+    assert not heavy and cpu < 5.0, f"refusing took {cpu:.2f} CPU s, imports {heavy}"
+
+
+# one real process per path a refusal takes (a compose error, a validation error, a multirun's); the other cases call
+# the front end's main() in-process (front_end_in_process)
+SUBPROCESS = ("interpolation_missing_key", "inf_weight_decay", "grammar_multirun")
 
 
 @pytest.mark.parametrize("overrides,key,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, key, fragment):
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, overrides, key, fragment, request, monkeypatch,
+                                                        capsys):
+    """Each case: exit 2, one error line naming the key and the fix, no run dir, no heavy import. The cases in
+    SUBPROCESS start `python -m ddpo_tpu.train` (the real process's exit code and console); the others call its
+    main() in-process, where the same lines and exit code come out without ~0.8 CPU s of interpreter start each."""
     _files(tmp_path)
     overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
     multirun = [o for o in overrides if o == "-m"]
     overrides = [o for o in overrides if o != "-m"]
     root = [] if any(o.startswith("output_root=") for o in overrides) else [f"output_root={tmp_path}/out/runs"]
     args = [*multirun, "+experiment=smoke", *root, *overrides]
-    proc, errors, cpu = front_end(tmp_path, args)
-    assert_refused(tmp_path, proc, errors, key, fragment, cpu)
+    if request.node.callspec.id in SUBPROCESS:
+        proc, errors, cpu = front_end(tmp_path, args)
+        assert_refused(tmp_path, proc, errors, key, fragment, cpu)
+    else:
+        proc, errors, cpu, heavy = front_end_in_process(tmp_path, args, monkeypatch, capsys, HEAVY)
+        assert_refused(tmp_path, proc, errors, key, fragment, cpu, heavy)
 
 
 @pytest.mark.requires("torch_xla")
@@ -225,11 +242,12 @@ def _saved_job(tmp_path: Path, num: int, *overrides: str) -> Path:
     return job
 
 
-def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path):
+def test_changed_sweep_is_refused_naming_the_job_dir(tmp_path, monkeypatch, capsys):
+    """In-process (the front end's main()): a multirun's refusal in a real process is the grammar_multirun case."""
     job = _saved_job(tmp_path, 1, "train.learning_rate=0.001")
     before = (job / "config.yaml").read_bytes()
-    proc, errors, cpu = front_end(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
-                                              "train.learning_rate=0.003,0.0001"])
+    proc, errors, cpu, _ = front_end_in_process(tmp_path, ["-m", "+experiment=smoke", f"output_root={tmp_path}/out",
+                                                           "train.learning_rate=0.003,0.0001"], monkeypatch, capsys)
     print(proc.stderr)
     assert proc.returncode == 2 and len(errors) == 2, proc.stderr  # the point, then the sweep summary
     assert errors[0].startswith("error: [job 1: ") and "train.learning_rate=0.0001: " in errors[0]

@@ -14,7 +14,8 @@ from ddpo_tpu.problems import ConfigError
 from ddpo_tpu.config.resume import changed_keys, resume_relevant
 from ddpo_tpu import torchrun
 from ddpo_tpu.launch.process import training_command
-from tests.unit.config.test_bad_input import assert_refused, front_end
+from tests.helpers import front_end_in_process
+from tests.unit.config.test_bad_input import assert_refused
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
@@ -112,31 +113,36 @@ def test_a_resume_compares_the_global_batch_not_how_it_is_split():
 
 
 # --- the front end's machine checks: one line, exit 2, no run dir ----------------------------------------------------
-def test_a_gpu_topology_without_gpus_is_refused(tmp_path):
-    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=gpu-8"])
-    assert_refused(tmp_path, proc, errors, "tpu_topology", "no NVIDIA GPU", cpu)
+# These call the front end's main() in-process (tests.helpers.front_end_in_process): the machine-check path's real
+# process is test_bad_input.py's test_tpu_topology_without_libtpu_is_refused.
+def test_a_gpu_topology_without_gpus_is_refused(tmp_path, monkeypatch, capsys):
+    proc, errors, cpu, heavy = front_end_in_process(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
+                                                               "tpu_topology=gpu-8"], monkeypatch, capsys)
+    assert_refused(tmp_path, proc, errors, "tpu_topology", "no NVIDIA GPU", cpu, heavy)
 
 
-def test_a_torchtpu_topology_without_torchtpu_or_a_tpu_is_refused(tmp_path):
-    proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
-                                              "tpu_topology=v6e-8", "tpu_topology.execution=distributed",
-                                              "sample.batch_size=1", "train.batch_size=1"])
+def test_a_torchtpu_topology_without_torchtpu_or_a_tpu_is_refused(tmp_path, monkeypatch, capsys):
+    proc, errors, cpu, heavy = front_end_in_process(
+        tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=v6e-8",
+                   "tpu_topology.execution=distributed", "sample.batch_size=1", "train.batch_size=1"],
+        monkeypatch, capsys)
     import importlib.util
 
     if importlib.util.find_spec("torch_tpu") is None:  # .venv: TorchTPU is not installed
-        assert_refused(tmp_path, proc, errors, "tpu_topology.execution", "setup.sh --torchtpu", cpu)
+        assert_refused(tmp_path, proc, errors, "tpu_topology.execution", "setup.sh --torchtpu", cpu, heavy)
     else:  # .venv-torchtpu: installed, and this machine has no TPU
-        assert_refused(tmp_path, proc, errors, "tpu_topology", "no TPU chip", cpu)
+        assert_refused(tmp_path, proc, errors, "tpu_topology", "no TPU chip", cpu, heavy)
 
 
-def test_a_rendezvous_port_in_use_is_refused(tmp_path):
+def test_a_rendezvous_port_in_use_is_refused(tmp_path, monkeypatch, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc, errors, cpu = front_end(tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out",
-                                                  "tpu_topology=cpu_dist2", f"distributed.rdzv_endpoint=127.0.0.1:{port}"])
-    assert_refused(tmp_path, proc, errors, "distributed.rdzv_endpoint", "in use", cpu)
+        proc, errors, cpu, heavy = front_end_in_process(
+            tmp_path, ["+experiment=smoke", f"output_root={tmp_path}/out", "tpu_topology=cpu_dist2",
+                       f"distributed.rdzv_endpoint=127.0.0.1:{port}"], monkeypatch, capsys)
+    assert_refused(tmp_path, proc, errors, "distributed.rdzv_endpoint", "in use", cpu, heavy)
 
 
 def test_more_processes_per_node_than_devices_is_refused():

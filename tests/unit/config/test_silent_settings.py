@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from ddpo_tpu.config.compose import compose, compose_and_validate
 from ddpo_tpu.problems import ConfigError
+from tests.helpers import front_end_in_process
 from tests.unit.config.test_bad_input import assert_refused, front_end, heavy_imports
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
@@ -191,7 +192,8 @@ def _saved_run(root: Path, epochs_done: int, *overrides: str) -> Path:
     (["tpu_topology=cpu_dist2", "sample.batch_size=4", "train.batch_size=2"], "tpu_topology.", "is complete (20 of 20"),
     (["logger=tensorboard"], "logger.name", "is complete (20 of 20"),
 ])
-def test_the_readme_next_commands_do_not_rewrite_a_finished_run(tmp_path, change, key, words):
+def test_the_readme_next_commands_do_not_rewrite_a_finished_run(tmp_path, change, key, words, monkeypatch, capsys):
+    """The refusal in a real process; the --check that follows it calls the front end's main() in-process."""
     root = tmp_path / "out"
     run = _saved_run(root, 20)
     before = (run / "config.yaml").read_bytes()
@@ -201,8 +203,8 @@ def test_the_readme_next_commands_do_not_rewrite_a_finished_run(tmp_path, change
     assert errors[0].startswith(f"error: {key}") and words in errors[0] and "run_name=smoke-2" in errors[0]
     assert (run / "config.yaml").read_bytes() == before and sorted(p.name for p in root.iterdir()) == ["smoke"]
     assert not heavy_imports(proc) and cpu < 3.0  # no torch (its import alone is 2.2+ CPU s); 0.8 s quiet
-    proc, errors, _ = front_end(tmp_path, ["+experiment=smoke", f"output_root={root}", *change, "run_name=smoke-2",
-                                           "--check"])
+    proc, errors, _, _ = front_end_in_process(tmp_path, ["+experiment=smoke", f"output_root={root}", *change,
+                                                         "run_name=smoke-2", "--check"], monkeypatch, capsys)
     assert proc.returncode == 0 and errors == [], proc.stderr  # a new run is fine
 
 
@@ -260,7 +262,8 @@ def test_the_readme_runs_its_commands_in_distinct_run_dirs():
 
 # --- --check for another machine -------------------------------------------------------------------------------------
 
-def test_check_previews_a_run_for_a_machine_this_one_is_not(tmp_path):
+def test_check_previews_a_run_for_a_machine_this_one_is_not(tmp_path, monkeypatch, capsys):
+    """--check in a real process; --check-here's refusal and a config problem's call main() in-process."""
     from ddpo_tpu.launch import machine
 
     if machine.nvidia_gpus() > 0:
@@ -272,9 +275,11 @@ def test_check_previews_a_run_for_a_machine_this_one_is_not(tmp_path):
     assert "train timesteps per sample" in proc.stdout  # the parity table
     assert "for another machine" in proc.stdout and not (tmp_path / "out").exists()
     assert not heavy_imports(proc) and cpu < 3.0  # no torch (its import alone is 2.2+ CPU s); 0.8 s quiet
-    proc, errors, _ = front_end(tmp_path, [*args, "--check-here"])  # a pod worker's check: this machine must be it
+    # a pod worker's check: this machine must be it
+    proc, errors, _, _ = front_end_in_process(tmp_path, [*args, "--check-here"], monkeypatch, capsys)
     assert proc.returncode == 2 and len(errors) == 1 and "no NVIDIA GPU" in errors[0], proc.stderr
-    proc, errors, _ = front_end(tmp_path, [*args, "--check", "train.batch_size=3"])  # a config problem still is one
+    # a config problem still is one
+    proc, errors, _, _ = front_end_in_process(tmp_path, [*args, "--check", "train.batch_size=3"], monkeypatch, capsys)
     assert proc.returncode == 2 and errors, proc.stderr
 
 

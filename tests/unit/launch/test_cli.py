@@ -1,6 +1,7 @@
 """The front end as users run it: `python -m ddpo_tpu.train ...` in a subprocess, in an empty directory, with the
 environment's owned variables removed. None of these tests starts a training run: an invalid config must be refused
-before anything is written or started."""
+before anything is written or started. (test_legacy_variable_is_refused's cases after its first call the front end's
+main() in-process: the same refusal path, without a process start each.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from ddpo_tpu.config.compose import conf_dir
-from tests.helpers import clean_env, timed_run
+from tests.helpers import clean_env, front_end_in_process, timed_run
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
@@ -72,12 +73,19 @@ def test_full_error_on_request(tmp_path):
     ("TORCH_TPU_TOPOLOGY", "2x4", "tpu_topology"),               # TorchTPU reads it at `import torch`
     ("PET_NPROC_PER_NODE", "4", "tpu_topology.chips_per_host"),  # torchrun's, which the front end starts
 ])
-def test_legacy_variable_is_refused(tmp_path, name, value, key):
-    proc, _ = cli(tmp_path, "+experiment=smoke", env=clean_env(**{name: value}))
+def test_legacy_variable_is_refused(tmp_path, name, value, key, monkeypatch, capsys):
+    """The first case in a real process; the others call the front end's main() in-process (the same refusal path,
+    tests.helpers.front_end_in_process), where only the process start differs."""
+    if name == "DDPO_TPU_SYNC_EVERY_STEP":
+        proc, _ = cli(tmp_path, "+experiment=smoke", env=clean_env(**{name: value}))
+        cwd = tmp_path
+    else:
+        proc, *_ = front_end_in_process(tmp_path, ["+experiment=smoke"], monkeypatch, capsys, **{name: value})
+        cwd = tmp_path / "cwd"
     assert proc.returncode != 0
     assert name in proc.stderr and key in proc.stderr
     assert "Traceback" not in proc.stderr and "nothing was started" in proc.stderr
-    assert written(tmp_path) == []
+    assert written(cwd) == []
 
 
 def test_multirun_validates_every_point_before_starting(tmp_path):

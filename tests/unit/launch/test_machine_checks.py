@@ -13,7 +13,7 @@ import pytest
 from ddpo_tpu.config.compose import compose_and_validate
 from ddpo_tpu.catalog import family
 from ddpo_tpu.launch import machine
-from tests.helpers import clean_env, timed_run
+from tests.helpers import clean_env, front_end_in_process, timed_run
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
@@ -34,10 +34,23 @@ def refused(cwd: Path, *args: str, **env: str) -> tuple[list[str], float]:
     return errors, cpu
 
 
+def refused_in_process(tmp: Path, monkeypatch, capsys, *args: str) -> list[str]:
+    """refused()'s assertions on the front end's main() called in this process (tests.helpers.front_end_in_process):
+    the same lines and exit code without a process start. test_hub_model_missing_from_the_local_cache keeps the real
+    process (exit code, console, an environment variable read at import)."""
+    proc, errors, cpu, heavy = front_end_in_process(tmp, list(args), monkeypatch, capsys)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted((tmp / "cwd").rglob("*")) == [], "something was written"
+    assert proc.stderr.rstrip().endswith("nothing was started.")
+    assert not heavy and cpu < 3.0, (heavy, cpu)
+    return errors
+
+
 @pytest.mark.skipif(machine.nvidia_gpus() > 0, reason="this machine has a GPU")
 @pytest.mark.parametrize("topology,here", [("cuda", "eager_cpu"), ("gpu-1", "cpu_dist2")])  # eager, distributed
-def test_cuda_without_a_gpu(tmp_path, topology, here):
-    errors, _ = refused(tmp_path, "+experiment=smoke", f"tpu_topology={topology}")
+def test_cuda_without_a_gpu(tmp_path, topology, here, monkeypatch, capsys):
+    errors = refused_in_process(tmp_path, monkeypatch, capsys, "+experiment=smoke", f"tpu_topology={topology}")
     assert errors == [f"error: tpu_topology={topology}: no NVIDIA GPU is visible on this machine (no driver, or "
                       f"CUDA_VISIBLE_DEVICES hides them) (run on a GPU machine, or tpu_topology={here} here)"]
 
@@ -88,9 +101,9 @@ def test_hub_model_missing_from_the_local_cache(tmp_path, monkeypatch):
     ("me/ddpo", "set logger.entity=me logger.project=ddpo"),   # wandb's entity/project spelling
     ("ddpo:v2?", "set logger.project=ddpo-v2-"),
 ])
-def test_wandb_project_name_wandb_would_refuse(tmp_path, project, fix):
-    errors, _ = refused(tmp_path, "+experiment=smoke", "logger=wandb", "logger.mode=offline",
-                        f"logger.project={project}")
+def test_wandb_project_name_wandb_would_refuse(tmp_path, project, fix, monkeypatch, capsys):
+    errors = refused_in_process(tmp_path, monkeypatch, capsys, "+experiment=smoke", "logger=wandb",
+                                "logger.mode=offline", f"logger.project={project}")
     (line,) = errors
     assert line.startswith(f"error: logger.project={project}: contains ") and f"({fix}" in line
 
