@@ -440,7 +440,7 @@ def test_issue43_memory_figures_follow_the_resolution_of_every_image_family(tmp_
         if spec.frame_step is not None:
             short, long = (memory._memory_for(spec, model.model_copy(update={"num_frames": n})) for n in (5, 33))
             assert long.activation_gib_per_eval_512["no"] > short.activation_gib_per_eval_512["no"] * 2, spec.name
-    assert set(walked) == {"sd1", "sd3", "flux", "qwen_image", "wan", "flux2", "z_image"}, walked
+    assert set(walked) == {"sd1", "sd3", "flux", "qwen_image", "wan", "flux2", "z_image", "qwen_image_edit"}, walked
 
 
 def _full_models(family_name: str) -> list[str]:
