@@ -54,6 +54,15 @@ def timed_run(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, fl
 HEAVY = ("torch", "torch_xla", "diffusers", "transformers", "peft", "safetensors")
 
 
+def heavy_imports(proc) -> set[str]:
+    """The heavy packages the front end imported, from -X importtime's "import time: self | cumulative | name" lines
+    (exact, whatever the machine's load; what CPU-second bounds approximated)."""
+    names = {ln.rsplit("|", 1)[1].strip().split(".")[0] for ln in proc.stderr.splitlines()
+             if ln.startswith("import time:") and ln.count("|") == 2}
+    assert "ddpo_tpu" in names, "no -X importtime lines: was the front end run by front_end()?"
+    return names & set(HEAVY)
+
+
 def front_end_in_process(tmp: Path, args: list[str], monkeypatch, capsys, heavy: tuple[str, ...] = HEAVY,
                          **env: str):
     """The front end's `main(argv)` in this process, run as `python -m ddpo_tpu.train` would be in tmp/cwd with
@@ -118,8 +127,8 @@ def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: fl
         time.sleep(0.2)
 
 
-__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "REPO", "clean_env", "read_metrics", "run_train", "timed_run",
-           "wait_for_event"]
+__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "HEAVY", "REPO", "clean_env", "front_end_in_process", "heavy_imports",
+           "read_metrics", "run_train", "timed_run", "wait_for_event"]
 
 
 def run_in_pty(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,

@@ -32,10 +32,8 @@ def test_second_launch_is_refused_naming_the_holder(tmp_path):
                                      "lock_accelerator=true"], cwd=tmp_path, env=clean_env(XDG_CACHE_HOME=str(cache)),
                                     timeout=60)
         assert proc.returncode == 3, proc.stderr
-        # refused by the front end before a training process exists: 0.8-0.9 CPU s, its wall time on a quiet
-        # machine (13 s of wall time at load 8-12, which does not stretch CPU seconds: tests.helpers.timed_run); a
-        # lock taken later would add a worker start, whose torch import alone is 2.2 CPU s, and a model load
-        assert cpu < 3.0, (cpu, wall)
+        # refused by the front end before a training process exists: a worker needs a run dir (checked below); a
+        # CPU-seconds bound here once stood for it and varied with the machine's load
         assert f"pid {holder.pid}" in proc.stderr and "/runs/holder" in proc.stderr and "UTC" in proc.stderr
         assert not (tmp_path / "outputs").exists()
     finally:
@@ -72,10 +70,8 @@ def test_second_identical_command_on_a_run_dir_is_refused_naming_the_holder(tmp_
         assert "Traceback" not in second.stderr
         assert (run / "config.yaml").stat().st_mtime_ns == config_before
         # refused by the front end: no second training process was started (the front end records each one it
-        # starts); ~1 s on a quiet machine, 3+ s of wall time beside the first run's training, so CPU seconds
-        # (tests.helpers.timed_run): a second training process would add its torch import alone, 2.2 CPU s
+        # starts)
         assert [r["event"] for r in ev.read_events(run)].count("worker_started") == 1
-        assert cpu < 3.0, (cpu, wall)
         assert run_dir_lock_path(run).is_file()
     finally:
         first.kill()
