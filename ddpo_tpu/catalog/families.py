@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
 from ddpo_tpu.catalog import wan_memory
-from ddpo_tpu.catalog.memory_figures import GIB, FamilyMemory
+from ddpo_tpu.catalog.memory_figures import GIB, FamilyMemory, split_transformer_memory
 from ddpo_tpu.catalog.registry import Registry
 
 @dataclass(frozen=True)
@@ -141,6 +141,12 @@ SD3_EAGER_GIB = {"no": 2.9, "bf16": 2.1}
 # extrapolated from 2-3 as above, counting each layer's recomputation as if kept: an upper bound;
 # `python scripts/bench.py --checkpointing`), the XLA scores as SD 1.x's
 SD3_CKPT_EAGER_RATIO = 0.26
+
+
+def _split_transformer_memory(*args) -> FamilyMemory:
+    """memory_figures.split_transformer_memory with SD 3.5's measured eager ratio and SD 1.x's scores ratio."""
+    return split_transformer_memory(SD3_CKPT_EAGER_RATIO, CKPT_XLA_SCORES_RATIO, *args)
+
 # SD 3.5 Medium's parts in billions of values (the diffusers / transformers classes built with the checkpoint's configs
 # on the meta device): the transformer's weights (split over mesh.fsdp with the training state) and its positional
 # table (a buffer, whole on every chip); CLIP-L and CLIP-G; T5-XXL's encoder (model.text_encoder_3); the VAE (float32).
@@ -220,36 +226,6 @@ FLUX_STATE_GIB = 0.1793 * 20 * 1e9 / GIB + 0.1 + 1.0
 FLUX_ATTENTION_SCORES_GIB_512 = 57 * 24 * 1152 ** 2 * 4 / GIB  # 6.76 (the probe's attention_scores_gib())
 FLUX_EAGER_F32_GIB = 10.61  # the probe's saved-bytes "57_blocks_eager"
 FLUX_EAGER_GIB = {"no": FLUX_EAGER_F32_GIB, "bf16": round(FLUX_EAGER_F32_GIB * 0.74, 2)}
-
-
-def _split_transformer_memory(billions: Mapping[str, float], encoders: tuple[str, ...], state_gib: float,
-                              eager_gib: Mapping[str, float], scores_gib: float) -> FamilyMemory:
-    """The memory figures of a family whose transformer is split over mesh.fsdp while its text encoders and VAE
-    (float32) stay whole on every chip (FLUX, Qwen-Image): per evaluation the eager part plus XLA's softmaxes, with
-    activation checkpointing SD 3.5's measured eager ratio and SD 1.x's scores ratio."""
-    b = billions
-    text = sum(b[e] for e in encoders)
-
-    def resident(model, fsdp: int, dtype: str) -> float:
-        size = 2 if dtype == "bfloat16" else 4
-        return ((b["transformer"] / fsdp + text) * size + b["vae"] * 4) * 1e9 / GIB + state_gib
-
-    def full_finetune(fsdp: int) -> float:
-        # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; the text encoders
-        # in bfloat16 (as flow_grpo casts them) and the VAE in float32 whole, and the epoch's samples and runtime
-        whole = (text * 2 + b["vae"] * 4) * 1e9 / GIB + 1.1
-        return b["transformer"] * 16 * 1e9 / GIB / fsdp + whole
-
-    return FamilyMemory(
-        activation_gib_per_eval_512={k: v + scores_gib for k, v in eager_gib.items()},
-        checkpointed_gib_per_eval_512={k: round(v * SD3_CKPT_EAGER_RATIO + CKPT_XLA_SCORES_RATIO * scores_gib, 2)
-                                       for k, v in eager_gib.items()},
-        resident_gib=resident, full_finetune_gib=full_finetune, fsdp_splits_frozen_weights=True,
-        # 1024 image + 128 text tokens; FLUX.1-dev's VAE sample_size and QwenImagePipeline's default: 1024 px
-        tokens_512=(1024, 128), scores_gib_512=scores_gib,
-        checkpointed_scores_gib_512=CKPT_XLA_SCORES_RATIO * scores_gib, native_pixels=1024)
-
-
 
 
 FLUX = FAMILIES.register(FamilySpec(

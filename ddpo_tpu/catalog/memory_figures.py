@@ -49,3 +49,32 @@ class FamilyMemory:
                        checkpointed_gib_per_eval_512=scaled(self.checkpointed_gib_per_eval_512,
                                                             self.checkpointed_scores_gib_512),
                        tokens_512=(round(image * (pixels / 512) ** 2), text))
+
+
+def split_transformer_memory(ckpt_eager_ratio: float, ckpt_scores_ratio: float, billions: Mapping[str, float], encoders: tuple[str, ...], state_gib: float,
+                              eager_gib: Mapping[str, float], scores_gib: float) -> FamilyMemory:
+    """The memory figures of a family whose transformer is split over mesh.fsdp while its text encoders and VAE
+    (float32) stay whole on every chip (FLUX, Qwen-Image): per evaluation the eager part plus XLA's softmaxes, with
+    activation checkpointing the eager part x ckpt_eager_ratio and the scores x ckpt_scores_ratio
+    (catalog/families.py passes SD 3.5's measured eager ratio and SD 1.x's scores ratio)."""
+    b = billions
+    text = sum(b[e] for e in encoders)
+
+    def resident(model, fsdp: int, dtype: str) -> float:
+        size = 2 if dtype == "bfloat16" else 4
+        return ((b["transformer"] / fsdp + text) * size + b["vae"] * 4) * 1e9 / GIB + state_gib
+
+    def full_finetune(fsdp: int) -> float:
+        # the transformer's weights x (weight, gradient, 2 AdamW moments) x 4 bytes split by fsdp; the text encoders
+        # in bfloat16 (as flow_grpo casts them) and the VAE in float32 whole, and the epoch's samples and runtime
+        whole = (text * 2 + b["vae"] * 4) * 1e9 / GIB + 1.1
+        return b["transformer"] * 16 * 1e9 / GIB / fsdp + whole
+
+    return FamilyMemory(
+        activation_gib_per_eval_512={k: v + scores_gib for k, v in eager_gib.items()},
+        checkpointed_gib_per_eval_512={k: round(v * ckpt_eager_ratio + ckpt_scores_ratio * scores_gib, 2)
+                                       for k, v in eager_gib.items()},
+        resident_gib=resident, full_finetune_gib=full_finetune, fsdp_splits_frozen_weights=True,
+        # 1024 image + 128 text tokens; FLUX.1-dev's VAE sample_size and QwenImagePipeline's default: 1024 px
+        tokens_512=(1024, 128), scores_gib_512=scores_gib,
+        checkpointed_scores_gib_512=ckpt_scores_ratio * scores_gib, native_pixels=1024)
