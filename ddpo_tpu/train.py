@@ -76,7 +76,7 @@ def _fail(lines: list[str], code: int = process.EXIT_CONFIG) -> None:
     sys.exit(code)
 
 
-# --- before anything is written ----------------------------------------------------------------------------------------
+# --- before anything is written ---------------------------------------------------------------------------------------
 
 def preflight(argv: list[str], check_only: bool = False, preview: bool = False) -> list[Point]:
     """Everything that must hold before Hydra writes a single file; the runs, validated. With check_only nothing is
@@ -368,7 +368,8 @@ def _job(cfg) -> None:
         print(f"ddpo_tpu: stopped by SIGTERM (exit {code}): the same command resumes", file=sys.stderr)
         sys.exit(code)
     if code != process.EXIT_OK:
-        _failures.append(f"{' '.join(hc.overrides.task) or '(no overrides)'}: exit code {code}, log {run_dir / 'train.log'}")
+        _failures.append(f"{' '.join(hc.overrides.task) or '(no overrides)'}: exit code {code}, "
+                         f"log {run_dir / 'train.log'}")
 
 
 

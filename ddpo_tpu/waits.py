@@ -12,11 +12,11 @@ labels its waits, at a few places:
 Entering and leaving a wait is progress, and so is each request a reward completes (`advanced()` from its
 chunk loop, its HTTP client, its chat client). A wait may carry its own bound (`bound_s`): a reward that gives up by
 its own timeouts (a server's timeout_s x its retries, a managed process's request and restart) is given that long for
-one request before the watch calls it a hang, when that is longer than distributed.hang_timeout_s. The rank's beat thread (RankBeat) copies `snapshot()` into its beat file
-every beat: the innermost wait, how long it has lasted, and seconds since the last progress. The launcher's watch then
-ends the job naming the rank whose main thread has made no progress within a wait for `distributed.hang_timeout_s`,
-and that wait. Time outside any wait (a compile, a long step) is never called a hang here: the beat covers a process
-that stops, and a busy main thread is busy.
+one request before the watch calls it a hang, when that is longer than distributed.hang_timeout_s. The rank's beat
+thread (RankBeat) copies `snapshot()` into its beat file every beat: the innermost wait, how long it has lasted, and
+seconds since the last progress. The launcher's watch then ends the job naming the rank whose main thread has made no
+progress within a wait for `distributed.hang_timeout_s`, and that wait. Time outside any wait (a compile, a long step)
+is never called a hang here: the beat covers a process that stops, and a busy main thread is busy.
 
 Progress inside a long wait, besides its entry and exit:
 - the reward pool's calls (`marked`): each start and end; the main thread's wait for the pool's futures counts from
@@ -49,7 +49,8 @@ CPU_PROGRESS_S = 0.2  # CPU seconds between two looks of the beat thread (2 s ap
 IO_PROGRESS_BYTES = 1 << 20  # bytes read or written between two looks that count (the beat's own file is < 8 KiB)
 
 _lock = threading.Lock()
-_stack: list[tuple[str, str, float, float]] = []  # (kind, what, since, bound_s) of the main thread's waits, innermost last
+# (kind, what, since, bound_s) of the main thread's waits, innermost last
+_stack: list[tuple[str, str, float, float]] = []
 _progress = time.monotonic()
 _seen: tuple[int | None, float] | None = None  # (I/O bytes, CPU seconds) at the beat thread's last look
 

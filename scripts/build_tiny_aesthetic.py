@@ -20,7 +20,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write clip/ and aesthetic_mlp.safetensors into")
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help="directory to write clip/ and aesthetic_mlp.safetensors into")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     args = parser.parse_args(argv)
 

@@ -5,8 +5,8 @@ fixed prompts and fixed noise in both runs, and the reward curves of both).
 
     python scripts/digits_demo.py --out /tmp/digits [--algorithm grpo] [--epochs 15] [overrides ...]
 
-Runs in this process on one CPU thread (as tests/learning/test_digits_learns.py does): on a shared 2-core machine that is
-faster than the training process's default threads. The first call builds the model and the classifier once.
+Runs in this process on one CPU thread (as tests/learning/test_digits_learns.py does): on a shared 2-core machine that
+is faster than the training process's default threads. The first call builds the model and the classifier once.
 """
 
 from __future__ import annotations

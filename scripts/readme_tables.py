@@ -23,7 +23,8 @@ CONF = REPO / "conf"
 README = REPO / "README.md"
 BEGIN, END = "<!-- catalog tables: written by scripts/readme_tables.py -->", "<!-- end of catalog tables -->"
 # a group row of the "Config groups" table: | `group` [(package `x`)] | options | what it sets |
-ROW = re.compile(r"^\| `(?P<group>[a-z_]+)`(?P<package> \(package `[a-z_]+`\))? \| (?P<options>.*?) \| (?P<what>.*) \|$")
+ROW = re.compile(r"^\| `(?P<group>[a-z_]+)`(?P<package> \(package `[a-z_]+`\))? \| (?P<options>.*?) \| "
+                 r"(?P<what>.*) \|$")
 # listed in words rather than by name: one is composed per run from other choices
 NOT_LISTED = {"reward_local": "chosen automatically as `${reward}_${model}`"}
 

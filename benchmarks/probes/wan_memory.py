@@ -2,7 +2,8 @@
 its check on the tiny build, and the full-size figures the HBM rule computes.
 
 Memory-model constants (ddpo_tpu/catalog/wan_memory.py): SAVED_PER_TOKEN, SAVED_PER_TEXT_TOKEN and
-SAVED_PER_BLOCK_DIM (the fit below, integers). Its parameter counts come from the config (tests/unit/config/test_wan_memory.py).
+SAVED_PER_BLOCK_DIM (the fit below, integers). Its parameter counts come from the config
+(tests/unit/config/test_wan_memory.py).
 
 1. The fit: the bytes autograd saves for the backward (saved_tensors_hooks over one forward, weights excluded) in one
    block of WanTransformer3DModel (3 blocks less 2, so the embedders and the first block's frozen input cancel) at toy

@@ -187,8 +187,8 @@ class AwmEpochTrainer(EpochTrainer):
         gen = torch.Generator().manual_seed(stream_seed(cfg.seed, epoch, SHUFFLE))
         perm = torch.argsort(torch.rand(n_batches * B, generator=gen))
         u = torch.rand((n_batches, self.K), generator=gen)
-        idx = torch.stack([time_indices(self.a.time_type, self.ctx.family.num_steps, cfg.train.timestep_fraction, self.K,
-                                        u[b]) for b in range(n_batches)])
+        idx = torch.stack([time_indices(self.a.time_type, self.ctx.family.num_steps, cfg.train.timestep_fraction,
+                                        self.K, u[b]) for b in range(n_batches)])
         noise = torch.randn((n_batches, self.K, B, *latent_shape), generator=gen)
         return perm, idx, noise
 

@@ -14,9 +14,9 @@ Semantics follow the reference:
   "sde" step ``std_dev_t`` is the reference's ``std`` *before* the ``sqrt(-dt)`` factor, so this is the exact KL of
   the two step Gaussians (per latent element, averaged) times ``-dt``; for "cps" ``std_dev_t`` is the step's std and
   the value is the exact per-element KL. We keep the reference's value.
-* Loss: the PPO-clip policy loss of ``ddpo_tpu.algorithms.ppo.ppo_loss`` (the same as the reference's GRPO logic: advantages
-  clamped to ``+-adv_clip_max``, ratio ``exp(logp - logp_old)``, ``mean(max(-A r, -A clip(r, 1 +- eps)))``), plus
-  ``beta * mean(kl)`` when ``beta > 0``.
+* Loss: the PPO-clip policy loss of ``ddpo_tpu.algorithms.ppo.ppo_loss`` (the same as the reference's GRPO logic:
+  advantages clamped to ``+-adv_clip_max``, ratio ``exp(logp - logp_old)``, ``mean(max(-A r, -A clip(r, 1 +- eps)))``),
+  plus ``beta * mean(kl)`` when ``beta > 0``.
 
 * Zero-advantage samples (``train_sd3.py`` after the stat tracker): the reference keeps only the samples whose
   advantages are not all 0 (``mask = advantages.abs().sum(1) != 0``: a group of equal rewards drops out), turns random
@@ -44,8 +44,8 @@ from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
 from ddpo_tpu.families.base import StepScore
 from ddpo_tpu.random_streams import GRPO_PLAN
 
-__all__ = ["GRPO", "PLAN_STREAM", "GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss", "ratio_norm_loss", "TrainPlan",
-           "zero_advantage_plan", "zero_std_ratio"]
+__all__ = ["GRPO", "PLAN_STREAM", "GROUP_STD_EPS", "group_advantages", "kl_to_reference", "grpo_loss",
+           "ratio_norm_loss", "TrainPlan", "zero_advantage_plan", "zero_std_ratio"]
 
 def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     """Per-sample closed-form KL penalty of Flow-GRPO: ``mean over non-batch dims of (mean - ref_mean)^2 / (2 std^2)``.

@@ -58,7 +58,7 @@ class AdaptiveReference:
 __all__ = ["AdaptiveReference", "ImageScores", "UncertaintyGate", "diversity_advantages", "rank_uncertainty"]
 
 
-# --- GARDO's uncertainty-gated KL and diversity-aware advantages -------------------------------------------------------
+# --- GARDO's uncertainty-gated KL and diversity-aware advantages ------------------------------------------------------
 
 SHARE_MIN, SHARE_MAX, SHARE_STEP, SHARE_WINDOW = 0.02, 0.2, 0.1, 20  # RiskCompensator's fixed values (gardo:219-225)
 

@@ -62,7 +62,8 @@ class GrpoKeys(Keys):
     global_std: bool = False                       # divide by the std of the whole epoch, not the group's
     drop_zero_advantage: bool = True               # train only samples with advantage (flow_grpo's mask)
     # reward=weighted: sum (GRPO on the weighted sum, as flow_grpo and DiffusionNFT) or gdpo (each reward normalised
-    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation; algorithms/multi_reward.py)
+    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation;
+    # algorithms/multi_reward.py)
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     # GARDO's adaptive reference (flow_grpo scripts/train_sd3_gardo.py): the KL's reference is a copy of the policy,
     # reset to the current weights after sampling when an update of the previous epoch had a KL above this (kl_thres)
@@ -100,7 +101,8 @@ class NftKeys(Keys):
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch, not the group's
     # reward=weighted: sum (GRPO on the weighted sum, as flow_grpo and DiffusionNFT) or gdpo (each reward normalised
-    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation; algorithms/multi_reward.py)
+    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation;
+    # algorithms/multi_reward.py)
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     # NFT's own beta (official `config.beta`, 1; 0.1 in sd3_ocr and sd3_multi_reward): the implicit policies' step,
     # v+- = v_old +- beta (v - v_old). Not the KL weight below.
@@ -129,7 +131,8 @@ class AwmKeys(Keys):
     group_size: int = Field(ge=2)                       # samples per prompt in an epoch (as GRPO's)
     global_std: bool = True                             # divide by the std of the whole epoch (sample.global_std)
     # reward=weighted: sum (GRPO on the weighted sum, as flow_grpo and DiffusionNFT) or gdpo (each reward normalised
-    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation; algorithms/multi_reward.py)
+    # in its group, weighted, summed, batch-normalised: Flow-Factory's advantage_aggregation;
+    # algorithms/multi_reward.py)
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     train_timesteps: int = Field(default=6, ge=1)       # training times per sample, one per stratum
     time_type: Literal["discrete", "discrete_wo_init"] = "discrete"  # strata of steps [0 or 1, int(T x fraction)]

@@ -251,8 +251,8 @@ FLUX = FAMILIES.register(FamilySpec(
 # --- Wan 2.1 text-to-video -------------------------------------------------------------------------------------------
 # Video latents (16 channels x (F - 1) / 4 + 1 frames x H / 8 x W / 8), flow_grpo's Wan SDE (sampler wan_sde). The
 # LoRA layers: WanTransformer3DModel's module paths (Wan 2.1 T2V 1.3B's and 14B's configs and the tiny build, on the
-# meta device: tests/unit/models/test_wan_model.py). Memory: computed from the transformer's config and the video's tokens
-# (model.num_frames x the frame's patches), catalog/wan_memory.py says how each figure was measured or derived.
+# meta device: tests/unit/models/test_wan_model.py). Memory: computed from the transformer's config and the video's
+# tokens (model.num_frames x the frame's patches), catalog/wan_memory.py says how each figure was measured or derived.
 WAN = FAMILIES.register(FamilySpec(
     name="wan", title="Wan 2.1 / 2.2 text-to-video (WanTransformer3DModel, flow matching; A14B's two experts)",
     module="ddpo_tpu.families.wan:WanFamily",

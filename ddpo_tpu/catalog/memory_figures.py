@@ -51,8 +51,9 @@ class FamilyMemory:
                        tokens_512=(round(image * (pixels / 512) ** 2), text))
 
 
-def split_transformer_memory(ckpt_eager_ratio: float, ckpt_scores_ratio: float, billions: Mapping[str, float], encoders: tuple[str, ...], state_gib: float,
-                              eager_gib: Mapping[str, float], scores_gib: float) -> FamilyMemory:
+def split_transformer_memory(ckpt_eager_ratio: float, ckpt_scores_ratio: float, billions: Mapping[str, float],
+                             encoders: tuple[str, ...], state_gib: float, eager_gib: Mapping[str, float],
+                             scores_gib: float) -> FamilyMemory:
     """The memory figures of a family whose transformer is split over mesh.fsdp while its text encoders and VAE
     (float32) stay whole on every chip (FLUX, Qwen-Image): per evaluation the eager part plus XLA's softmaxes, with
     activation checkpointing the eager part x ckpt_eager_ratio and the scores x ckpt_scores_ratio

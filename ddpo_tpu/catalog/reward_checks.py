@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from ddpo_tpu.problems import Fix, Problem
 
 if TYPE_CHECKING:  # the key classes are for the annotations only
-    from ddpo_tpu.catalog.reward_keys import (AestheticKeys, DigitClassifierKeys, GenevalKeys, HPSv2Keys, ImageRewardKeys,
-                                              OcrKeys, VlmJudgeKeys)
+    from ddpo_tpu.catalog.reward_keys import (AestheticKeys, DigitClassifierKeys, GenevalKeys, HPSv2Keys,
+                                              ImageRewardKeys, OcrKeys, VlmJudgeKeys)
 
 TINY = "tiny"  # clip_model / mlp_path / processor: the tiny local stand-in (rewards/from_config.py builds it)
 

@@ -1,8 +1,8 @@
 """Rewards: each one's config keys (a pydantic model: the reward constructor's keyword arguments), the module that
 registers its torch/numpy implementation, and what the schema cannot say about its keys. The schema builds the
 `reward` group (and reward=weighted's components) from this registry, so a reward is known by registering it here.
-Adding a reward: its keys class (catalog/reward_keys.py) and spec here, its module (a `@register_reward` constructor, ddpo_tpu/rewards) and
-conf/reward/<name>.yaml."""
+Adding a reward: its keys class (catalog/reward_keys.py) and spec here, its module (a `@register_reward` constructor,
+ddpo_tpu/rewards) and conf/reward/<name>.yaml."""
 
 from __future__ import annotations
 

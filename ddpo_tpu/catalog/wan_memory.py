@@ -11,8 +11,8 @@ Per denoiser evaluation and sample (estimates for the HBM rule, not TPU figures)
   (saved_tensors_hooks) over one block (3 blocks less 2) of WanTransformer3DModel at 12 toy shapes (dim 32-128, ffn
   64-256, 2-8 heads, S 32-256, L 16-512): the least-squares fit is these integers, exact on every shape
   (`python scripts/bench.py --wan-memory`, which also sets the tiny build's whole saved bytes and peak RSS beside it;
-  tests/unit/config/test_wan_memory.py checks a block of the tiny build). bf16: float32's x 0.74, SD 3.5's measured ratio (not
-  probed here);
+  tests/unit/config/test_wan_memory.py checks a block of the tiny build). bf16: float32's x 0.74, SD 3.5's measured
+  ratio (not probed here);
 * plus what XLA keeps and eager CPU does not: each attention's float32 softmax, heads x (S^2 + S L) x 4 bytes a
   block (self-attention over the video, cross-attention to the text), as the other families' figures;
 * with activation checkpointing: every block's input (dim values a token, float32) and one block's recomputation,
@@ -64,7 +64,8 @@ WAN22 = {
 EXPERTS = {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 2}  # transformers a known checkpoint holds (else model_index.json's)
 DEFAULT_CONFIG = WAN21_T2V["Wan-AI/Wan2.1-T2V-14B-Diffusers"]
 # UMT5-XXL's encoder (the checkpoints' text_encoder/, d_model 4096, 24 layers, vocabulary 256384) and AutoencoderKLWan
-# (Wan 2.1's, the class defaults), in billions of values, counted on the meta device (tests/unit/config/test_wan_memory.py)
+# (Wan 2.1's, the class defaults), in billions of values, counted on the meta device
+# (tests/unit/config/test_wan_memory.py)
 UMT5_XXL_BILLIONS, VAE_BILLIONS = 5.681, 0.127
 # the Wan 2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json: base_dim 160, decoder_base_dim 256, z_dim 48),
 # counted on the meta device (tests/unit/models/test_wan22_model.py)

@@ -103,7 +103,8 @@ _LEAF_REWARDS = [r for r in REWARDS if not r.composite and not r.features]  # fe
 
 
 def _frames(spec) -> tuple[type[BaseModel], ...]:
-    """An image reward's frame_reduction key (how a video family reduces its frames' scores); a video reward has none."""
+    """An image reward's frame_reduction key (how a video family reduces its frames' scores); a video reward has
+    none."""
     return (FrameReductionKeys,) if spec.takes == "images" else ()
 
 
@@ -336,7 +337,8 @@ class RunConfig(_Strict):
 
     run_name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     output_root: str
-    # gs:// output roots: how long a request waits out an unreachable bucket before the run stops (ddpo_tpu/rundir/storage.py)
+    # gs:// output roots: how long a request waits out an unreachable bucket before the run stops
+    # (ddpo_tpu/rundir/storage.py)
     storage_timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     seed: int = Field(ge=0, lt=2**31)
     num_epochs: int = Field(ge=1)

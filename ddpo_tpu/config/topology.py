@@ -94,7 +94,8 @@ def conf_dir() -> Path:
     for candidate in (here / "conf", here.parent / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate
-    raise FileNotFoundError(f"ddpo_tpu's conf/ directory is missing (looked in {here / 'conf'} and {here.parent / 'conf'})")
+    raise FileNotFoundError(f"ddpo_tpu's conf/ directory is missing (looked in {here / 'conf'} and "
+                            f"{here.parent / 'conf'})")
 
 
 def single_host_of(topo) -> tuple[str, int] | None:

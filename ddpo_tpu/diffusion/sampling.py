@@ -74,8 +74,8 @@ def sample_trajectory(step, num_steps: int, cond, uncond, init_latents: Tensor, 
     step, its log-prob ignored), and only the window is recorded: latents x_first ... x_end, the window's log-probs
     and step indices. The same two graphs serve every position of the window (the step index is data).
 
-    A step with `multistep` set (a multistep solver: DiffusionNFT's DPM-Solver++, algorithms/nft_rollout.py) takes one more
-    argument and returns one more value: its history (the previous x0 prediction), zeros before the first step."""
+    A step with `multistep` set (a multistep solver: DiffusionNFT's DPM-Solver++, algorithms/nft_rollout.py) takes one
+    more argument and returns one more value: its history (the previous x0 prediction), zeros before the first step."""
     first, end = window if window is not None else (0, num_steps)
     multistep = getattr(step, "multistep", False)
     dtype = (cond[0] if isinstance(cond, tuple) else cond).dtype

@@ -307,7 +307,8 @@ class ProgressView:
             return [Bar("starting", None, None, f"loading the model and reward  {clock(now - self.created)}")]
         run_elapsed = now - (self.run_since or now)
         out = [Bar("run", self.epochs_done, self.num_epochs,
-                   f"{self.epochs_done}/{self.num_epochs} epochs  {clock(run_elapsed)}  ETA {clock(self.epoch_eta(now))}")]
+                   f"{self.epochs_done}/{self.num_epochs} epochs  {clock(run_elapsed)}  "
+                   f"ETA {clock(self.epoch_eta(now))}")]
         label = f"epoch {self.epoch if self.epoch is not None else self.epochs_done}"
         elapsed = now - self.phase_since
         if self.compiling is not None:

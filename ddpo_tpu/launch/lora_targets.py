@@ -6,12 +6,13 @@ list with some unknown names trains fewer modules without a word, and one with n
 has loaded, with the run dir written. The denoiser's module paths are fixed by its family's architecture (diffusers'
 UNet2DConditionModel for `sd1`, SD3Transformer2DModel for `sd3`); widths and block counts change only the indices in
 them. So the check is a table, not a model: per family, the paths of the adaptable layers inside one block (its
-catalog spec's `lora_layers`, below the numbered block containers `CONTAINERS`). A target is known when it is one of those paths or a
-dotted suffix of one (not starting at an index: "to_out.0", not "0"), optionally under block containers
+catalog spec's `lora_layers`, below the numbered block containers `CONTAINERS`). A target is known when it is one of
+those paths or a dotted suffix of one (not starting at an index: "to_out.0", not "0"), optionally under block containers
 ("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q").
 
-tests/unit/config/test_bad_input.py checks the table against every builder's model on the meta device (tiny, sd14_topology,
-sd14_random; tiny_sd3 and SD 3.5 Medium's config), so a diffusers upgrade that renames a layer fails there first.
+tests/unit/config/test_bad_input.py checks the table against every builder's model on the meta device (tiny,
+sd14_topology, sd14_random; tiny_sd3 and SD 3.5 Medium's config), so a diffusers upgrade that renames a layer fails
+there first.
 """
 
 from __future__ import annotations

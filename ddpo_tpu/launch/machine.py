@@ -54,8 +54,8 @@ def _devices_problems(topo, found: int, what: str, why: str, fix: str) -> list[s
 def problems(cfg, overrides: list[str] = ()) -> list[str]:
     """Everything this machine lacks for the run, one line each ([] when it has all). `overrides` are the command
     line's, to say where a key the user did not type came from."""
-    return (device_problems(cfg) + rendezvous_problems(cfg) + hub_cache_problems(cfg, overrides) + reward_model_problems(cfg, overrides)
-            + tracker_problems(cfg, overrides) + video_problems(cfg))
+    return (device_problems(cfg) + rendezvous_problems(cfg) + hub_cache_problems(cfg, overrides)
+            + reward_model_problems(cfg, overrides) + tracker_problems(cfg, overrides) + video_problems(cfg))
 
 
 def video_problems(cfg) -> list[str]:
@@ -84,8 +84,8 @@ def target_checks(cfg) -> list[str]:
         out = [f"{topo.chips_per_host} NVIDIA GPU(s) visible to each of its {topo.hosts} node(s) (the driver, "
                f"CUDA_VISIBLE_DEVICES)"]
     elif topo.torchtpu:
-        out = [f"TorchTPU and libtpu installed (bash scripts/setup.sh --torchtpu) and {topo.chips_per_host} TPU chip(s) "
-               f"on each of its {topo.hosts} node(s)"]
+        out = [f"TorchTPU and libtpu installed (bash scripts/setup.sh --torchtpu) and {topo.chips_per_host} "
+               f"TPU chip(s) on each of its {topo.hosts} node(s)"]
     elif topo.accelerator.startswith("tpu"):
         out = [f"the TPU runtime, libtpu (pip install \"torch_xla[tpu]==2.9.0\"), on each of its {topo.hosts} host(s)"]
     else:

@@ -307,7 +307,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="SIGTERM the training on every worker (it checkpoints and exits 75)")
     parser.add_argument("--lines", type=at_least(0), default=5, help="--status: recent events to show (default 5)")
     parser.add_argument("--retries", type=at_least(0), default=3, help="retries on SSH failure, exit 255 (default 3)")
-    parser.add_argument("--backoff", type=at_least(0, float), default=5.0, help="first retry delay in seconds, doubling (default 5)")
+    parser.add_argument("--backoff", type=at_least(0, float), default=5.0,
+                        help="first retry delay in seconds, doubling (default 5)")
     parser.add_argument("--gcloud-flag", action="append", default=[], metavar="FLAG",
                         help="extra gcloud flag, repeatable (e.g. --gcloud-flag=--internal-ip)")
     if "--" in argv:

@@ -203,8 +203,8 @@ def ensure_digits_model(cache_dir: str | os.PathLike, seed: int = SEED) -> pathl
     from ddpo_tpu.proc.build_cache import build_once
 
     def build(tmp: pathlib.Path) -> None:
-        print(f"ddpo_tpu: pretraining the digits demo model once into {cache_dir} (about 10 minutes on 2 cores; once per machine)",
-              flush=True)
+        print(f"ddpo_tpu: pretraining the digits demo model once into {cache_dir} (about 10 minutes on 2 cores; "
+              "once per machine)", flush=True)
         build_digits_pipeline(tmp, seed=seed, log=lambda line: print(f"ddpo_tpu: digits model: {line}", flush=True))
 
     return build_once(cache_dir, f"digits-sd-{DIGITS_MODEL_VERSION}-seed{seed}", tiny._REQUIRED_FILES, build)

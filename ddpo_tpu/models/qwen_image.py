@@ -225,7 +225,8 @@ def load_qwen_image(pretrained: str | os.PathLike, revision: str | None = None, 
 # --------------------------------------------------------------------------------------
 
 # QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx (diffusers 0.42; the model's chat
-# format, checked against the pipeline's own in tests/unit/models/test_qwen_image_model.py): the system part is 34 tokens
+# format, checked against the pipeline's own in tests/unit/models/test_qwen_image_model.py): the system part
+# is 34 tokens
 PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
                    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
                    "<|im_end|>\n<|im_start|>assistant\n")

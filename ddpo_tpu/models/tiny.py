@@ -227,7 +227,8 @@ def _build_scheduler():
 
 
 def build_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, spec: str = "tiny") -> pathlib.Path:
-    """Build the local SD pipeline `spec` (default: tiny) with random (seeded, deterministic) weights and save it into ``out_dir``.
+    """Build the local SD pipeline `spec` (default: tiny) with random (seeded, deterministic) weights and save it into
+    ``out_dir``.
 
     Does not touch the caller's global RNG state. Returns ``out_dir`` as a Path.
     """

@@ -1,9 +1,10 @@
 """Build a directory once into a cache, atomically: the build goes into a temporary sibling that is os.replace'd into
 place only when complete, so a killed or concurrent build never leaves a half-written directory at the final path.
 Concurrent builders take turns: a lock per build (the flock of proc/lock.py, freed by the kernel however its holder
-ends; under the host's lock dir, ~/.cache/ddpo_tpu/locks/, so the cache folder holds only builds) makes a second process (another run on the same machine, another rank) say whom it
-waits for and then reuse the finished build instead of building it again beside the first (two digits-model builds
-at once took 70x longer on a 2-core machine). Used by the tiny local models and the reward stand-ins.
+ends; under the host's lock dir, ~/.cache/ddpo_tpu/locks/, so the cache folder holds only builds) makes a second process
+(another run on the same machine, another rank) say whom it waits for and then reuse the finished build instead of
+building it again beside the first (two digits-model builds at once took 70x longer on a 2-core machine). Used by the
+tiny local models and the reward stand-ins.
 
 A finished entry can still be damaged afterwards (a disk fault, a partial copy of the cache, an edit): before this
 check a truncated safetensors file or a config that does not parse passed the "required files exist" test, and
@@ -50,7 +51,8 @@ def pipeline_files(subfolders: Iterable[str]) -> tuple[str, ...]:
     return ("model_index.json", *(config(s) for s in subfolders))
 
 
-def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str], build: Callable[[Path], object]) -> Path:
+def build_once(cache_dir: str | os.PathLike, name: str, required: Iterable[str],
+               build: Callable[[Path], object]) -> Path:
     """Return cache_dir/name, calling build(tmp_dir) first if it is missing, incomplete or damaged (set aside)."""
     required = tuple(required)
     cache = Path(cache_dir).expanduser()

@@ -6,5 +6,5 @@ from ddpo_tpu.prompts.sources import (PROMPT_SETS, PromptError, PromptSource, as
                                       shipped_assets, source_from_config, with_indefinite_article)
 from ddpo_tpu.prompts.datasets import DatasetSource, EditDatasetSource, read_dataset
 
-__all__ = ["PROMPT_SETS", "DatasetSource", "EditDatasetSource", "PromptError", "PromptSource", "make_prompt_source", "read_dataset",
-           "source_from_config", "asset_path", "shipped_assets", "with_indefinite_article"]
+__all__ = ["PROMPT_SETS", "DatasetSource", "EditDatasetSource", "PromptError", "PromptSource", "make_prompt_source",
+           "read_dataset", "source_from_config", "asset_path", "shipped_assets", "with_indefinite_article"]

@@ -22,8 +22,8 @@ but is not square is padded here; the reference skips the pad for it (scale == 1
 Model: transformers' ``CLIPModel`` (the PickScore path) holding the released open_clip checkpoint, converted by
 ``ddpo_tpu/rewards/open_clip_convert.py`` (key map and why the forward passes agree are there). Decision: no
 ``open_clip_torch`` -- it needs torchvision and timm beside torch, the reference's vendored open_clip is an older
-fork anyway, and a CLIP forward already exists here; ``tests/unit/rewards/test_hpsv2.py`` checks the converted model against
-open_clip's forward written out from HPSv2@866735e's code.
+fork anyway, and a CLIP forward already exists here; ``tests/unit/rewards/test_hpsv2.py`` checks the converted model
+against open_clip's forward written out from HPSv2@866735e's code.
 
 Tokens: ``CLIPTokenizer`` (``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``: the OpenAI BPE vocabulary open_clip's
 ``SimpleTokenizer`` uses), <start> + BPE + <end>, cut to 77 with <end> kept last and padded to 77 as the reference's

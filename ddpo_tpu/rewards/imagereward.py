@@ -18,7 +18,8 @@ names) and fed here exactly as the reference feeds it: PIL's bicubic resize of t
 Resize on a PIL image is PIL's ``Image.resize``; the long edge ``int(size * long / short)``), the centre crop at
 torchvision's offsets (``int(round((h - size) / 2))``), /255, BLIP's mean/std. torchvision itself is not needed.
 Images are scored in batches (``batch_size`` per forward, the last chunk padded to it so every forward has one
-shape); the reference's one-image forwards give the same numbers to float32 rounding (tests/unit/rewards/test_imagereward.py).
+shape); the reference's one-image forwards give the same numbers to float32 rounding
+(tests/unit/rewards/test_imagereward.py).
 
 Files (offline; ``hf download THUDM/ImageReward ImageReward.pt med_config.json --local-dir DIR``):
 

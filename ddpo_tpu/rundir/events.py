@@ -106,7 +106,8 @@ class CheckpointDamaged(Event, kind="checkpoint_damaged",
 
 class ExportFailed(Event, kind="export_failed",
                    text="ddpo_tpu: warning: exporting weights/{name}.safetensors for diffusers and peft failed "
-                        "({problem}); the weights and the checkpoint are saved; retry with ddpo-export {run_dir} {name}"):
+                        "({problem}); the weights and the checkpoint are saved; "
+                        "retry with ddpo-export {run_dir} {name}"):
     name: str
     problem: str
     run_dir: str

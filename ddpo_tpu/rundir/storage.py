@@ -218,7 +218,8 @@ def _local_complete(ckpt_root: Path) -> dict[int, Path]:
 
 def local_checkpoint(path: Path) -> dict[str, bytes] | None:
     """The files of a local checkpoint whose state.json parses and whose other files match the sha256 sums it
-    holds (ddpo_tpu/training/checkpoint_files.py writes them), or None. Torch-free: the front end checks before a resume."""
+    holds (ddpo_tpu/training/checkpoint_files.py writes them), or None. Torch-free: the front end checks before a
+    resume."""
     try:
         files = {p.name: p.read_bytes() for p in Path(path).iterdir() if p.is_file()}
         sums = json.loads(files["state.json"]).get("sha256")

@@ -16,12 +16,12 @@ FPS = 8
 SHEET_FRAMES = 8  # frames of each video a contact sheet shows (evenly spaced, first and last included)
 
 
-# What makes an mp4's bytes a function of its frames alone (tests/unit/rundir/test_video_bytes.py). PyAV leaves the encoder's
-# thread count at 0 (auto: x264 takes 1.5 threads a CPU this process may use, capped by the frame height, and slices the
-# frames with thread_type SLICE): measured with PyAV 18.1 / libx264 core 164, a 9-frame 256x256 video encodes to other
-# bytes on 1 CPU (threads=1) than on 2 (threads=2 sliced_threads=1), so the same run on another machine, or under
-# another CPU mask, wrote other videos. One thread, for x264, its lookahead and the RGB->YUV conversion (which PyAV
-# runs with the encoder's thread count), makes the bytes the same on every machine with the same libx264; bitexact
+# What makes an mp4's bytes a function of its frames alone (tests/unit/rundir/test_video_bytes.py). PyAV leaves the
+# encoder's thread count at 0 (auto: x264 takes 1.5 threads a CPU this process may use, capped by the frame height, and
+# slices the frames with thread_type SLICE): measured with PyAV 18.1 / libx264 core 164, a 9-frame 256x256 video encodes
+# to other bytes on 1 CPU (threads=1) than on 2 (threads=2 sliced_threads=1), so the same run on another machine, or
+# under another CPU mask, wrote other videos. One thread, for x264, its lookahead and the RGB->YUV conversion (which
+# PyAV runs with the encoder's thread count), makes the bytes the same on every machine with the same libx264; bitexact
 # keeps FFmpeg's version string out of the container and the stream.
 X264_OPTIONS = {"threads": "1", "lookahead_threads": "1", "sliced_threads": "0", "non_deterministic": "0"}
 

@@ -209,7 +209,8 @@ class Runtime(abc.ABC):
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def describe(self) -> str:
-        return f"{self.name} on {self.device} ({self.replicas} replica(s), process {self.process_index}/{self.process_count})"
+        return (f"{self.name} on {self.device} ({self.replicas} replica(s), "
+                f"process {self.process_index}/{self.process_count})")
 
     def profile(self, run_dir, step: int):
         """A context capturing a profiler trace of one step into the run dir (XLA backends)."""

@@ -8,9 +8,9 @@ typed frozen `Facts`; the state itself is decide.py's, the phase progress.py's),
 `render_brief`, or JSON through `Facts.to_json`). Never imports torch or numpy and never touches a device, so it is
 instant and works on a machine without the training dependencies (it needs PyYAML and rich only).
 
-The state comes from events (ddpo_tpu/rundir/events.py), never from console text. events.jsonl is appended by every attempt
-of a run: the front end writes `worker_started` when it starts the training process and `worker_exited` (its exit
-code) when it ends, whatever ended it; the training process writes `run_start`, the progress of each epoch, and
+The state comes from events (ddpo_tpu/rundir/events.py), never from console text. events.jsonl is appended by every
+attempt of a run: the front end writes `worker_started` when it starts the training process and `worker_exited` (its
+exit code) when it ends, whatever ended it; the training process writes `run_start`, the progress of each epoch, and
 `run_complete`, `preempted` or `error`. An attempt opens at `worker_started` (or at a `run_start` that follows another
 attempt's). Only the last attempt decides the state; an error of an earlier attempt is reported, not held against a
 run that went on. The first rule that holds decides (the output names it):

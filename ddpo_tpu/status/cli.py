@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--events", type=at_least(0), default=0, metavar="N",
                    help="also show the last N events of the current attempt as text (default 0)")
     p.add_argument("--width", type=at_least(1), default=60, help="characters of the reward sparkline (default 60)")
-    p.add_argument("--rows", type=at_least(0), default=10, help="epochs in the table, the last ones (0: all; default 10)")
+    p.add_argument("--rows", type=at_least(0), default=10,
+                   help="epochs in the table, the last ones (0: all; default 10)")
     p.add_argument("--stale-after", type=at_least(1, float), default=DEFAULT_STALE_S, metavar="SECONDS",
                    help="with no live lock holder and no heartbeat, a run silent for longer than this (or 1.5x its "
                         f"longest phase) is reported stopped (default {DEFAULT_STALE_S:.0f})")

@@ -3,9 +3,10 @@
 A checkpoint is a directory checkpoints/epoch_NNNN/ holding the trained weights (trainable.safetensors), the optimizer
 state (optimizer.pt), and state.json (epoch, global step, stat-tracker buffers, run id, the parity-relevant config).
 It is written under a temporary name, every file fsynced, then renamed into place: a directory with the final name is
-always complete (ddpo_tpu/rundir/checkpoint_layout.py: the names, and what makes one complete). Host and device RNG states
-are not stored because there are none to store: all randomness is drawn from host generators seeded by (seed, epoch,
-stream) (training/loop.py), so a run restarted at an epoch boundary draws exactly what the uninterrupted run drew.
+always complete (ddpo_tpu/rundir/checkpoint_layout.py: the names, and what makes one complete). Host and device RNG
+states are not stored because there are none to store: all randomness is drawn from host generators seeded by (seed,
+epoch, stream) (training/loop.py), so a run restarted at an epoch boundary draws exactly what the uninterrupted run
+drew.
 """
 
 from __future__ import annotations

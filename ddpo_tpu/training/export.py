@@ -22,9 +22,10 @@ from such a file and the run's model config, folders another program loads witho
 A model with two experts (Wan 2.2 A14B: the trainer's state prefixes each expert's keys with `high.` / `low.`)
 exports each trained expert for its pipeline component: `NAME_diffusers/pytorch_lora_weights.safetensors` for
 `transformer` and `pytorch_lora_weights_transformer_2.safetensors` for `transformer_2`, loaded by
-`pipe.load_lora_weights(dir)` and `pipe.load_lora_weights(dir, weight_name="pytorch_lora_weights_transformer_2.safetensors",
-load_into_transformer_2=True)` (diffusers 0.42.1 WanLoraLoaderMixin.load_lora_weights); the peft folder and a full
-fine-tune's folder get one subfolder per component (`NAME_peft/transformer_2/`, `NAME_diffusers/transformer/`).
+`pipe.load_lora_weights(dir)` and `pipe.load_lora_weights(dir,
+weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)` (diffusers 0.42.1
+WanLoraLoaderMixin.load_lora_weights); the peft folder and a full fine-tune's folder get one subfolder per component
+(`NAME_peft/transformer_2/`, `NAME_diffusers/transformer/`).
 
 When: at the end of a run, for `final` (and `final_ema` when EMA is kept), by the main process
 (training/checkpointing.py `CheckpointManager.save`); and for any saved weights file by

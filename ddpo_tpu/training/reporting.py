@@ -1,8 +1,8 @@
 """What a run reports, each fact once: numbers go to metrics.jsonl (one line per optimizer step, epoch and
-evaluation: ddpo_tpu/rundir/files.py), facts go to events.jsonl (ddpo_tpu/rundir/events.py), and the main process mirrors the
-numbers to the tracker (wandb, TensorBoard: ddpo_tpu/display/tracking.py). The phase clock measures each phase of an epoch
-for the epoch's line. Only the main process writes files; every process emits events (the EventLog drops the
-others')."""
+evaluation: ddpo_tpu/rundir/files.py), facts go to events.jsonl (ddpo_tpu/rundir/events.py), and the main process
+mirrors the numbers to the tracker (wandb, TensorBoard: ddpo_tpu/display/tracking.py). The phase clock measures each
+phase of an epoch for the epoch's line. Only the main process writes files; every process emits events (the EventLog
+drops the others')."""
 
 from __future__ import annotations
 

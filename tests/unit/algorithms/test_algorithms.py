@@ -65,7 +65,8 @@ def test_grpo_samples_each_prompt_of_an_epoch_group_size_times():
 
     cfg = compose_and_validate(FLOW_SMOKE).cfg
     source = make_prompt_source("imagenet_animals", file=None, nouns_file=None, activities_file=None)
-    # each sampling batch holds whole groups (flow_grpo's DistributedKRepeatSampler; tests/parity/test_flow_grpo_parity.py)
+    # each sampling batch holds whole groups (flow_grpo's DistributedKRepeatSampler;
+    # tests/parity/test_flow_grpo_parity.py)
     plan = GRPO(cfg).epoch_prompts(source, batches=4, batch_size=8, rng=np.random.default_rng(0))
     assert [len(b) for b in plan] == [8, 8, 8, 8]
     counts = {p: sum(b.count(p) for b in plan) for b in plan for p in b}

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from ddpo_tpu.algorithms.awm import (KL_EMA_RATE, SlowCopy, awm_loss, matching_log_prob, scaled_advantages, time_indices,
-                               velocity_kl)
+from ddpo_tpu.algorithms.awm import (KL_EMA_RATE, SlowCopy, awm_loss, matching_log_prob, scaled_advantages,
+                                     time_indices, velocity_kl)
 
 AWM_SMOKE = ["+experiment=awm_smoke"]
 

@@ -61,7 +61,8 @@ def test_bad_inputs_name_the_reward():
 GDPO_RUN = ["+experiment=flow_grpo_smoke", "num_epochs=1", "sample.batch_size=8", "sample.num_batches_per_epoch=2",
             "train.batch_size=8", "train.gradient_accumulation_steps=2", "algorithm.group_size=4",
             "sample.num_steps=3", "reward=weighted", "algorithm.advantage_aggregation=gdpo",
-            "reward.components=[{name: jpeg_compressibility, weight: 1.0}, {name: jpeg_incompressibility, weight: 0.5}]"]
+            "reward.components=[{name: jpeg_compressibility, weight: 1.0}, "
+            "{name: jpeg_incompressibility, weight: 0.5}]"]
 
 
 def test_the_loops_advantages_are_gdpo_of_the_weighted_rewards_components(tmp_path, model_cache):

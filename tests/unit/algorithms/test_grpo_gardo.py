@@ -2,7 +2,8 @@
 94e23ee5405ab7241fc1f75d30cac8147e2b1f53, scripts/train_sd3_gardo.py (line numbers of that commit's text as the
 store serves it): the KL's reference is an "old" copy of the policy (:462-468, 636-640), not the adapter-off base
 model, reset to the current weights after sampling (:787-797) when the previous epoch's KL passed kl_thres (:1041) or
-reset_freq epochs went by. Off by default: flow_grpo's train_sd3.py (the parity runs) compares with the adapter-off model."""
+reset_freq epochs went by. Off by default: flow_grpo's train_sd3.py (the parity runs) compares with the adapter-off
+model."""
 
 from __future__ import annotations
 

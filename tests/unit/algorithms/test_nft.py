@@ -149,7 +149,8 @@ def test_settings_nft_does_not_read_are_refused_naming_the_fix():
     compose_and_validate([*NFT_SMOKE, "sample.noise_level=0.5", "algorithm.ode_sampling=false",
                           "sample.ode_solver=euler"])  # the SDE reads it
     found = problems([*NFT_SMOKE, "algorithm.decay_rate=0", "algorithm.decay_max=0.3"])
-    assert "decay_rate=0" in found["algorithm.decay_max"] and "algorithm.decay_rate=0.001" in found["algorithm.decay_max"]
+    assert ("decay_rate=0" in found["algorithm.decay_max"]
+            and "algorithm.decay_rate=0.001" in found["algorithm.decay_max"])
     assert "algorithm.decay_start" in problems([*NFT_SMOKE, "algorithm.decay_rate=0", "algorithm.decay_start=5"])
     # the dpm2 solver only where an ODE rollout reads it
     found = problems([*NFT_SMOKE, "algorithm.ode_sampling=false"])

@@ -99,7 +99,8 @@ def test_experiment_list_is_the_tested_one():
     flow += ["z_image_grpo_smoke"]  # composed in tests/unit/models/test_z_image_model.py
     flow += ["dppo_smoke"]  # composed in tests/unit/algorithms/test_dppo.py
     flow += ["awm_smoke"]  # composed in tests/unit/algorithms/test_awm.py
-    flow += [f"gardo_{n}" for n in ("sd3_ocr", "sd3_geneval", "sd3_compressibility", "flux_hps")]  # test_gardo_presets.py
+    flow += [f"gardo_{n}" for n in ("sd3_ocr", "sd3_geneval", "sd3_compressibility",
+                                    "flux_hps")]  # test_gardo_presets.py
     flow += ["gardo_smoke"]  # composed and run in tests/e2e/test_gardo_smoke.py
     assert shipped == sorted([*PARITY_EXPERIMENTS, "smoke", "digits", *flow]), \
         "a new experiment needs a compose test here"
@@ -253,7 +254,8 @@ RULES = [
     ("pinned_model", [COMP, "model=sd15"], "model.name", ["sd15", "pins sd14"]),
     ("pinned_prompts", [COMP, "prompts=simple_animals"], "prompts.name", ["pins imagenet_animals"]),
     ("gather_host_on_pod", [COMP, "tpu_topology=v6e-16", "sample.num_batches_per_epoch=4",
-                            "train.gradient_accumulation_steps=2", "xla.gather=host"], "xla.gather", ["xla.gather=device"]),
+                            "train.gradient_accumulation_steps=2", "xla.gather=host"], "xla.gather",
+     ["xla.gather=device"]),
     ("pinned_reward", [COMP, "reward=jpeg_incompressibility"], "reward.name", ["pins jpeg_compressibility"]),
     ("pinned_stat_tracking", [COMP, "stat_tracking.buffer_size=32"], "stat_tracking.buffer_size", ["pins 16"]),
     ("aesthetic_needs_mlp", ["+experiment=aesthetic_parity"], "reward.mlp_path", ["LAION", "reward.mlp_path="]),
@@ -306,7 +308,8 @@ RULES = [
       ", remote, digit_classifier, ocr, geneval, vlm_judge, edit_consistency, weighted"]),
     ("reward_name_missing", ["~reward.name"], "reward.name", ["required key is missing", "jpeg_compressibility"]),
     ("reward_key_of_another_reward", ["reward=remote", "+reward.mlp_path=/x.pth"], "reward.mlp_path",
-     ["unknown key", "valid keys here: backoff_s, batch_size, frame_reduction, headers, host_workers, image_format, name, process, retries"]),
+     ["unknown key", "valid keys here: backoff_s, batch_size, frame_reduction, headers, host_workers, image_format, "
+                     "name, process, retries"]),
     ("reward_wrong_type", ["reward=remote", "reward.retries=many"], "reward.retries", ["valid integer"]),
     ("weighted_component_wrong_type", ["reward=weighted", "reward.components=[{name:remote,url:'http://h:1/s',"
                                        "timeout_s:-1}]"], "reward.components.0.timeout_s", ["greater than 0"]),
@@ -446,7 +449,8 @@ def test_unknown_top_level_key():
 
 @pytest.mark.parametrize("overrides,key,reason,fix", [
     # a near miss of a real key: the key it resembles (a new word gets no guess)
-    (["+experiment=smoke", "sample.batch_sise=3"], "sample.batch_sise", "unknown key", "did you mean sample.batch_size?"),
+    (["+experiment=smoke", "sample.batch_sise=3"], "sample.batch_sise", "unknown key",
+     "did you mean sample.batch_size?"),
     (["train.lerning_rate=1e-4"], "train.lerning_rate", "unknown key", "did you mean train.learning_rate?"),
     # a group outside the defaults list selected without its +
     (["experiment=smoke"], "experiment", "added to the defaults, not overridden", "use +experiment=smoke"),
@@ -525,7 +529,8 @@ def test_validation_leaves_torch_unimported(tmp_path):
         "assert v.cfg.tpu_topology.name == 'v6e-8'\n"
         "import ddpo_tpu.train, ddpo_tpu.env\n"
         "ddpo_tpu.train.preflight(['+experiment=smoke', 'tpu_topology=cpu_spmd4'])\n"
-        "heavy = [m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'peft') if sys.modules.get(m) is not None]\n"
+        "heavy = [m for m in ('torch', 'torch_xla', 'diffusers', 'transformers', 'peft') "
+        "if sys.modules.get(m) is not None]\n"
         "print('HEAVY', heavy)\n"
         "assert not heavy, heavy\n"
     )

@@ -1,6 +1,7 @@
 """The distributed execution before any process starts: its compose-time rules, the front end's machine checks (one
 line, exit 2, nothing written), the torchrun command, how torchrun's rank failures become one line and an exit code,
-and what a resume compares across world sizes. No torch.distributed process runs here (tests/e2e/test_distributed.py)."""
+and what a resume compares across world sizes. No torch.distributed process runs here
+(tests/e2e/test_distributed.py)."""
 
 from __future__ import annotations
 

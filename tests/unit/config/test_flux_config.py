@@ -90,7 +90,8 @@ def test_a_v6e_chip_needs_fsdp_for_the_transformer_and_the_refusal_says_which():
     assert fixed.tpu_topology.mesh.fsdp == 2 and memory.activation_checkpointing(fixed)
     p = problems([*PARITY, "train.activation_checkpointing=false"])["tpu_topology.name"]
     assert "one sample needs about 14.6 GiB" in p.reason
-    assert "tpu_topology.mesh.fsdp=8" in p.fix.overrides(0) and "train.activation_checkpointing=true" in p.fix.overrides(1)
+    assert ("tpu_topology.mesh.fsdp=8" in p.fix.overrides(0)
+            and "train.activation_checkpointing=true" in p.fix.overrides(1))
     # a full fine-tune does not fit a v6e chip with any fsdp of a host
     p = problems(["+experiment=flux_grpo_pickscore", f"prompts.path={DATA}", "parity=none",
                   "model.lora.enabled=false"])["model.lora.enabled"]

@@ -92,7 +92,8 @@ def test_each_reward_group_validates_to_its_model_and_dumps_back_the_same_tree(r
         overrides += ["model=sd14_random", f"reward.mlp_path={tmp_path / 'mlp.pth'}"]
     if reward in ("ocr", "geneval"):
         # their defaults are the references' backends (PaddleOCR; mmdet + a checkpoint) and need quoted / metadata
-        # prompts: refused here by design (tests/unit/rewards/test_ocr_reward.py, test_geneval_reward.py); the group itself is read
+        # prompts: refused here by design (tests/unit/rewards/test_ocr_reward.py, test_geneval_reward.py); the group
+        # itself is read
         tree = to_tree(compose(overrides))
         reward_cfg = TypeAdapter(RewardConfig).validate_python(tree["reward"])
     else:
@@ -165,5 +166,6 @@ def test_the_built_reward_of_a_weighted_config(tmp_path):
 
 def test_the_schema_imports_neither_torch_nor_numpy():
     code = ("import sys\nimport ddpo_tpu.config.schema\n"
-            "heavy = [m for m in ('torch', 'numpy', 'PIL') if sys.modules.get(m) is not None]\nassert not heavy, heavy\n")
+            "heavy = [m for m in ('torch', 'numpy', 'PIL') if sys.modules.get(m) is not None]\n"
+            "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

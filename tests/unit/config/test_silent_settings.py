@@ -153,7 +153,7 @@ def test_the_flux_parity_pins_no_window(tmp_path):
     assert p.key == "sample.sde_window.size" and "flow_grpo_flux pins null" in p.reason
 
 
-# --- keys of another sampler or family ---------------------------------------------------------------------------------
+# --- keys of another sampler or family --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,key,words", [
     (["+experiment=smoke", "sample.sde_window.size=2"], "sample.sde_window.size",
@@ -173,7 +173,7 @@ def test_a_key_of_another_sampler_or_family_says_who_has_it(overrides, key, word
     assert e.value.problems[0].reason == "unknown key"
 
 
-# --- a run dir that holds a run ----------------------------------------------------------------------------------------
+# --- a run dir that holds a run ---------------------------------------------------------------------------------------
 
 def _saved_run(root: Path, epochs_done: int, *overrides: str) -> Path:
     """outputs/smoke as the front end left it: config.yaml and a complete checkpoint after `epochs_done` epochs."""

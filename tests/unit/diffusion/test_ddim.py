@@ -144,7 +144,8 @@ def test_matches_float64_formula_noise_drawn(prediction_type, eta):
     assert maxabs(got_lp, exp_lp) < 1e-10
     # sanity: the drawn sample is not the mean, and log_prob equals -z^2/2 - log(sigma) - log sqrt(2pi)
     assert maxabs(got_prev, exp_mean) > 1e-3
-    closed_form = (-(z.numpy() ** 2) / 2).reshape(SHAPE[0], -1).mean(1) - np.log(exp_sigma) - 0.5 * math.log(2 * math.pi)
+    closed_form = ((-(z.numpy() ** 2) / 2).reshape(SHAPE[0], -1).mean(1) - np.log(exp_sigma)
+                   - 0.5 * math.log(2 * math.pi))
     assert maxabs(got_lp, closed_form) < 1e-10
 
 

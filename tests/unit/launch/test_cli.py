@@ -22,7 +22,8 @@ TIMEOUT = 60
 
 
 def cli(cwd: Path, *args: str, env: dict[str, str] | None = None):
-    """The front end's process and the CPU seconds it took (its wall time on a quiet machine; tests.helpers.timed_run)."""
+    """The front end's process and the CPU seconds it took (its wall time on a quiet machine;
+    tests.helpers.timed_run)."""
     proc, _, cpu = timed_run([sys.executable, "-m", "ddpo_tpu.train", *args], cwd=cwd, env=env or clean_env(),
                              timeout=TIMEOUT)
     return proc, cpu

@@ -126,7 +126,8 @@ def test_dry_run_workdir_and_venv(capsys):
 
 
 def test_overrides_with_spaces_survive_the_cli(capsys):
-    tricky = V6E_16 + ['xla.flags=["--xla_a=1", "--xla_b=2"]', 'model.cache_dir="/data/it\'s my cache"', 'xla.compilation_cache_dir="$HOME/x c"']
+    tricky = V6E_16 + ['xla.flags=["--xla_a=1", "--xla_b=2"]', 'model.cache_dir="/data/it\'s my cache"',
+                       'xla.compilation_cache_dir="$HOME/x c"']
     proc = pod(capsys, "--tpu", "p", "--zone", "z", "--dry-run", "--", *tricky)
     assert proc.returncode == 0, proc.stderr
     assert train_argv(remote_of(gcloud_lines(proc.stdout)[-1])) == tricky
@@ -537,7 +538,8 @@ def test_the_workers_check_runs_the_front_ends_check(real_workdir):
     proc = bash(lp.build_check_command(smoke + ["prompts=from_file", "prompts.file=/nowhere/prompts.txt"],
                                        str(real_workdir), ".venv"))
     assert proc.returncode == 2 and proc.stdout == ""
-    assert re.search(rf"^{re.escape(host)}: error: prompts\.file=/nowhere/prompts\.txt: ", proc.stderr, re.M), proc.stderr
+    assert re.search(rf"^{re.escape(host)}: error: prompts\.file=/nowhere/prompts\.txt: ", proc.stderr, re.M), \
+        proc.stderr
     assert f"{host}: ddpo_tpu: nothing was started." in proc.stderr
     proc = bash(lp.build_check_command(smoke, str(real_workdir), ".venv"))
     assert proc.returncode == 0, proc.stderr
@@ -554,7 +556,7 @@ def test_the_old_script_name_still_works():
     assert remote_of(argv) == lp.build_stop_command("~/ddpo_tpu")
 
 
-# --- arguments (issue 32) -----------------------------------------------------------------------------------------------
+# --- arguments (issue 32) ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv,named", [
     (["--tpu=", "--zone", "z"], "--tpu: an empty name"),
@@ -566,7 +568,8 @@ def test_a_bad_argument_is_one_line_and_exit_2(capsys, argv, named):
     with pytest.raises(SystemExit) as e:
         lp.main([*argv, "--dry-run", "--", "+experiment=smoke"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.strip().splitlines() == [f"ddpo-pod: error: argument {named} (see ddpo-pod --help)"]
+    assert (e.value.code == 2
+            and err.strip().splitlines() == [f"ddpo-pod: error: argument {named} (see ddpo-pod --help)"])
 
 
 def test_a_node_rank_pinned_on_a_pod_is_refused(capsys):

@@ -1,5 +1,6 @@
 """models/vae_ops.xla_safe_vae on the CPU: every rewrite gives eager torch's values, and what it cannot rewrite
-exactly it leaves alone (the decode of a real VAE under it: tests/unit/models/test_wan_model.py; on XLA: test_xla_families.py)."""
+exactly it leaves alone (the decode of a real VAE under it: tests/unit/models/test_wan_model.py; on XLA:
+test_xla_families.py)."""
 
 from __future__ import annotations
 

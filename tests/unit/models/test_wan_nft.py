@@ -13,7 +13,8 @@ import torch
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 
-NFT_WAN = ["+experiment=wan_grpo_smoke", "algorithm=nft", "algorithm.beta=0.1", "algorithm.adv_clip_max=1", "algorithm.group_size=2"]
+NFT_WAN = ["+experiment=wan_grpo_smoke", "algorithm=nft", "algorithm.beta=0.1", "algorithm.adv_clip_max=1",
+           "algorithm.group_size=2"]
 ONE_EPOCH = ["num_epochs=1", "sample.batch_size=4", "sample.num_batches_per_epoch=1", "sample.num_steps=3",
              "train.batch_size=4", "train.gradient_accumulation_steps=1"]
 

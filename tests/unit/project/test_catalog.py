@@ -24,8 +24,8 @@ TOY = "toy_family_of_a_test"
 
 @pytest.fixture()
 def toy_family():
-    spec = dataclasses.replace(family("sd1"), name=TOY, title="a test-only family", module="tests.helpers.toy_family:ToyFamily",
-                               memory=None)
+    spec = dataclasses.replace(family("sd1"), name=TOY, title="a test-only family",
+                               module="tests.helpers.toy_family:ToyFamily", memory=None)
     FAMILIES.register(spec)
     yield spec
     FAMILIES.unregister(TOY)

@@ -3,8 +3,9 @@ ddpo_tpu, lazy ones inside functions too, between parts (a subpackage, or a modu
 
 The bottom package proc/ (locks, the rank watch, exit codes, CLI argument helpers, the build cache) imports only the
 floor-1 modules it is allowed; models/, runtime/ and status/ reach none of launch/; the parts import each other in no
-circle but the two known ones (KNOWN_UPWARD); and the floors are fewer than the 14 that issue 42 measured before proc/ existed. Run this file with `-s` to
-print each part's floor: `python -m pytest -q -s tests/unit/project/test_layers.py -k floors`."""
+circle but the two known ones (KNOWN_UPWARD); and the floors are fewer than the 14 that issue 42 measured before
+proc/ existed. Run this file with `-s` to print each part's floor:
+`python -m pytest -q -s tests/unit/project/test_layers.py -k floors`."""
 
 from __future__ import annotations
 
