@@ -301,7 +301,7 @@ class EpochDone(Event, kind="epoch_done"):
     def text(self) -> str:
         phases = ", ".join(f"{k} {v['seconds']:.1f}s/{v['compilations']}c"
                            + (f"+{v['replicate_compilations']}r" if "replicate_compilations" in v else "")
-                           for k, v in self.phases.items())
+                           + _scored(v) for k, v in self.phases.items())
         return (f"[epoch {self.epoch}] done: reward {self.reward_mean:.4f} +- {self.reward_std:.4f}{self._extras()}, "
                 f"approx_kl {self.approx_kl:.2e}, clipfrac {self.clipfrac:.3f}, {self.updates} updates, {phases}")
 
@@ -312,6 +312,14 @@ class EpochDone(Event, kind="epoch_done"):
         shown = [f"{k} {'n/a' if v is None else f'{v:.4f}'}" for k, v in list(self.extras.items())[:EXTRAS_SHOWN]]
         more = len(self.extras) - len(shown)
         return " (" + ", ".join(shown + ([f"+{more} more"] if more else [])) + ")"
+
+
+def _scored(phase: dict) -> str:
+    """" (1.9s scored, 1.8s hidden)" after the reward phase: the reward calls' own seconds and the part of them that
+    ran while sampling went on (training/reward_overlap.py); "" for the other phases and older records."""
+    if "scored_seconds" not in phase:
+        return ""
+    return f" ({phase['scored_seconds']:.1f}s scored, {phase.get('hidden_seconds', 0.0):.1f}s hidden)"
 
 
 # --- writing and reading ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ family (ddpo_tpu/families: encode, a denoising step with its log-prob, decode) a
 advantages and the loss). Read `Trainer.fit` top to bottom:
 
   sample      per batch: prompts -> conditioning -> trajectory with log-probs -> uint8 images to the host
-  reward      host rewards overlap the sampling of the next batch (thread pool)
+  reward      host rewards overlap the sampling of the next batch (thread pool; training/reward_overlap.py)
   advantages  the algorithm's normalisation of the rewards
   train       shuffle samples and time axes on the device, clipped-objective micro-steps, an update per window
   save        weights and checkpoint written, the epoch's metrics line and grid, then the commit (its rename)
@@ -34,6 +34,7 @@ from ddpo_tpu.training.epoch_data import EpochSamples, drawn_rows, epoch_samples
 from ddpo_tpu.training.ppo_epoch import PpoEpochTrainer
 from ddpo_tpu.training.stepper import EpochContext, NonFinite, Stepper, StepShape
 from ddpo_tpu.training.reporting import PhaseClock, Reporter
+from ddpo_tpu.training.reward_overlap import RewardTiming
 from ddpo_tpu.training.state import TrainState
 from ddpo_tpu.diffusion.sampling import Trajectory, sample_trajectory
 from ddpo_tpu.diffusion.window import sde_window_at
@@ -104,6 +105,7 @@ class Trainer:
                                                                  device=rt.device, log_dir=out.path,
                                                                  should_stop=lambda: self.stop.requested))
         self.pool = ThreadPoolExecutor(cfg.reward.host_workers) if cfg.reward.host_workers else None
+        self.reward_timing = RewardTiming(rt.device, pooled=self.pool is not None)  # scored and hidden seconds
         # how long one of the reward's requests may take by its own timeouts (the rank watch waits that long), kept
         # well below the collective timeout: past it the peers' collective fails first and blames the wrong rank
         self.reward_bound_s = min(request_bound_s(cfg.reward.model_dump()), 0.8 * cfg.distributed.timeout_s)
@@ -180,6 +182,7 @@ class Trainer:
                 sampled = self.sample_epoch(epoch)
             with clock.measure("reward"):
                 rewards = self.gather_rewards(epoch, sampled)
+            clock.phases["reward"].update(self.reward_timing.take())
             with clock.measure("advantages"):
                 samples = self.epoch_samples(epoch, sampled, rewards)
             self.events.emit(ev.PhaseStart(epoch, "training"))
@@ -221,6 +224,8 @@ class Trainer:
         fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
+        timing = getattr(self, "reward_timing", None)  # None: a stand-in for the Trainer (tests/e2e/test_rank_hang.py)
+        fn = timing.timed(fn) if timing is not None else fn  # its seconds, and a pool thread's own CUDA stream
         from ddpo_tpu.waits import REWARD, marked, waiting
 
         if self.pool is None:  # the rank watch names this call when it hangs
@@ -286,7 +291,7 @@ class Trainer:
 
             # the rank watch names this wait when the pool's calls stop moving (each call's start and end is progress)
             with waiting(REWARD, f"reward.name={cfg.reward.name}, epoch {epoch}", since=pool_activity(),
-                         bound_s=self.reward_bound_s):
+                         bound_s=self.reward_bound_s), self.reward_timing.waiting():
                 done = [f.result() if isinstance(f, Future) else f for f in sampled.pending_rewards]
             if self.image_scores is not None:
                 sampled.scores = {k: np.concatenate([self.rt.gather_rows(np.asarray(d[1][k])) for d in done])
