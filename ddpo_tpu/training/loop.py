@@ -224,8 +224,7 @@ class Trainer:
         fn = lambda i, p, m: score_with(self.reward, i, p, m)
         if self.image_scores is not None:  # (reward, the algorithm's scores) of the same images, in the same thread
             fn = lambda i, p, m: (score_with(self.reward, i, p, m), self.image_scores(i, p))
-        timing = getattr(self, "reward_timing", None)  # None: a stand-in for the Trainer (tests/e2e/test_rank_hang.py)
-        fn = timing.timed(fn) if timing is not None else fn  # its seconds, and a pool thread's own CUDA stream
+        fn = self.reward_timing.timed(fn)  # its seconds, and a pool thread's own CUDA stream
         from ddpo_tpu.waits import REWARD, marked, waiting
 
         if self.pool is None:  # the rank watch names this call when it hangs

@@ -139,6 +139,7 @@ def test_the_loops_reward_calls_are_labelled_in_the_main_thread_and_the_pool():
     import numpy as np
 
     from ddpo_tpu.training import loop
+    from ddpo_tpu.training.reward_overlap import RewardTiming
 
     seen = []
 
@@ -148,7 +149,8 @@ def test_the_loops_reward_calls_are_labelled_in_the_main_thread_and_the_pool():
         return np.zeros(len(prompts), dtype=np.float32)
 
     fake = SimpleNamespace(prompts=SimpleNamespace(metadata=lambda p: None), reward=reward, image_scores=None,
-                           pool=None, cfg=SimpleNamespace(reward=SimpleNamespace(name="ocr")), reward_bound_s=0.0)
+                           pool=None, cfg=SimpleNamespace(reward=SimpleNamespace(name="ocr")), reward_bound_s=0.0,
+                           reward_timing=RewardTiming(None, pooled=False))
     images = np.zeros((2, 4, 4, 3), dtype=np.uint8)
     loop.Trainer._score(fake, images, ["a", "b"])
     main, snap, pending = seen.pop()
