@@ -48,6 +48,7 @@ def test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0(tmp_path, model_cac
 
 
 @pytest.mark.xla
+@pytest.mark.extended  # ~200 s here: CI keeps SPMD's graph set and its equality with one device (tests/e2e/test_xla.py)
 def test_flow_grpo_under_spmd_over_4_devices(tmp_path, model_cache):
     # 2 samples per replica and batch over 4 replicas: the smoke's 16 samples an epoch (4 prompts x 4), spread out
     proc = run_train([*FLOW, "tpu_topology=cpu_spmd4", "num_epochs=3", "sample.batch_size=2", "train.batch_size=1",

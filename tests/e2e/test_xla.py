@@ -52,6 +52,21 @@ def test_no_new_compilations_after_the_first_epoch(runs):
         assert e["new_replicate_compilations"] == 0, e["phases"]
 
 
+def test_epoch_0_says_what_it_compiles_and_later_epochs_compile_nothing_to_say(runs):
+    """Each stage's compile is announced and ended in events.jsonl and in the run's console log, in epoch 0 only
+    (ddpo-status reading an open compile is tests/unit/status/test_events.py's, extended)."""
+    run = runs["single_3ep"]
+    recs = [r for r in ev.read_events(run) if r["event"].startswith("compile_")]
+    assert [(r["event"], r["epoch"], r["stage"], r["index"], r["of"]) for r in recs
+            if r["event"] != "compile_progress"] == [
+        ("compile_start", 0, "sampling", 1, 2), ("compile_end", 0, "sampling", 1, 2),
+        ("compile_start", 0, "training", 2, 2), ("compile_end", 0, "training", 2, 2)]
+    ends = [r for r in recs if r["event"] == "compile_end"]
+    assert all(r["compilations"] > 0 and 0 < r["compile_seconds"] <= r["seconds"] for r in ends), ends
+    log = (run / "train.log").read_text()
+    assert ev.CompileStart(0, "sampling", 1, 2).text() in log and ev.parse(ends[-1]).text() in log
+
+
 def test_graph_count_does_not_depend_on_steps_or_batches(runs):
     counts = {name: read_metrics(runs[name], "epoch")[0]["new_compilations"] for name in ("single_3ep", "steps12_nb1")}
     assert len(set(counts.values())) == 1, counts
@@ -278,6 +293,7 @@ def test_profile_steps_write_a_trace_per_step_into_the_run_dir(tmp_path):
         assert len(events) > 10  # host and XLA activity of that step, viewable in TensorBoard / Perfetto
 
 
+@pytest.mark.extended  # 2 SPMD processes, ~400 s here: CI keeps the module runs' FSDP split, graph set and checkpoints
 def test_fsdp_with_lora_resumes_split_and_compiles_nothing_after_its_first_epoch(tmp_path, model_cache):
     """LoRA (frozen base weights split, rank-4 factors split where dim 0 divides) under dp 2 x fsdp 2: a run of one
     epoch, then the same command with num_epochs=3 resumes from its checkpoint, reloading the AdamW moments one

@@ -36,7 +36,9 @@ TRAIN_READS = {"wan22_grpo_smoke": 2 * 5 * 2}
 EXTRA = {"wan22_grpo_smoke": ["xla.step_compiler=lazy"]}
 
 
-EXTENDED = {"wan22_grpo_smoke"}  # over ~30 s here
+# over ~30 s here. CI compiles FLUX (the MMDiT with two text encoders) and Wan (video); Qwen-Image (~105 s) and
+# FLUX.2-klein, whose text encoders are the other decoder LMs, in the extended tier (docs/testing.md, 2026-11-29)
+EXTENDED = {"wan22_grpo_smoke", "qwen_image_grpo_smoke", "flux2_grpo_smoke"}
 
 
 @pytest.mark.parametrize("experiment", [pytest.param(e, marks=[pytest.mark.extended] if e in EXTENDED else [])

@@ -384,6 +384,7 @@ def test_the_live_view_counts_a_compile_up_every_poll():
 
 
 @pytest.mark.slow  # one XLA run of one epoch
+@pytest.mark.extended  # ~115 s here: CI checks the compile events on tests/e2e/test_xla.py's runs
 def test_an_xla_run_says_what_it_compiles_while_it_compiles(tmp_path, model_cache):
     """Epoch 0 on XLA: each stage's compile is announced and ended in events.jsonl and on the console, and while one
     is open ddpo-status shows it as the phase with its time so far."""
