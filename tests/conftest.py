@@ -127,8 +127,8 @@ def pytest_collection_modifyitems(config, items):
     on one pytest-xdist worker (`-n 2 --dist loadgroup`; tests/helpers/xdist_groups.py), so the fixture is built once
     rather than once per worker; an explicit `xdist_group` mark groups too. In the TorchTPU environment
     (requirements-torchtpu.txt: torch 2.15, no torch_xla) the tests of torch_xla's runtime skip, saying why, as does
-    a test marked `requires(module, ...)` where a module is missing; everything else runs there too. `--torch-free` keeps or drops the tests marked torch_free (pytest_addoption)
-    before the groups are made."""
+    a test marked `requires(module, ...)` where a module is missing; everything else runs there too. `--torch-free`
+    keeps or drops the tests marked torch_free (pytest_addoption) before the groups are made."""
     mode = config.getoption("torch_free")
     if mode is not None:
         keep = [i for i in items if _torch_free(i) == (mode == "only")]

@@ -88,7 +88,8 @@ class RewardTiming:
             self.waited += time.perf_counter() - t0
 
     def take(self) -> dict[str, float]:
-        """The epoch's {"scored_seconds", "hidden_seconds"} (the reward phase's extra fields); counts from zero again."""
+        """The epoch's {"scored_seconds", "hidden_seconds"} (the reward phase's extra fields); counts from zero
+        again."""
         with self._lock:
             scored, waited, self.scored, self.waited = self.scored, self.waited, 0.0, 0.0
         hidden = max(scored - waited, 0.0) if self.pooled else 0.0

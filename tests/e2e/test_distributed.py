@@ -85,8 +85,8 @@ def test_two_processes_train_what_one_eager_process_trains(tmp_path, case, eager
     dist = train(tmp_path, "dist", [*common, *two, *DIST, *mesh])
     a, b = final_weights(eager), final_weights(dist)
     # the same samples: every reward of the epoch, in order
-    assert read_metrics(eager, "epoch")[0]["reward_mean"] == pytest.approx(read_metrics(dist, "epoch")[0]["reward_mean"],
-                                                                          rel=1e-6)
+    assert read_metrics(eager, "epoch")[0]["reward_mean"] == pytest.approx(
+        read_metrics(dist, "epoch")[0]["reward_mean"], rel=1e-6)
     assert relative_difference(a, b) <= 1e-5
     if (eager / "weights" / "final_ema.safetensors").exists():
         assert relative_difference(load_file(eager / "weights" / "final_ema.safetensors"),

@@ -15,8 +15,10 @@ from tests.helpers import FAST_XLA_CPU, read_metrics, run_train
 pytestmark = pytest.mark.slow
 
 FLOW = ["+experiment=flow_grpo_smoke", "reward.host_workers=0", "save_freq=1",
-        # 16 samples an epoch (4 prompts x 4) in 2 batches, 2 updates: the graphs of the smoke, at a fraction of its size
-        "sample.batch_size=8", "sample.num_batches_per_epoch=2", "train.batch_size=4", "train.gradient_accumulation_steps=2",
+        # 16 samples an epoch (4 prompts x 4) in 2 batches, 2 updates: the graphs of the smoke, at a fraction of
+        # its size
+        "sample.batch_size=8", "sample.num_batches_per_epoch=2", "train.batch_size=4",
+        "train.gradient_accumulation_steps=2",
         # evaluation every epoch, so its graphs compile in epoch 0 too; EMA updated after every batch
         "evaluation.every_n_epochs=1", "evaluation.num_steps=8", "evaluation.deterministic=true",
         "train.ema=true", "train.ema_every=1"]

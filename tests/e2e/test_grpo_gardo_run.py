@@ -1,6 +1,6 @@
 """GARDO's gated KL and diversity-aware advantages in the loop, on the tiny SD3 (yifan123/flow_grpo@94e23ee5,
-scripts/train_sd3_gardo.py; tests/unit/algorithms/test_grpo_gardo_gate.py has the formulas). The reference's auxiliary rewards
-(LAION aesthetic, ImageReward) and its feature model (DINOv3) are hub models; here the project's tiny local
+scripts/train_sd3_gardo.py; tests/unit/algorithms/test_grpo_gardo_gate.py has the formulas). The reference's auxiliary
+rewards (LAION aesthetic, ImageReward) and its feature model (DINOv3) are hub models; here the project's tiny local
 stand-ins, as reward-registry entries: the tiny aesthetic (tiny CLIP + LAION-shaped MLP) and the tiny clip_score as the
 two auxiliary rewards, the tiny CLIP's image embeddings (`clip_features`) as the features. Plus the compose-time
 refusals of combinations that cannot take effect."""
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-from tests.unit.algorithms.test_grpo_gardo_gate import (ReferenceCompensator, reference_gardo_advantages, reference_gate,
-                                        reference_uncertainty)
+from tests.unit.algorithms.test_grpo_gardo_gate import (ReferenceCompensator, reference_gardo_advantages,
+                                                         reference_gate, reference_uncertainty)
 
 AUX = "[{name:aesthetic,clip_model:tiny,mlp_path:tiny},{name:clip_score,clip_model:tiny}]"
 FEATURES = "{name:clip_features,clip_model:tiny}"

@@ -45,7 +45,8 @@ def test_kill_then_resume_is_exact(tmp_path, model_cache):
 
 
 @pytest.mark.xla
-@pytest.mark.extended  # ~270 s here: CI keeps NFT's numbers (tests/parity/test_nft_official.py) and DDPO's and GRPO's graph sets
+# ~270 s here: CI keeps NFT's numbers (tests/parity/test_nft_official.py) and DDPO's and GRPO's graph sets
+@pytest.mark.extended
 def test_xla_compiles_nothing_after_the_first_epoch(tmp_path, model_cache):
     proc = run_train([*SMALL, "num_epochs=3", "tpu_topology=cpu", f"model.cache_dir={model_cache}"], tmp_path,
                      timeout=1200)

@@ -236,7 +236,8 @@ def test_a_reward_that_gives_up_by_its_own_timeouts_gets_that_long_per_request(t
         write_beat(tmp_path, 0, ranks[0].pid, wait="collective", what="all_gather_object", idle_s=40)
         write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=30, bound_s=124)
         assert watch.check() is None  # 30 s on one request of a server allowed 124 s: slow, not stuck
-        write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=130, bound_s=124)
+        write_beat(tmp_path, 1, ranks[1].pid, wait="reward", what="reward.name=remote, epoch 1", idle_s=130,
+                   bound_s=124)
         line = watch.check()
         assert line.startswith(f"rank 1 (pid {ranks[1].pid}) made no progress for 130 s, waiting on the reward call "
                                f"(reward.name=remote, epoch 1), over the 124 s its own timeouts allow one request")
@@ -323,7 +324,8 @@ def test_a_stale_or_foreign_beat_is_no_wait(tmp_path):
     try:
         watch = rankwatch.RankWatch(tmp_path, bound_s=20, world=2)
         write_beat(tmp_path, 0, ranks[0].pid + 100000, wait="reward", idle_s=60)
-        write_beat(tmp_path, 1, ranks[1].pid, age_s=rankwatch.STALE_S + 1, wait="reward", idle_s=60)  # silent, not frozen
+        write_beat(tmp_path, 1, ranks[1].pid, age_s=rankwatch.STALE_S + 1, wait="reward",
+                   idle_s=60)  # silent, not frozen
         assert watch.check() is None and all(r.poll() is None for r in ranks)
     finally:
         _end(*ranks)

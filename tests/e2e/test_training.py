@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow  # every test here starts the training process
 # pixel (XLA CPU's exp/tanh are its own approximations; measured on an AMD EPYC host: a few uint8 pixels round the
 # other way), and a JPEG size turns that into whole bytes of reward and a 1% different gradient, where this file
 # compares the training computation itself.
-ONE_EPOCH = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1", "train.gradient_accumulation_steps=2",
-             "reward=aesthetic", "reward.host_workers=0", "model.lora.enabled=true", "train.clip_range=1e-4",
-             "save_freq=1"]
+ONE_EPOCH = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1",
+             "train.gradient_accumulation_steps=2", "reward=aesthetic", "reward.host_workers=0",
+             "model.lora.enabled=true", "train.clip_range=1e-4", "save_freq=1"]
 
 
 # AdamW in its linear regime (eps >> |gradient|: a step is lr x m / eps) for the runs compared weight by weight: its
@@ -55,8 +55,8 @@ def first_epoch_runs(tmp_path_factory, model_cache):
 @pytest.mark.parametrize("name", ["cpu", "eager_cpu_fused8", "cpu_lazy_fused4"])
 def test_compiled_and_fused_steps_equal_the_eager_path_over_an_epoch(first_epoch_runs, name):
     """The same losses, log-probs and updated weights as plain eager PyTorch within 1e-5 relative: dynamo's compiled
-    steps and activation checkpointing change no result, and fusing K timesteps into one forward/backward gives the same gradient (the loss is
-    a sum inside one accumulation window; only the summation order differs)."""
+    steps and activation checkpointing change no result, and fusing K timesteps into one forward/backward gives the same
+    gradient (the loss is a sum inside one accumulation window; only the summation order differs)."""
     ref, run = first_epoch_runs["eager_cpu"], first_epoch_runs[name]
     (s_ref,), (s_run,) = read_metrics(ref, "step"), read_metrics(run, "step")
     # one update covers the epoch: the loss is a mean of zero-mean advantages (~1e-8), compared absolutely

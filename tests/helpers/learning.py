@@ -1,5 +1,5 @@
-"""The smoke experiments' learning tests (tests/learning/test_learns.py): one in-process run of an experiment on eager CPU
-and the z-score of a reward rise."""
+"""The smoke experiments' learning tests (tests/learning/test_learns.py): one in-process run of an experiment on eager
+CPU and the z-score of a reward rise."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""A reward that reads its prompts' metadata and reports extras, for tests/unit/rewards/test_managed_reward.py: imported only by
-the reward process those tests start (`serve --import tests.helpers.probe_reward`), never by pytest itself, so the
-catalog of the test session keeps only the real rewards. Registered in the catalog before ddpo_tpu.config.schema is
+"""A reward that reads its prompts' metadata and reports extras, for tests/unit/rewards/test_managed_reward.py: imported
+only by the reward process those tests start (`serve --import tests.helpers.probe_reward`), never by pytest itself, so
+the catalog of the test session keeps only the real rewards. Registered in the catalog before ddpo_tpu.config.schema is
 imported there, so the schema's reward union includes it.
 
     value  = scale * mean(pixels) / 255 + metadata["bonus"]   (bonus 0 when the row has none or there is no metadata)

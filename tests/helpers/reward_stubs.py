@@ -1,6 +1,7 @@
 """Stand-ins for the OCR reward's recogniser and GenEval's detector and colour classifier, reached through the
-rewards' `module:function` keys (tests/unit/rewards/test_ocr_reward.py, tests/unit/rewards/test_geneval_reward.py). Each test states what the
-stand-in returns: the scoring is then tested on given recognitions / detections, as the references' rules read them."""
+rewards' `module:function` keys (tests/unit/rewards/test_ocr_reward.py, tests/unit/rewards/test_geneval_reward.py). Each
+test states what the stand-in returns: the scoring is then tested on given recognitions / detections, as the references'
+rules read them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A model family of the tests' own (tests/unit/project/test_catalog.py registers its spec): SD 1.x-shaped, so the test is about
-registering a family, not about a new model. Counts what it encodes, to show the loop went through it."""
+"""A model family of the tests' own (tests/unit/project/test_catalog.py registers its spec): SD 1.x-shaped, so the test
+is about registering a family, not about a new model. Counts what it encodes, to show the loop went through it."""
 
 from __future__ import annotations
 

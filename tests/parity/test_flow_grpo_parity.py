@@ -379,7 +379,8 @@ def test_cfg_detach_uncond_is_refused_where_training_has_no_guidance():
     assert "set train.cfg_detach_uncond=false" in found["train.cfg_detach_uncond"]
     found = _problems(["+experiment=flow_grpo_smoke", "train.cfg=true", "train.cfg_detach_uncond=true"])
     assert "sample.guidance_scale=1" in found["train.cfg_detach_uncond"]
-    for family in (["+experiment=smoke"], ["+experiment=flow_grpo_smoke", "sample.guidance_scale=4.5", "train.cfg=true"]):
+    for family in (["+experiment=smoke"],
+                   ["+experiment=flow_grpo_smoke", "sample.guidance_scale=4.5", "train.cfg=true"]):
         cfg = compose_and_validate([*family, "train.cfg_detach_uncond=true"]).cfg
         assert cfg.train.cfg_detach_uncond and cfg.train.cfg
     assert compose_and_validate(["+experiment=smoke"]).cfg.train.cfg_detach_uncond is False  # default: both halves

@@ -111,7 +111,8 @@ def ref_pipeline_with_logprob(self, prompt_embeds, pooled_prompt_embeds, latents
 
 
 def ref_compute_log_prob(transformer, pipeline, sample, j, config):
-    """train_flux.py's compute_log_prob; ``transformer.module`` there is the accelerate-wrapped model: here the model."""
+    """train_flux.py's compute_log_prob; ``transformer.module`` there is the accelerate-wrapped model: here the
+    model."""
     packed_noisy_model_input = sample["latents"][:, j]
     device = packed_noisy_model_input.device
     dtype = packed_noisy_model_input.dtype

@@ -68,7 +68,8 @@ def official_dpm2(v_pred_fn, z, sigma_schedule):
             h, h0 = lam(st) - lam(s0), lam(s0) - lam(s1)
             r0 = h0 / h
             d0, d1 = outputs[-1], (1.0 / r0) * (outputs[-1] - outputs[-2])
-            z = (st / s0) * sample - ((1 - st) * (torch.exp(-h) - 1.0)) * d0 - 0.5 * ((1 - st) * (torch.exp(-h) - 1.0)) * d1
+            z = ((st / s0) * sample - ((1 - st) * (torch.exp(-h) - 1.0)) * d0
+                 - 0.5 * ((1 - st) * (torch.exp(-h) - 1.0)) * d1)
         lower_order_nums = min(lower_order_nums + 1, order)
         z = z.to(m.dtype).to(dtype)
     return z

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (t
 CASES = [
     # (overrides, the refused key, words of the reason, the enabling overrides that make it valid)
     (["train.ema_decay=0.5"], "train.ema_decay", "train.ema=false", ["train.ema=true"]),
-    (["evaluation.deterministic=true"], "evaluation.deterministic", "every_n_epochs=0", ["evaluation.every_n_epochs=1"]),
+    (["evaluation.deterministic=true"], "evaluation.deterministic", "every_n_epochs=0",
+     ["evaluation.every_n_epochs=1"]),
     (["logger.project=p"], "logger.project", "logger=none", ["logger=wandb", "logger.mode=offline"]),  # (wandb's)
     (["xla.debug_level=1"], "xla.debug_level", "torch_xla", ["tpu_topology=cpu"]),
     (["tpu_topology.mesh.dp=1"], "tpu_topology.mesh.dp", "one device", ["tpu_topology=cpu_spmd4",

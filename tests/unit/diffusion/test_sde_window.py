@@ -45,7 +45,8 @@ def test_a_random_window_is_drawn_per_batch_inside_its_range_from_the_seed():
 # --- compose-time rules -----------------------------------------------------------------------------------------------
 
 def test_the_window_is_refused_where_it_cannot_be():
-    assert "no SDE window" in compose_and_validate_fails(["sample.sde_window.size=2"], ddim=True)["sample.sde_window.size"]
+    assert "no SDE window" in compose_and_validate_fails(["sample.sde_window.size=2"], ddim=True)[
+        "sample.sde_window.size"]
     assert "larger than the 6 steps" in refused(["sample.sde_window.size=7"])["sample.sde_window.size"]
     assert "lo < hi <= 6" in refused(["sample.sde_window.size=2", "sample.sde_window.range=[0,8]"])[
         "sample.sde_window.range"]

@@ -436,8 +436,9 @@ def test_a_geneval_preset_evaluating_its_test_split_composes(tmp_path):
 
     data = Path(__file__).parents[2] / "data" / "flow_grpo" / "geneval"
     (tmp_path / "m2f.pth").write_bytes(b"placeholder")
-    run = ["+experiment=flow_grpo_geneval_sd35", f"prompts.path={data}", f"reward.detector_model={tmp_path / 'm2f.pth'}",
-           f"reward.process.python={sys.executable}", "evaluation.every_n_epochs=60"]
+    run = ["+experiment=flow_grpo_geneval_sd35", f"prompts.path={data}",
+           f"reward.detector_model={tmp_path / 'm2f.pth'}", f"reward.process.python={sys.executable}",
+           "evaluation.every_n_epochs=60"]
     with pytest.raises(ConfigError) as e:  # the fixed prompts carry no GenEval metadata
         compose_and_validate(run)
     assert "GenEval metadata" in e.value.render()

@@ -1,6 +1,6 @@
-"""Bucket faults (ddpo_tpu/rundir/storage.py, storage_faults.py): an unreachable bucket and a refusing one are told apart
-in one line, quickly, with nothing of gcsfs's log on the console; an outage longer than storage_timeout_s stops the
-mirror and asks the trainer to stop, a shorter one is waited out; a resume takes the newest verified checkpoint of
+"""Bucket faults (ddpo_tpu/rundir/storage.py, storage_faults.py): an unreachable bucket and a refusing one are told
+apart in one line, quickly, with nothing of gcsfs's log on the console; an outage longer than storage_timeout_s stops
+the mirror and asks the trainer to stop, a shorter one is waited out; a resume takes the newest verified checkpoint of
 either copy and uploads what the bucket lacks. Against fake-gcs-server behind a relay a test can shut
 (tests/helpers_gcs.py)."""
 

@@ -131,7 +131,8 @@ def test_gloo_prints_reach_train_log_but_not_the_console(tmp_path, capfd):
 
     gloo = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
     assert third_party_line(gloo.encode() + b"\n") and not third_party_line(b"[epoch 0] sampling start\n")
-    script = f"print({gloo!r}); print('ddpo_tpu: ours'); print('[Gloo] Rank 1 is connected to 0 peer ranks.', flush=True)"
+    script = (f"print({gloo!r}); print('ddpo_tpu: ours'); "
+              "print('[Gloo] Rank 1 is connected to 0 peer ranks.', flush=True)")
     log = tmp_path / "train.log"
     code = run_training(dict(__import__("os").environ), log, cmd=[sys.executable, "-c", script])
     out = capfd.readouterr().out

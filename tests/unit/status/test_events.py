@@ -1,5 +1,5 @@
-"""ddpo_tpu.rundir.events: writing, reading and rendering events; and the front end's part (ddpo_tpu.launch.process): the
-start and exit of the training process recorded as events, the live status line following events.jsonl."""
+"""ddpo_tpu.rundir.events: writing, reading and rendering events; and the front end's part (ddpo_tpu.launch.process):
+the start and exit of the training process recorded as events, the live status line following events.jsonl."""
 
 from __future__ import annotations
 

@@ -603,7 +603,8 @@ def test_width_option_bounds_the_sparkline(tmp_path, capsys):
 def test_status_never_imports_torch(tmp_path):
     run = make_run(tmp_path / "light", tail=COMPLETE)
     code = ("import sys, ddpo_tpu.status as s; rc = s.main([sys.argv[1], '--json']); "
-            "bad = [m for m in ('torch', 'torch_xla', 'numpy', 'omegaconf', 'hydra') if sys.modules.get(m) is not None]; "
+            "bad = [m for m in ('torch', 'torch_xla', 'numpy', 'omegaconf', 'hydra') "
+            "if sys.modules.get(m) is not None]; "
             "sys.exit(10 if bad else rc)")
     r = subprocess.run([sys.executable, "-c", code, str(run)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -691,7 +692,7 @@ def test_a_killed_then_resumed_run_read_from_its_events(tmp_path, model_cache):
     assert kinds[-2:] == ["run_complete", "worker_exited"] and kinds.count("epoch_done") >= 2
 
 
-# --- arguments (issue 32): a bad one is one line and exit 2, never a traceback ------------------------------------------
+# --- arguments (issue 32): a bad one is one line and exit 2, never a traceback ----------------------------------------
 
 @pytest.mark.parametrize("args,named", [(["--events", "-3"], "--events"), (["--stale-after", "-60"], "--stale-after"),
                                         (["--rows", "-1"], "--rows"), (["--events", "x"], "--events")])

@@ -1,5 +1,5 @@
-"""Rewards off the critical path (training/reward_overlap.py, issue 41 item 4): the reward calls' own seconds and the part
-of them sampling hid, through the loop's own `_score` and `gather_rewards`; each pool thread's CUDA stream (with a
+"""Rewards off the critical path (training/reward_overlap.py, issue 41 item 4): the reward calls' own seconds and the
+part of them sampling hid, through the loop's own `_score` and `gather_rewards`; each pool thread's CUDA stream (with a
 stand-in torch.cuda: no GPU needed); the fields in the epoch's event and its console line."""
 
 from __future__ import annotations
@@ -183,6 +183,7 @@ def test_the_reward_phase_carries_scored_and_hidden_seconds_to_the_event_and_the
     assert line.endswith("sampling 0.0s/0c, reward 0.0s/0c (1.9s scored, 1.8s hidden)")
     plain = ev.EpochDone(0, 0.5, 0.0, 0.0, 0.0, 1, {"reward": {"seconds": 0.1, "compilations": 0}}).text()
     assert plain.endswith("reward 0.1s/0c")  # a record without the fields (older runs) reads as before
-    epoch = {"epoch": 0, "num_samples": 2, "phases": {**clock.phases, "training": {"seconds": 2.0, "host_seconds": 1.0}}}
+    epoch = {"epoch": 0, "num_samples": 2,
+             "phases": {**clock.phases, "training": {"seconds": 2.0, "host_seconds": 1.0}}}
     assert throughput([epoch])[1] == sum(p["seconds"] for p in epoch["phases"].values())  # scored is not wall time
     assert set(host_time([epoch]).phases) == {"sampling", "reward", "training"}
