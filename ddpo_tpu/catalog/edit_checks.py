@@ -1,5 +1,6 @@
 """Compose-time checks of the edit task (issue 40 item 3): an edit family's prompts must name their input pictures,
-its reward must see them, and it samples without guidance. Its own module: it reads the reward catalog
+and its reward must see them (true CFG is the family's: each row's negative prompt is encoded with the row's
+pictures, families/qwen_image_edit.py, so sample.guidance_scale is free). Its own module: it reads the reward catalog
 (catalog/rewards.py), which imports catalog/reward_checks.py, so it cannot live there."""
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from ddpo_tpu.problems import Problem
 
 def edit_family_problems(cfg: Any) -> list[Problem]:
     """model.family=qwen_image_edit (families/qwen_image_edit.py): its prompts must name their input pictures, its
-    reward (or a reward=weighted component) must see them, and it samples without guidance (the loop's one negative
-    prompt cannot carry each row's pictures)."""
+    reward (or a reward=weighted component) must see them."""
     if cfg.model.family != "qwen_image_edit":
         return []
     problems: list[Problem] = []
@@ -28,8 +28,4 @@ def edit_family_problems(cfg: Any) -> list[Problem]:
                                 "cannot see the source pictures (an edit scored without them rewards any image)",
                                 "use a reward that takes them, e.g. reward=edit_consistency (or as a reward=weighted "
                                 "component)"))
-    if cfg.sample.guidance_scale != 1.0:
-        problems.append(Problem("sample.guidance_scale", cfg.sample.guidance_scale, "model.family=qwen_image_edit "
-                                "samples without guidance (its negative prompt would need each row's pictures)",
-                                "set sample.guidance_scale=1.0 and train.cfg=false"))
     return problems

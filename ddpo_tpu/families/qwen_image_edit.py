@@ -8,9 +8,27 @@ hands the sampler, ``(embeds, mask, image latents)`` (models/qwen_image_edit.py:
 the prompt, and through the VAE as the packed tokens appended to the generated ones). So the sampler, the trajectories
 and the training step carry the images as any other conditioning tensor; nothing in diffusion/ knows of them.
 
-Guidance: the pipeline's negative prompt is encoded with the same pictures, one negative per row; the loop's one
-unconditional prompt (``encode([""])``) cannot carry them, so sample.guidance_scale must stay 1 (refused at compose
-time, catalog/edit_checks.py::edit_family_problems). flow_grpo's edit runs use true CFG; that is left to do.
+Guidance (true CFG, sample.guidance_scale != 1): the negative prompt depends on the row. QwenImageEditPlusPipeline
+encodes its negative prompt with the same pictures as the prompt (diffusers 0.42.1 pipeline_qwenimage_edit_plus.py,
+``__call__`` step 3: ``encode_prompt(image=condition_images, prompt=negative_prompt)``), and flow_grpo's edit sampler
+encodes it row by row with the row's pictures (yifan123/flow_grpo@9dcdc35b211205511f171a4f3566e40786575bc3
+flow_grpo/diffusers_patch/qwenimage_edit_plus_pipeline_with_logprob.py, the per-row loop at lines ~101-127: the row's
+``[ref, image]`` with ``negative_prompt[i]``, " " from scripts/train_qwenimage_edit_plus.py). The loop's one
+unconditional prompt (``encode([""])``, expanded to the batch) cannot carry that, so this family says
+``row_uncond = True`` (families/base.py): when it samples with guidance, ``encode(prompts)`` returns each row's negative
+beside its conditioning, ``(embeds, mask, image latents, negative embeds, negative mask)``; the loop's ``uncond`` is
+only the switch that turns guidance on (its content, a (B, 1) zero, is not read). The row's negative then travels with
+the row through sampling, the recorded trajectories and the training re-scoring as any conditioning tensor; nothing in
+training/ or diffusion/ changes. The guided velocity is flow_grpo's: both passes as one batch (cond first), the
+prediction cut to the generated tokens, ``neg + g (cond - neg)`` rescaled per token to the conditional one's norm
+(models/qwen_image_edit.py::edit_velocity), in sampling (the pipeline's denoising loop) and in re-scoring (the edit
+script's ``compute_log_prob``, with ``config.sample.guidance_scale``).
+
+flow_grpo's sampler as written passes the positive ``prompt_embeds`` it has just computed to the negative prompt's
+``encode_prompt`` call (and the previous row's to the next row's), and diffusers' ``encode_prompt`` encodes only when
+``prompt_embeds is None``: its negative is then the positive (guidance a no-op) and every row reuses the first row's
+states. We follow what the code sets out to do and what the pipeline does (each row's own prompt and negative, each
+with the row's pictures), not that slip. At guidance 1 nothing of this is encoded or run: one conditional pass.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ class QwenImageEditFamily(QwenImageFamily):
     """Qwen-Image with each prompt's input images in its conditioning."""
 
     name = "qwen_image_edit"
+    row_uncond = True  # each row's negative prompt is encoded with the row's pictures (see the module docstring)
 
     def __init__(self, cfg, rt, components):
         from ddpo_tpu.models import qwen_image_edit as qe
@@ -59,13 +78,21 @@ class QwenImageEditFamily(QwenImageFamily):
             out.append([Image.fromarray(a) for a in images])
         return out
 
-    def _encode_rows(self, prompts: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+    def guided(self) -> bool:
+        """Whether this family's current config samples with guidance (evaluation swaps in a config of its own,
+        training/evaluation.py::sampler_config, so this is read at each call)."""
+        return self.cfg.sample.guidance_scale != 1.0
+
+    def _encode_rows(self, prompts: list[str], negative: bool) -> tuple[Tensor, ...]:
+        from ddpo_tpu.models.qwen_image import NEGATIVE_PROMPT
         from ddpo_tpu.models.qwen_image_edit import encode_edit_images, encode_edit_prompt
 
         device = self.rt.device
-        embeds, masks, latents = [], [], []
+        rows = []
         for prompt, images in zip(prompts, self.pictures(prompts)):
             e, m = encode_edit_prompt(self.c, prompt, images, device, self.text_tokens)
+            # flow_grpo's order: the row's prompt, then its negative, both with the row's pictures, then the latents
+            neg = encode_edit_prompt(self.c, NEGATIVE_PROMPT, images, device, self.text_tokens) if negative else ()
             z, shapes = encode_edit_images(self.c, images, device, self.vae_area)
             if self.image_shapes is None:
                 self.image_shapes = shapes
@@ -73,20 +100,15 @@ class QwenImageEditFamily(QwenImageFamily):
                 raise ValueError(f"model.family=qwen_image_edit: the prompt {prompt[:60]!r}'s pictures are "
                                  f"{shapes} latent tokens, others {self.image_shapes}: a batch shares one shape "
                                  "(give every row input images of one size and count)")
-            embeds.append(e)
-            masks.append(m)
-            latents.append(z[0].to(self.dtype))
-        return torch.stack(embeds), torch.stack(masks), torch.stack(latents)
+            rows.append((e, m, z[0].to(self.dtype), *neg))
+        return tuple(torch.stack(parts) for parts in zip(*rows))
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Cond:
-        from ddpo_tpu.models.qwen_image import NEGATIVE_PROMPT, encode_prompts_qwen
-
-        if all(not p for p in prompts):  # the loop's unconditional prompt: unused at guidance 1 (see the docstring)
-            embeds, mask = encode_prompts_qwen(self.c, [NEGATIVE_PROMPT] * len(prompts), self.rt.device)
-            return embeds, mask, torch.zeros(len(prompts), 0, self.latent_shape[1], device=self.rt.device,
-                                             dtype=self.dtype)
-        out = encode_distinct(prompts, self._encode_rows, self.rt)
+        if all(not p for p in prompts):  # the loop's unconditional prompt: only a switch (see the docstring)
+            return (torch.zeros(len(prompts), 1, device=self.rt.device, dtype=self.dtype),)
+        negative = self.guided()
+        out = encode_distinct(prompts, lambda ps: self._encode_rows(ps, negative), self.rt)
         if len(prompts) > 1:
             out = tuple(self.rt.shard_batch(t) for t in out)
         return out
@@ -95,9 +117,13 @@ class QwenImageEditFamily(QwenImageFamily):
                  detach_uncond: bool = False) -> Tensor:
         from ddpo_tpu.models.qwen_image_edit import edit_velocity
 
-        if uncond is not None and self.cfg.sample.guidance_scale != 1.0:
-            raise NotImplementedError("model.family=qwen_image_edit samples without guidance (sample.guidance_scale=1)")
+        guided = uncond is not None and self.guided()
+        if guided and len(cond) < 5:
+            raise ValueError("model.family=qwen_image_edit: guided sampling needs each row's negative prompt in its "
+                             "conditioning; these prompts were encoded at sample.guidance_scale=1")
         side = self.latent_size // 2
         shapes = [[(1, side, side), *(self.image_shapes or [])]] * x.shape[0]
+        neg = (cond[3], cond[4]) if guided else (None, None)
         return edit_velocity(self.call_denoiser(), x.to(self.dtype), cond[2], (tables or self.tables).timestep_at(idx),
-                             cond[0], cond[1], shapes)
+                             cond[0], cond[1], shapes, neg[0], neg[1],
+                             self.cfg.sample.guidance_scale if guided else 1.0, detach_uncond)

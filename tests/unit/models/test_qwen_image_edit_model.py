@@ -11,6 +11,12 @@ yifan123/flow_grpo's edit script at 9dcdc35b211205511f171a4f3566e40786575bc3:
   sd3_sde_with_logprob's step scoring ``next_latents`` (written from flow_grpo in tests/parity/test_flux_parity.py).
   At guidance 1 its ``neg + 1 (cond - neg)`` rescaled to the conditional norm is the conditional prediction, so the
   reference here makes the conditional pass only;
+* true CFG (sample.guidance_scale > 1): the pipeline run whole with ``true_cfg_scale`` and ``negative_prompt=" "``
+  equals our guided ODE steps (its negative encoded with the same pictures: ours is carried in each row's
+  conditioning, families/qwen_image_edit.py), and the guided re-scored log-prob equals ``compute_log_prob``'s formula
+  (both passes as one batch, cond first, states cut to the longest real length, the prediction cut to the generated
+  tokens, ``neg + g (cond - neg)`` rescaled per token to the conditional norm, then the SDE step). flow_grpo passes
+  ``txt_seq_lens`` too, which diffusers 0.42.1's transformer no longer takes (the mask carries it);
 * the compose-time refusals of the edit family and of a reward that takes sources.
 """
 
@@ -22,6 +28,7 @@ import torch
 from tests.parity.test_flux_parity import ref_sde_step_with_logprob
 
 STEPS, NOISE_LEVEL = 3, 1.2
+GUIDANCE = 4.0  # the pipeline's default true_cfg_scale
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +49,7 @@ def _pipeline(fam):
                                      processor=c.processor, transformer=fam.model)
 
 
-def _run_pipeline(fam, monkeypatch, prompt, init):
+def _run_pipeline(fam, monkeypatch, prompt, init, **guidance):
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
 
     from ddpo_tpu.models.qwen_image_edit import TINY_VAE_IMAGE_SIZE
@@ -53,7 +60,7 @@ def _run_pipeline(fam, monkeypatch, prompt, init):
     try:
         with torch.no_grad():
             pipe(image=fam.pictures([prompt])[0], prompt=prompt, height=32, width=32, num_inference_steps=STEPS,
-                 true_cfg_scale=1.0, latents=init.clone(), output_type="latent",
+                 latents=init.clone(), output_type="latent", **({"true_cfg_scale": 1.0} | guidance),
                  callback_on_step_end=lambda p, i, t, kw: steps.append(kw["latents"].clone()) or {})
     finally:
         hook.remove()
@@ -81,18 +88,24 @@ def test_ode_steps_equal_qwen_image_edit_plus_pipeline(fam, monkeypatch):
         torch.testing.assert_close(x, steps[i], rtol=1e-5, atol=2e-5)
 
 
-def test_training_log_prob_equals_flow_grpo_edit_compute_log_prob(fam, monkeypatch):
-    prompts = ["make the square blue", "make the background dark"]
-    cond = fam.encode(prompts)
-    pipe = _pipeline(fam)
-    from ddpo_tpu.models.flux import flux_tables  # noqa: F401 -- the family's schedule: pipe.scheduler gets the same
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_shift, retrieve_timesteps
+def _pipeline_on_schedule(fam):
+    """The pipeline with its scheduler set as flow_grpo's sampler sets it (linspace sigmas, mu from the 16 generated
+    tokens): the scheduler sd3_sde_with_logprob reads; and its timesteps."""
     import numpy as np
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_shift, retrieve_timesteps
 
+    pipe = _pipeline(fam)
     cfg = pipe.scheduler.config
     mu = calculate_shift(16, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
                          cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
     timesteps, _ = retrieve_timesteps(pipe.scheduler, STEPS, "cpu", sigmas=np.linspace(1.0, 1 / STEPS, STEPS), mu=mu)
+    return pipe, timesteps
+
+
+def test_training_log_prob_equals_flow_grpo_edit_compute_log_prob(fam, monkeypatch):
+    prompts = ["make the square blue", "make the background dark"]
+    cond = fam.encode(prompts)
+    pipe, timesteps = _pipeline_on_schedule(fam)
     torch.testing.assert_close(fam.tables.timestep_at(torch.arange(STEPS)).float(), timesteps.float())
     gen = torch.Generator().manual_seed(3)
     lat = torch.randn(2, *fam.latent_shape, generator=gen)
@@ -115,13 +128,126 @@ def test_training_log_prob_equals_flow_grpo_edit_compute_log_prob(fam, monkeypat
     fam.model.zero_grad(set_to_none=True)
 
 
+def _guided(fam, monkeypatch, scale=GUIDANCE):
+    """The family under a config sampling at ``scale`` (as evaluation swaps its own in: the family reads its cfg)."""
+    monkeypatch.setattr(fam, "cfg", fam.cfg.model_copy(
+        update={"sample": fam.cfg.sample.model_copy(update={"guidance_scale": scale})}))
+
+
+def test_guided_ode_steps_equal_the_pipeline_with_true_cfg(fam, monkeypatch):
+    """QwenImageEditPlusPipeline with true_cfg_scale 4 and negative_prompt " " (the conditional pass, then the
+    negative one, whose states are the negative prompt encoded with the same pictures) against our guided ODE steps
+    from our encoding, whose row carries its own negative."""
+    prompt = "make the square red"
+    init = torch.randn(1, *fam.latent_shape, generator=torch.Generator().manual_seed(1))
+    pipe, seen, steps = _run_pipeline(fam, monkeypatch, prompt, init, true_cfg_scale=GUIDANCE, negative_prompt=" ")
+    assert len(steps) == STEPS and len(seen) == 2 * STEPS  # two passes a step
+    _guided(fam, monkeypatch)
+    cond, uncond = fam.encode([prompt]), fam.encode([""])
+    assert len(cond) == 5
+    neg = seen[1][0]  # the pipeline's unconditional pass
+    n = int(cond[4][0].sum())
+    assert neg["encoder_hidden_states"].shape[1] == n > 8  # the negative holds the pictures' tokens
+    torch.testing.assert_close(cond[3][0, :n], neg["encoder_hidden_states"][0], rtol=1e-5, atol=1e-5)
+    assert not cond[3][0, n:].any()
+    step = fam.make_denoise_step(None, deterministic=True)
+    x, plain = init, init
+    unguided = fam.make_denoise_step(None, deterministic=True)
+    for i in range(STEPS):
+        idx = torch.full((1,), i, dtype=torch.long)
+        x, _ = step(x, idx, torch.zeros_like(x), cond, uncond)
+        torch.testing.assert_close(x, steps[i], rtol=1e-5, atol=2e-5)
+        plain, _ = unguided(plain, idx, torch.zeros_like(x), cond, None)
+    assert (x - plain).abs().max() > 1e-3  # the guidance moved the samples: the check above could fail
+
+
+def _flow_grpo_guided_log_prob(fam, pipe, cond, lat, nxt, t, j_scale):
+    """flow_grpo's train_qwenimage_edit_plus.py::compute_log_prob (9dcdc35) written from it: the states and masks cut
+    to the longest real length of both halves, one transformer call on ``cat([x, x])`` with ``cat([cond, neg])``,
+    chunked, each cut to the generated tokens, ``comb = neg + g (cond - neg)`` times ``|cond| / |comb|`` over the
+    channels, then sd3_sde_with_logprob's step scoring ``next_latents``."""
+    embeds, mask, image_latents, neg_embeds, neg_mask = cond
+    keep = int(torch.cat([mask.sum(1), neg_mask.sum(1)]).max())
+    embeds, mask, neg_embeds, neg_mask = embeds[:, :keep], mask[:, :keep], neg_embeds[:, :keep], neg_mask[:, :keep]
+    x = torch.cat([lat, image_latents], dim=1)
+    shapes = [[(1, 4, 4), *fam.image_shapes]] * lat.shape[0]
+    pred = fam.model(hidden_states=torch.cat([x, x]), timestep=torch.cat([t, t]) / 1000,
+                     encoder_hidden_states_mask=torch.cat([mask, neg_mask]),
+                     encoder_hidden_states=torch.cat([embeds, neg_embeds]), img_shapes=shapes * 2,
+                     return_dict=False)[0]
+    pos, neg = pred.chunk(2, dim=0)
+    pos, neg = pos[:, :lat.shape[1]], neg[:, :lat.shape[1]]
+    comb = neg + j_scale * (pos - neg)
+    pred = comb * (torch.norm(pos, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+    return ref_sde_step_with_logprob(pipe.scheduler, pred.float(), t, lat.float(), prev_sample=nxt.float(),
+                                     noise_level=NOISE_LEVEL)
+
+
+def test_guided_training_log_prob_equals_flow_grpo_edit_compute_log_prob(fam, monkeypatch):
+    _guided(fam, monkeypatch)
+    prompts = ["make the square blue", "make the background dark"]
+    cond, uncond = fam.encode(prompts), fam.encode([""] * 2)
+    pipe, timesteps = _pipeline_on_schedule(fam)
+    gen = torch.Generator().manual_seed(3)
+    lat = torch.randn(2, *fam.latent_shape, generator=gen)
+    nxt = lat + 0.1 * torch.randn(lat.shape, generator=gen)
+    score = fam.make_score_step(None)
+    for j in range(STEPS - 1):
+        with torch.no_grad():
+            _, ref_lp, ref_mean, _ = _flow_grpo_guided_log_prob(fam, pipe, cond, lat, nxt, timesteps[j].expand(2),
+                                                                GUIDANCE)
+            plain = score(lat, torch.full((2,), j, dtype=torch.long), nxt, cond, None)
+        ours = score(lat, torch.full((2,), j, dtype=torch.long), nxt, cond, uncond)
+        torch.testing.assert_close(ours.log_prob, ref_lp, rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(ours.mean, ref_mean, rtol=1.3e-6, atol=1e-5)
+        assert (ours.mean - plain.mean).abs().max() > 1e-4  # guided differs from unguided
+    ours.log_prob.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in fam.model.named_parameters() if "lora" in n)
+    fam.model.zero_grad(set_to_none=True)
+
+
+def test_rows_with_different_pictures_differ_in_their_unconditional_half(fam, monkeypatch):
+    """The negative prompt is one text (" ") for every row, yet each row's negative states hold its own pictures;
+    the same prompt text twice (GRPO's groups) repeats its row's negative; at guidance 1 no negative is encoded."""
+    import numpy as np
+
+    from ddpo_tpu.models.qwen_image import NEGATIVE_PROMPT
+    from ddpo_tpu.models.qwen_image_edit import encode_edit_prompt
+
+    assert len(fam.encode(["make the square red"])) == 3  # guidance 1: prompt, mask, picture latents only
+    _guided(fam, monkeypatch)
+    prompts = ["make the square red", "make the square blue", "make the square red"]
+    pics = fam.pictures(prompts)
+    assert not np.array_equal(np.asarray(pics[0][0]), np.asarray(pics[1][0]))  # the rows' pictures differ
+    cond = fam.encode(prompts)
+    neg_embeds, neg_mask = cond[3], cond[4]
+    assert (neg_embeds[0] - neg_embeds[1]).abs().max() > 1e-4
+    torch.testing.assert_close(neg_embeds[0], neg_embeds[2])
+    e, m = encode_edit_prompt(fam.c, NEGATIVE_PROMPT, pics[1], fam.rt.device, fam.text_tokens)
+    torch.testing.assert_close(neg_embeds[1], e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(neg_mask[1], m)
+    assert (neg_embeds[1] - cond[0][1]).abs().max() > 1e-4  # the negative is not the prompt (flow_grpo's slip)
+
+
+def test_true_cfg_composes_and_xla_stays_refused():
+    """Guidance is no longer refused for the family (train.cfg as Qwen-Image's); the XLA refusal still holds."""
+    from ddpo_tpu.config.compose import ConfigError, compose_and_validate
+
+    cfg = compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
+                                "train.cfg=true"]).cfg
+    assert cfg.sample.guidance_scale == 4.0 and cfg.train.cfg
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
+                              "train.cfg=true", "tpu_topology=cpu"])
+    assert "tpu_topology.execution" in str(e.value)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["reward=jpeg_compressibility", "~reward.components"],
      "reward.name=jpeg_compressibility: model.family=qwen_image_edit"),
     (["reward.components=[{name: jpeg_compressibility, weight: 1.0}]"],  # no component sees the sources
      "reward.name=weighted: model.family=qwen_image_edit"),
     (["prompts.name=simple_animals", "prompts.path=null"], "prompts=simple_animals: model.family=qwen_image_edit"),
-    (["sample.guidance_scale=4.0", "train.cfg=true"], "sample.guidance_scale=4.0: model.family=qwen_image_edit"),
 ])
 def test_edit_family_refusals(overrides, key):
     from ddpo_tpu.config.compose import compose_and_validate
