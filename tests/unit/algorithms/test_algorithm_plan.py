@@ -122,3 +122,22 @@ def test_awm_trains_the_plans_batch_and_window():
     trainer.train_epoch(0, s)
     assert stepper.begun == (2, N // 8)           # the plan's window, over the plan's batches
     assert stepper.micro == N // 8 and len(scored) == N // 8 - 2
+
+
+def test_grpo_plans_a_ranks_own_samples_with_the_plans_steps():
+    """distributed.keep_samples_on_rank on two ranks: each rank plans the samples it drew (flow_grpo's mask is per
+    process), with the optimizer steps one process takes: flow_grpo's samples_per_epoch over its
+    total_train_batch_size (train_sd3.py:566-575, both x num_processes, which cancel), the plan's number, on half the
+    samples."""
+    from ddpo_tpu.algorithms.grpo import GRPO
+
+    v = compose_and_validate(["+experiment=flow_grpo_smoke", "tpu_topology=cpu_dist2", "distributed.compile=none",
+                              "distributed.keep_samples_on_rank=true"])
+    plan, s, t = v.plan, v.cfg.sample, v.cfg.train
+    assert plan.keep_samples_on_rank and plan.samples_on_rank * 2 == plan.samples_per_epoch
+    per_process_steps = s.batch_size * s.num_batches_per_epoch // (t.batch_size * t.gradient_accumulation_steps)
+    assert plan.updates_per_inner_epoch == per_process_steps == 2
+    n = plan.samples_on_rank
+    got = GRPO(v.cfg, plan).train_plan(0, _advantages(n, 37), [f"p{i // 4}" for i in range(n)], np.zeros(n))
+    assert got is not None and got.orders.shape == (t.num_inner_epochs, n)
+    assert got.kept == 40  # 37 grown to a multiple of lcm(8 batches, 2 steps)
