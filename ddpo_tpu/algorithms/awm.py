@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ddpo_tpu.algorithms.groups import GroupAlgorithm
+from ddpo_tpu.config.plan import RunPlan
 from ddpo_tpu.random_streams import SHUFFLE, stream_seed
 from ddpo_tpu.training.ppo_epoch import EpochTrainer
 from ddpo_tpu.training.state import EMA
@@ -130,17 +131,18 @@ class AWM(GroupAlgorithm):
         self.note_zero_std(keys, rewards)
 
     def make_epoch_trainer(self, ctx) -> "AwmEpochTrainer":
-        return AwmEpochTrainer(ctx)
+        return AwmEpochTrainer(ctx, self.plan)
 
 
 class AwmEpochTrainer(EpochTrainer):
     """Trains an epoch on the forward process: per train batch one forward of K x B rows (time-major, as the
     reference concatenates them), times and noise drawn on the host from (seed, epoch, SHUFFLE) and uploaded as data,
     each function compiled once (rt.compile_step); the optimizer steps are the Stepper's (training/stepper.py), a
-    micro-step counting one train batch of the window of gradient_accumulation_steps."""
+    micro-step counting one train batch of the window of gradient_accumulation_steps. The train batch and that
+    window are the run plan's (`plan`, config/plan.py), not recomputed from the config."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
+    def __init__(self, ctx, plan: RunPlan):
+        self.ctx, self.plan = ctx, plan
         cfg, rt, fam = ctx.cfg, ctx.rt, ctx.family
         a = self.a = cfg.algorithm
         self.K = a.train_timesteps
@@ -194,9 +196,9 @@ class AwmEpochTrainer(EpochTrainer):
 
     def train_epoch(self, epoch: int, s) -> list[dict[str, float]]:
         ctx, a = self.ctx, self.a
-        cfg, rt, fam, dev, stepper = ctx.cfg, ctx.rt, ctx.family, ctx.rt.device, ctx.stepper
+        rt, fam, dev, stepper = ctx.rt, ctx.family, ctx.rt.device, ctx.stepper
         x0_all = s.latents[:, -1]
-        N, B, G = x0_all.shape[0], ctx.shape.train_batch, cfg.train.gradient_accumulation_steps
+        N, B, G = x0_all.shape[0], self.plan.global_train_batch, self.plan.gradient_accumulation_steps
         nb = N // B
         perm, idx_all, noise_all = self.draws(epoch, nb, B, x0_all.shape[1:])
         perm = perm.to(dev)

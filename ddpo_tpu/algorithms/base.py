@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
+from ddpo_tpu.config.plan import RunPlan, run_plan
 from ddpo_tpu.families.base import StepScore
 
 
@@ -35,7 +36,12 @@ class Algorithm:
     """What the loop asks of an algorithm. Subclass it (DDPO, GRPO below; a new one is registered in the catalog) and
     override what the algorithm does; every hook here has a default that does nothing, so the loop calls them all
     without asking which exist. `ctx` is the run's training/stepper.py EpochContext (config, runtime, family,
-    state, events, stepper)."""
+    state, events, stepper).
+
+    `plan` is the run's RunPlan (config/plan.py): the decisions validation made. An algorithm reads every quantity
+    the plan holds from it (batches, accumulation, updates per inner epoch, trained timesteps) and never recomputes
+    one from the config; `cfg` keeps the user's knobs (clip range, group size, KL weight). make_algorithm hands it
+    the Trainer's plan; built without one (a test, a tool), it is run_plan(cfg), computed when first read."""
 
     name: str = ""
     stat_names: tuple[str, ...] = ("loss",)  # the scalars a micro-step returns, in order (logged per update)
@@ -45,9 +51,16 @@ class Algorithm:
     shuffle_timesteps: bool = False  # each sample's trained timesteps in a random order
     ode_sampling: bool = False     # sample with the family's noise-free step (no log-probs to re-score)
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, plan: RunPlan | None = None):
         self.cfg = cfg
+        self._plan = plan
         self.epoch_metrics: dict[str, float | int] = {}  # the last epoch's figures for its metrics line
+
+    @property
+    def plan(self) -> RunPlan:
+        if self._plan is None:  # computed when first read: a loss-only test builds one from a partial config
+            self._plan = run_plan(self.cfg)
+        return self._plan
 
     # --- sampling and advantages ------------------------------------------------------------------------------
     def epoch_prompts(self, source, batches: int, batch_size: int, rng: np.random.Generator) -> list[list[str]]:

@@ -11,6 +11,7 @@ from torch import Tensor
 from ddpo_tpu.algorithms.base import Algorithm, TrainPlan
 from ddpo_tpu.algorithms.ppo import ppo_loss
 from ddpo_tpu.algorithms.stat_tracking import PerPromptStatTracker, global_advantages
+from ddpo_tpu.config.plan import RunPlan
 from ddpo_tpu.families.base import StepScore
 
 
@@ -23,8 +24,8 @@ class DDPO(Algorithm):
     # (pipeline.tokenizer, max_length = model_max_length, 77 for CLIP): lower-cased, whitespace-normalised, truncated
     key_tokens = 77
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, plan: RunPlan | None = None):
+        super().__init__(cfg, plan)
         st = cfg.stat_tracking
         self.tracker = PerPromptStatTracker(st.buffer_size, st.min_count)
         self.shuffle_timesteps = cfg.algorithm.shuffle_timesteps  # each sample's time axis in random order

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ddpo_tpu.algorithms.grpo import GRPO, grpo_loss, kl_to_reference
 from ddpo_tpu.algorithms.ppo import weighted_mean
+from ddpo_tpu.config.plan import RunPlan
 from ddpo_tpu.families.base import StepScore
 
 __all__ = ["DPPO", "dppo_divergence", "dppo_loss"]
@@ -87,8 +88,8 @@ class DPPO(GRPO):
     name = "dppo"
     stat_names = ("loss", "approx_kl", "clipfrac", "kl", "kl_new_old", "kl_mask_fraction")
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, plan: RunPlan | None = None):
+        super().__init__(cfg, plan)
         self.needs_old_mean = True  # D compares with the sampling policy's step means (the loop keeps its weights)
 
     def loss(self, score: StepScore, old_log_prob: Tensor, advantages: Tensor,

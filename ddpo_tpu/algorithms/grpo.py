@@ -41,6 +41,7 @@ from ddpo_tpu.algorithms.guards import (AdaptiveReference, ImageScores, Uncertai
                                        rank_uncertainty)
 from ddpo_tpu.algorithms.groups import GROUP_STD_EPS, GroupAlgorithm, group_advantages, zero_std_ratio
 from ddpo_tpu.algorithms.ppo import ppo_loss, weighted_mean
+from ddpo_tpu.config.plan import RunPlan
 from ddpo_tpu.families.base import StepScore
 from ddpo_tpu.random_streams import GRPO_PLAN
 
@@ -195,8 +196,8 @@ class GRPO(GroupAlgorithm):
     name = "grpo"
     stat_names: tuple[str, ...] = ("loss", "approx_kl", "clipfrac", "kl")
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, plan: RunPlan | None = None):
+        super().__init__(cfg, plan)
         a = cfg.algorithm
         self.needs_reference = a.kl_beta > 0
         # GRPO-Guard's RatioNorm compares with the sampling policy's step means (the loop keeps its weights)
@@ -248,11 +249,11 @@ class GRPO(GroupAlgorithm):
             self.epoch_metrics["reference_reset"] = 1
         if not cfg.algorithm.drop_zero_advantage:
             return None
-        s, t = cfg.sample, cfg.train
-        # optimizer steps per inner epoch: (batch x batches) / (train batch x accumulation); the replicas cancel
-        updates = (s.batch_size * s.num_batches_per_epoch) // (t.batch_size * t.gradient_accumulation_steps)
+        # the optimizer steps of an inner epoch are the run plan's (validation decided the batches and the window);
+        # the sampling batches and inner epochs are the user's own keys
         rng = np.random.default_rng([cfg.seed, epoch, PLAN_STREAM])
-        plan = zero_advantage_plan(advantages, s.num_batches_per_epoch, updates, t.num_inner_epochs, rng)
+        plan = zero_advantage_plan(advantages, cfg.sample.num_batches_per_epoch, self.plan.updates_per_inner_epoch,
+                                   cfg.train.num_inner_epochs, rng)
         self.epoch_metrics.update(plan.metrics)
         return plan
 

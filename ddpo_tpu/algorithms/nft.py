@@ -35,6 +35,7 @@ from torch import Tensor
 from ddpo_tpu.algorithms.ppo import weighted_mean
 from ddpo_tpu.catalog.algorithms import integer_rollout_timesteps
 from ddpo_tpu.algorithms.groups import GroupAlgorithm
+from ddpo_tpu.config.plan import RunPlan
 from ddpo_tpu.random_streams import SHUFFLE, stream_seed
 from ddpo_tpu.training.ppo_epoch import EpochTrainer
 from ddpo_tpu.training.state import EMA
@@ -95,8 +96,8 @@ class NFT(GroupAlgorithm):
     name = "nft"
     stat_names = ("loss", "positive_loss", "negative_loss", "kl")
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, plan: RunPlan | None = None):
+        super().__init__(cfg, plan)
         self.ode_sampling = cfg.algorithm.ode_sampling
 
     def train_plan(self, epoch: int, advantages: np.ndarray, keys: list[str], rewards: np.ndarray) -> None:

@@ -8,7 +8,8 @@ there it is
   - stored: the run dir's parity.json, as one more row (`parity_row`; constraint "run plan", always ok), so a run
     dir says what its last start decided; an older parity.json without that row is as valid (`plan_of_rows`: None),
   - read: the training process validates its saved config once (worker.py), and the Trainer, the epoch trainers
-    (through the step shape) and the out-of-memory line read the plan instead of asking config/memory.py and
+    (through the step shape), the algorithms (`make_algorithm(cfg, plan)`: `Algorithm.plan`; GRPO's updates per inner
+    epoch, AWM's accumulation window) and the out-of-memory line read the plan instead of asking config/memory.py and
     config/batch.py again.
 
 Torch-free and JSON-serialisable (`as_dict` / `from_dict` round-trip exactly), so the front end can print and save it
@@ -18,7 +19,7 @@ and a test can compare what `--check` printed with what the loop was handed (tes
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 from ddpo_tpu.config.batch import totals
 from ddpo_tpu.config.memory import activation_checkpointing, fused_timesteps
@@ -58,6 +59,9 @@ class RunPlan:
     accumulation_window: int
     samples_per_epoch: int          # of the whole run
     updates_per_epoch: float        # optimizer steps per epoch
+    # optimizer steps per inner epoch: samples_per_epoch // (global_train_batch x gradient_accumulation_steps), the
+    # same on every process (keep_samples_on_rank halves the samples and the train batch alike); GRPO's rebatching
+    updates_per_inner_epoch: int
     # each rank trains the samples it drew (distributed.keep_samples_on_rank, several processes under torchrun)
     keep_samples_on_rank: bool
     samples_on_rank: int            # samples one training process trains per epoch
@@ -70,8 +74,11 @@ class RunPlan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunPlan:
+        """The plan of `as_dict`, or of an older run dir's parity.json: a field added since (ADDED) is derived from
+        the fields that row has, as run_plan derives it."""
         w = d.get("sde_window")
         window = SdeWindowPlan(**{**w, "range": tuple(w["range"])}) if w is not None else None
+        d = {**{k: derive(d) for k, derive in ADDED.items() if k not in d}, **d}
         return cls(**{**{f.name: d[f.name] for f in fields(cls) if f.name != "sde_window"}, "sde_window": window})
 
     def parity_row(self) -> dict[str, Any]:
@@ -117,10 +124,18 @@ def run_plan(cfg: RunConfig) -> RunPlan:
         accumulation_window=train.gradient_accumulation_steps * T,
         samples_per_epoch=tot.samples_per_epoch,
         updates_per_epoch=tot.updates_per_epoch,
+        updates_per_inner_epoch=tot.samples_per_epoch // tot.total_train_batch,
         keep_samples_on_rank=bool(keep),
         samples_on_rank=tot.samples_per_epoch // processes if keep else tot.samples_per_epoch,
         sde_window=window,
     )
+
+
+# Fields added to RunPlan after run dirs stored it (2026-11-29, issue 42): how an older row's other fields give them.
+ADDED: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "updates_per_inner_epoch":
+        lambda d: d["samples_per_epoch"] // (d["global_train_batch"] * d["gradient_accumulation_steps"]),
+}
 
 
 def plan_of_rows(rows: Any) -> RunPlan | None:

@@ -58,12 +58,13 @@ class SampledEpoch:
     components: dict | None = None  # algorithm.advantage_aggregation=gdpo: reward=weighted's components, gathered
 
 
-def make_algorithm(cfg):
-    """The run's algorithm (the `Algorithm` protocol of algorithms/base.py), found through its catalog spec: the loop
-    names no algorithm, as it names no family."""
+def make_algorithm(cfg, plan: RunPlan | None = None):
+    """The run's algorithm (algorithms/base.py `Algorithm`), found through its catalog spec: the loop names no
+    algorithm, as it names no family. `plan`: the run plan it reads its planned quantities from (the Trainer's;
+    None: run_plan(cfg), for a caller without a validated plan at hand)."""
     from ddpo_tpu.catalog import ALGORITHMS, load_object
 
-    return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg)
+    return load_object(ALGORITHMS.get(cfg.algorithm.name).module)(cfg, plan if plan is not None else run_plan(cfg))
 
 
 def step_shape(plan: RunPlan) -> StepShape:
@@ -98,7 +99,7 @@ class Trainer:
             self.family.model.enable_gradient_checkpointing(rt.checkpoint_function())
         self.family.denoiser = rt.prepare_model(self.family.model)  # DDP's wrapper, or FSDP2 in place
         self.state = TrainState(self.family.model, cfg.train, rt)
-        self.algorithm = make_algorithm(cfg)
+        self.algorithm = make_algorithm(cfg, plan)
         self.prompts = source_from_config(cfg.prompts)  # a dataset's rows carry metadata for the reward
         # a video family scores every frame with the (image) reward and reduces over frames
         self.reward = self.family.wrap_reward(reward_from_config(cfg.reward, model_cache_dir=cfg.model.cache_dir,

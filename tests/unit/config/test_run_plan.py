@@ -86,6 +86,9 @@ def test_check_prints_the_plan_the_worker_hands_the_loop(experiment, capsys, tmp
     assert plan.samples_per_epoch == s["batch_size"] * s["num_batches_per_epoch"] * R
     assert math.isclose(plan.updates_per_epoch, plan.samples_per_epoch * t["num_inner_epochs"]
                         / (plan.global_train_batch * t["gradient_accumulation_steps"]))
+    # flow_grpo's optimizer steps per inner epoch: per-device samples over per-device train batch x accumulation
+    assert plan.updates_per_inner_epoch == (s["batch_size"] * s["num_batches_per_epoch"]
+                                            // (t["batch_size"] * t["gradient_accumulation_steps"]))
     assert T % plan.fused_timesteps == 0
     if t["timesteps_per_micro_step"] != "auto":
         assert plan.fused_timesteps == t["timesteps_per_micro_step"]
@@ -170,6 +173,18 @@ def test_parity_json_keeps_its_rows_and_an_old_one_without_a_plan_still_reads(tm
     assert saved_run.problems(v, run_dir) == []
 
 
+def test_a_plan_row_from_before_a_field_was_added_still_reads():
+    """A run dir whose parity.json holds a plan written before `updates_per_inner_epoch` existed (2026-11-29): the
+    row reads, the missing field derived from the row's own batches (samples / (train batch x accumulation)), equal
+    to the plan validation makes today; its other fields are the row's, not recomputed."""
+    v = compose_and_validate(["+experiment=flow_grpo_smoke", "train.num_inner_epochs=2"])
+    old = json.loads(json.dumps(v.plan.parity_row()))
+    del old["effective"]["updates_per_inner_epoch"]
+    assert plan_of_rows([old]) == v.plan and v.plan.updates_per_inner_epoch == 2  # 8 x 16 / (16 x 4)
+    old["effective"]["samples_per_epoch"] = 256  # the row's own figures, not the config's
+    assert plan_of_rows([old]).updates_per_inner_epoch == 4
+
+
 def test_a_trainer_uses_the_plan_it_is_handed(model_cache, tmp_path):
     """The Trainer's step shape, batches and checkpointing are the plan's: a plan that differs from the config's own
     decisions (here: fused K 4 and checkpointing on, which smoke's config resolves to 1 and off) is what it builds."""
@@ -184,6 +199,7 @@ def test_a_trainer_uses_the_plan_it_is_handed(model_cache, tmp_path):
     tr = loop.Trainer(v.cfg, make_runtime(v.cfg), RunDir(tmp_path), tree=v.tree, plan=plan,
                       stop=SimpleNamespace(requested=False))
     assert tr.plan is plan and tr.shape == loop.step_shape(plan) and tr.ctx.shape.fused == 4
+    assert tr.algorithm.plan is plan  # make_algorithm(cfg, plan): the algorithm reads the same decisions
     assert tr.global_batch == plan.global_sample_batch and tr.keep_samples_on_rank is False
     assert tr.family.model.is_gradient_checkpointing
     with pytest.raises(ValueError, match="replica"):  # a plan for other devices than the runtime's is refused
