@@ -66,10 +66,6 @@ class ModelFamily(abc.ABC):
     denoiser: torch.nn.Module | None = None
     # the sampler's device tables for the run's schedule, set at construction (each family narrows the type)
     tables: DDIMTables | FlowTables
-    # True where the unconditional prompt depends on the row (Qwen-Image-Edit: the negative prompt is encoded with each
-    # row's pictures): `encode(prompts)` then carries each row's negative in the row's conditioning when the family
-    # guides, and the loop's `uncond` (encode([""]) expanded to the batch) is only the switch that turns guidance on
-    row_uncond: bool = False
 
     @classmethod
     @abc.abstractmethod

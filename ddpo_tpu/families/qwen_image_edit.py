@@ -14,11 +14,11 @@ encodes its negative prompt with the same pictures as the prompt (diffusers 0.42
 encodes it row by row with the row's pictures (yifan123/flow_grpo@9dcdc35b211205511f171a4f3566e40786575bc3
 flow_grpo/diffusers_patch/qwenimage_edit_plus_pipeline_with_logprob.py, the per-row loop at lines ~101-127: the row's
 ``[ref, image]`` with ``negative_prompt[i]``, " " from scripts/train_qwenimage_edit_plus.py). The loop's one
-unconditional prompt (``encode([""])``, expanded to the batch) cannot carry that, so this family says
-``row_uncond = True`` (families/base.py): when it samples with guidance, ``encode(prompts)`` returns each row's negative
-beside its conditioning, ``(embeds, mask, image latents, negative embeds, negative mask)``; the loop's ``uncond`` is
-only the switch that turns guidance on (its content, a (B, 1) zero, is not read). The row's negative then travels with
-the row through sampling, the recorded trajectories and the training re-scoring as any conditioning tensor; nothing in
+unconditional prompt (``encode([""])``, expanded to the batch) cannot carry that, so when this family samples with
+guidance, ``encode(prompts)`` returns each row's negative beside its conditioning, ``(embeds, mask, image latents,
+negative embeds, negative mask)``; the loop's ``uncond`` is only the switch that turns guidance on (its content, a
+(B, 1) zero, is not read). The row's negative then travels with the row through sampling, the recorded trajectories and
+the training re-scoring as any conditioning tensor; nothing in
 training/ or diffusion/ changes. The guided velocity is flow_grpo's: both passes as one batch (cond first), the
 prediction cut to the generated tokens, ``neg + g (cond - neg)`` rescaled per token to the conditional one's norm
 (models/qwen_image_edit.py::edit_velocity), in sampling (the pipeline's denoising loop) and in re-scoring (the edit
@@ -45,7 +45,6 @@ class QwenImageEditFamily(QwenImageFamily):
     """Qwen-Image with each prompt's input images in its conditioning."""
 
     name = "qwen_image_edit"
-    row_uncond = True  # each row's negative prompt is encoded with the row's pictures (see the module docstring)
 
     def __init__(self, cfg, rt, components):
         from ddpo_tpu.models import qwen_image_edit as qe
