@@ -196,9 +196,14 @@ def test_a_killed_rank_is_one_line_and_the_same_command_resumes(tmp_path, topolo
 
 # --- the run dir's disk: full, read-only -----------------------------------------------------------------------------
 
+# CI runs each fault and each topology once (pairwise: a full disk under one process, a read-only one under two);
+# the other two pairs are extended (~65 and ~45 s here, docs/testing.md): the one-line refusal is written by the same
+# storage layer whichever process meets the fault first
 @pytest.mark.slow
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
-@pytest.mark.parametrize("fault", ["full", "read_only"])
+@pytest.mark.parametrize("fault, topology", [
+    ("full", "one"), ("read_only", "two"),
+    pytest.param("full", "two", marks=pytest.mark.extended),
+    pytest.param("read_only", "one", marks=pytest.mark.extended)])
 def test_a_disk_fault_mid_run_is_one_line_and_the_same_command_resumes(tmp_path, mounts, topology, fault):
     """The disk under the run dir fills, or turns read-only, while epoch 1 samples: one line naming the refused
     write and the fix, exit 1, no traceback (from any process, at any later write: events, metrics, samples,
