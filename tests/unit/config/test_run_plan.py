@@ -76,9 +76,15 @@ def test_check_prints_the_plan_the_worker_hands_the_loop(experiment, capsys, tmp
 
     # the values, from the references' arithmetic over the config's keys
     tree = to_tree(compose(overrides))
-    s, t, topo = tree["sample"], tree["train"], tree["tpu_topology"]
+    s, t, topo, a = tree["sample"], tree["train"], tree["tpu_topology"], tree["algorithm"]
     window = (s.get("sde_window") or {}).get("size")
     T = window if window is not None else int(s["num_steps"] * t["timestep_fraction"])
+    # AWM trains its own count of times per sample, all in one forward of K x B rows
+    # (scxue/advantage_weighted_matching@be51372 advantage_weighted_matching/scripts/train_sd3_awm.py:1172-1180,
+    # 1212-1220, 1265-1270: config.train.train_timesteps strata, the batch repeated that many times)
+    awm = a["name"] == "awm"
+    if awm:
+        T = a["train_timesteps"]
     R = topo["mesh"]["dp"] * topo["mesh"]["fsdp"] if execution(topo["execution"]).multi_device else 1
     assert (plan.rollout_steps, plan.train_timesteps, plan.replicas) == (s["num_steps"], T, R)
     assert plan.global_sample_batch == s["batch_size"] * R and plan.global_train_batch == t["batch_size"] * R
@@ -90,6 +96,8 @@ def test_check_prints_the_plan_the_worker_hands_the_loop(experiment, capsys, tmp
     assert plan.updates_per_inner_epoch == (s["batch_size"] * s["num_batches_per_epoch"]
                                             // (t["batch_size"] * t["gradient_accumulation_steps"]))
     assert T % plan.fused_timesteps == 0
+    if awm:
+        assert plan.fused_timesteps == T
     if t["timesteps_per_micro_step"] != "auto":
         assert plan.fused_timesteps == t["timesteps_per_micro_step"]
     if t["activation_checkpointing"] != "auto":
