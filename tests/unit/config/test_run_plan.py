@@ -295,9 +295,9 @@ def test_awm_plans_its_key_where_the_fraction_would_give_another_count():
 
 def test_only_awm_counts_its_own_timesteps_and_nft_keeps_the_fraction():
     """DiffusionNFT trains int(num_steps x timestep_fraction) times per sample (NVlabs/DiffusionNFT@24af5554
-    scripts/train_nft_sd3.py:810, a permutation per sample whose first that many are trained) fused by
-    train.timesteps_per_micro_step, so its catalog entry counts none of its own; an entry that fuses all in one
-    forward names the key that sets them, a key of its own."""
+    scripts/train_nft_sd3.py:569, accumulating gradient_accumulation_steps x that many backward passes, :801, one
+    timestep a forward, :855; here fused by train.timesteps_per_micro_step), so its catalog entry counts none of its
+    own; an entry that fuses all in one forward names the key that sets them, a key of its own."""
     from ddpo_tpu.catalog import ALGORITHMS
 
     assert {a.name for a in ALGORITHMS if a.trained_timesteps is not None} == {"awm"}
