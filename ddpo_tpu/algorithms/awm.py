@@ -138,14 +138,18 @@ class AwmEpochTrainer(EpochTrainer):
     """Trains an epoch on the forward process: per train batch one forward of K x B rows (time-major, as the
     reference concatenates them), times and noise drawn on the host from (seed, epoch, SHUFFLE) and uploaded as data,
     each function compiled once (rt.compile_step); the optimizer steps are the Stepper's (training/stepper.py), a
-    micro-step counting one train batch of the window of gradient_accumulation_steps. The train batch and that
-    window are the run plan's (`plan`, config/plan.py), not recomputed from the config."""
+    micro-step counting the K timesteps of one train batch, an optimizer step every gradient_accumulation_steps
+    train batches. K (the plan's train_timesteps, all fused: catalog AlgorithmSpec.one_forward), the train batch and
+    the window are the run plan's (`plan`, config/plan.py), not recomputed from the config."""
 
     def __init__(self, ctx, plan: RunPlan):
         self.ctx, self.plan = ctx, plan
         cfg, rt, fam = ctx.cfg, ctx.rt, ctx.family
         a = self.a = cfg.algorithm
-        self.K = a.train_timesteps
+        if plan.fused_timesteps != plan.train_timesteps:
+            raise ValueError(f"AWM trains a sample's {plan.train_timesteps} timesteps in one forward; the plan fuses "
+                             f"{plan.fused_timesteps}")
+        self.K = plan.train_timesteps
         self.slow = (ctx.state.copies.setdefault(SLOW, SlowCopy(ctx.state.params, a.kl_ema_decay, 1, rt))
                      if a.kl_beta > 0 and a.ema_beta > 0 else None)
         velocity = fam.make_velocity(ctx.autocast)
@@ -198,6 +202,7 @@ class AwmEpochTrainer(EpochTrainer):
         ctx, a = self.ctx, self.a
         rt, fam, dev, stepper = ctx.rt, ctx.family, ctx.rt.device, ctx.stepper
         x0_all = s.latents[:, -1]
+        # G: the train batches of an optimizer step (the first G score their own lp_old, awm:1283)
         N, B, G = x0_all.shape[0], self.plan.global_train_batch, self.plan.gradient_accumulation_steps
         nb = N // B
         perm, idx_all, noise_all = self.draws(epoch, nb, B, x0_all.shape[1:])
@@ -221,8 +226,8 @@ class AwmEpochTrainer(EpochTrainer):
                 xb, zb, ib, cb, _ = batch(b)
                 old[b] = self.score(xb, zb, ib, cb)
         rt.sync()
-        # a window of G train batches: accelerate's accumulation, each batch's loss over the window
-        stepper.begin(epoch, window=G, total=nb)
+        # the plan's window of G train batches x K timesteps: accelerate's accumulation, each batch's loss over G
+        stepper.begin(epoch, window=self.plan.accumulation_window, total=nb * self.K)
         for b in range(nb):
             xb, zb, ib, cb, ab = batch(b)
             extra = {}
@@ -234,7 +239,7 @@ class AwmEpochTrainer(EpochTrainer):
                         extra["v_slow"] = self.forward(xb, zb, ib, cb)[0]
             own = torch.tensor(b < G).to(dev)
             old_lp = old.pop(b) if b in old else torch.zeros(self.K * xb.shape[0]).to(dev)
-            stepper.micro_step(lambda: self.step_loss(xb, zb, ib, cb, ab, old_lp, own, **extra))
+            stepper.micro_step(lambda: self.step_loss(xb, zb, ib, cb, ab, old_lp, own, **extra), units=self.K)
             ctx.state.end_batch()
         stepper.batch_done()
         if self.slow is not None:

@@ -28,6 +28,28 @@ class AlgorithmSpec:
     # trains its epochs itself (make_epoch_trainer) over the whole epoch's samples, laid out as one process holds
     # them: distributed.keep_samples_on_rank (each rank keeps its own) does not apply
     own_epoch_trainer: bool = False
+    # how many timesteps it trains per sample (config/batch.py num_train_timesteps; the run plan's train_timesteps)
+    # None: the sampled steps it re-scores or re-noises, an SDE window's size, else int(sample.num_steps x
+    # train.timestep_fraction), as ddpo-pytorch, flow_grpo and DiffusionNFT count them; a dotted key of its own
+    # ("algorithm.train_timesteps"): that key's value, whatever the fraction (which then only bounds where they fall)
+    trained_timesteps: str | None = None
+    # its epoch trainer puts all of a train batch's trained timesteps in one forward/backward (K x B rows), so the
+    # fused K is the trained timesteps and train.timesteps_per_micro_step does not apply (config/memory.py
+    # fused_timesteps; the memory estimate and activation checkpointing are sized on that forward)
+    one_forward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.one_forward and self.trained_timesteps is None:  # its K is set by that key (config/memory.py)
+            raise ValueError(f"algorithm {self.name}: one_forward needs trained_timesteps, the key that sets its K")
+
+    def own_timesteps(self, cfg: Any) -> int | None:
+        """The trained timesteps per sample its own key sets (`trained_timesteps`); None: the sampler's count."""
+        if self.trained_timesteps is None:
+            return None
+        node = cfg
+        for part in self.trained_timesteps.split("."):
+            node = getattr(node, part)
+        return int(node)
 
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
@@ -421,7 +443,9 @@ ALGORITHMS.register(AlgorithmSpec(
     own_epoch_trainer=True))
 ALGORITHMS.register(AlgorithmSpec(
     "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems,
-    own_epoch_trainer=True))
+    # train_sd3_awm.py@be51372 trains config.train.train_timesteps times per sample, a stratum each of the first
+    # int(num_steps x timestep_fraction) steps, concatenated into one forward of K x B rows (:1172-1180, 1212-1220, 1265-1270)
+    own_epoch_trainer=True, trained_timesteps="algorithm.train_timesteps", one_forward=True))
 
 
 def owner_of(key: str) -> AlgorithmSpec | None:

@@ -7,13 +7,22 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ddpo_tpu.catalog import ALGORITHMS
 from ddpo_tpu.config.schema import RunConfig
 from ddpo_tpu.problems import Fix, Problem, as_typed
 
 
 def num_train_timesteps(cfg: RunConfig) -> int:
-    """Denoising steps trained per sample: an SDE window's steps (flow_grpo's fast trainer trains all of them), else
-    int(steps x train.timestep_fraction) as the references do (int, not round)."""
+    """Timesteps trained per sample: the algorithm's own count where its catalog entry names one (AWM's
+    algorithm.train_timesteps: catalog AlgorithmSpec.trained_timesteps), else the sampled steps' (fraction_steps)."""
+    own = ALGORITHMS.get(cfg.algorithm.name).own_timesteps(cfg)
+    return fraction_steps(cfg) if own is None else own
+
+
+def fraction_steps(cfg: RunConfig) -> int:
+    """Denoising steps of a rollout the training draws on: an SDE window's steps (flow_grpo's fast trainer trains all
+    of them), else int(steps x train.timestep_fraction) as the references do (int, not round). What DDPO, GRPO and NFT
+    train per sample; the range AWM draws its own count of times from."""
     if cfg.sample.sde_window.size is not None:
         return cfg.sample.sde_window.size
     return int(cfg.sample.num_steps * cfg.train.timestep_fraction)
@@ -151,7 +160,7 @@ def batch_problems(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[s
                                 f"{tot.samples_per_epoch} samples/epoch is not a multiple of the total train batch "
                                 f"{tot.total_train_batch}: an optimizer step would straddle epochs",
                                 Fix.of({"train.gradient_accumulation_steps": fix_acc}, verb="try")))
-    if tot.train_timesteps < 1:
+    if fraction_steps(cfg) < 1:  # nothing to train, or (AWM) no steps to draw its times from
         problems.append(Problem("train.timestep_fraction", train.timestep_fraction,
                                 f"int({sample.num_steps} steps x {train.timestep_fraction}) = 0 timesteps to train",
                                 Fix.of({"train.timestep_fraction": min_fraction(sample.num_steps)}, verb="use",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpo_tpu.catalog import family
+from ddpo_tpu.catalog import ALGORITHMS, family
 from ddpo_tpu.catalog.families import memory_of
 from ddpo_tpu.config.batch import Totals, num_train_timesteps, product_fix, totals
 from ddpo_tpu.config.schema import RunConfig
@@ -91,6 +91,15 @@ def train_batch_fits(cfg: RunConfig, batch: int) -> bool:
     return budget is None or training_activation_gib(cfg, 1, batch=batch) <= budget
 
 
+def _asked_fused(cfg: RunConfig) -> int | str:
+    """The fused K the config asks for: train.timesteps_per_micro_step ("auto" or a K), or, for an algorithm that
+    trains all of a sample's timesteps in one forward (catalog AlgorithmSpec.one_forward: AWM), its trained
+    timesteps: that forward is the micro-step the memory decisions are made on."""
+    if ALGORITHMS.get(cfg.algorithm.name).one_forward:
+        return num_train_timesteps(cfg)
+    return cfg.train.timesteps_per_micro_step
+
+
 def activation_checkpointing(cfg: RunConfig) -> bool:
     """train.activation_checkpointing as the trainer uses it. auto: on where the HBM estimate applies (SD-sized
     models on estimated topologies) and, without it, the train batch (or an explicit timesteps_per_micro_step) does
@@ -101,7 +110,7 @@ def activation_checkpointing(cfg: RunConfig) -> bool:
     budget, T = activation_budget(cfg), num_train_timesteps(cfg)
     if budget is None or T < 1:
         return False
-    K = cfg.train.timesteps_per_micro_step
+    K = _asked_fused(cfg)
     if training_activation_gib(cfg, 1 if K == "auto" else K, checkpointed=False) > budget:
         return True
     if K != "auto":
@@ -113,8 +122,9 @@ def activation_checkpointing(cfg: RunConfig) -> bool:
 def fused_timesteps(cfg: RunConfig, checkpointed: bool | None = None) -> int:
     """train.timesteps_per_micro_step as the trainer uses it. auto: on TPU topologies the largest K (at most
     AUTO_MAX_FUSED) that divides the trained timesteps and whose activations fit the chip (by the estimate);
-    elsewhere 1 (no memory figure to go by). `checkpointed` asks "what if" (default: the config's)."""
-    K, T = cfg.train.timesteps_per_micro_step, num_train_timesteps(cfg)
+    elsewhere 1 (no memory figure to go by). An algorithm whose one forward holds all its trained timesteps (AWM)
+    fuses them all. `checkpointed` asks "what if" (default: the config's)."""
+    K, T = _asked_fused(cfg), num_train_timesteps(cfg)
     if K != "auto":
         return K
     if not cfg.tpu_topology.accelerator.startswith("tpu") or T < 1:
@@ -130,7 +140,11 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
     """A train batch, a fused micro-step or a full fine-tune the chip cannot hold (by the estimate)."""
     problems: list[Problem] = []
     topo, train, tot = cfg.tpu_topology, cfg.train, totals(cfg)
-    K, budget = train.timesteps_per_micro_step, activation_budget(cfg)
+    K, budget = _asked_fused(cfg), activation_budget(cfg)
+    # the key that sets K: train.timesteps_per_micro_step, or the count of an algorithm's one forward (AWM's
+    # algorithm.train_timesteps), where a smaller K need not divide anything
+    spec = ALGORITHMS.get(cfg.algorithm.name)
+    k_key = spec.trained_timesteps if spec.one_forward else "train.timesteps_per_micro_step"
     # not even one timestep of the train batch fits: its samples (x 2 with CFG) in one forward/backward, or the frozen
     # models alone (with LoRA: the resident figures count LoRA's state; a full fine-tune has its own rule below)
     batch_too_big = (budget is not None and cfg.model.lora.enabled and tot.train_timesteps >= 1
@@ -145,14 +159,15 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
                                 Fix.of({"train.timesteps_per_micro_step": max(d for d in fits if d <= K)},
                                        verb="try", note="(or auto)")))
     elif K != "auto" and not batch_too_big and budget is not None and training_activation_gib(cfg, K) > budget:
-        fits = [d for d in range(1, K) if tot.train_timesteps % d == 0 and training_activation_gib(cfg, d) <= budget]
+        fits = [d for d in range(1, K) if (spec.one_forward or tot.train_timesteps % d == 0)
+                and training_activation_gib(cfg, d) <= budget]
         if not activation_checkpointing(cfg) and training_activation_gib(cfg, K, checkpointed=True) <= budget:
             fix: Fix | str = Fix.of({"train.activation_checkpointing": True}, verb="try", note="(or auto)")
         elif fits:
-            fix = Fix.of({"train.timesteps_per_micro_step": max(fits)}, verb="try", note="(or auto)")
+            fix = Fix.of({k_key: max(fits)}, verb="try", note="" if spec.one_forward else "(or auto)")
         else:
             fix = "lower train.batch_size (raise train.gradient_accumulation_steps to keep parity)"
-        problems.append(Problem("train.timesteps_per_micro_step", K,
+        problems.append(Problem(k_key, K,
                                 f"{K} timesteps x {train.batch_size} samples{' x 2 (CFG)' if train.cfg else ''} "
                                 f"in one forward/backward need about {training_activation_gib(cfg, K):.1f} GiB of "
                                 f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "

@@ -47,15 +47,20 @@ class SdeWindowPlan:
 @dataclass(frozen=True)
 class RunPlan:
     rollout_steps: int              # denoising steps of each sampled trajectory (sample.num_steps)
-    train_timesteps: int            # timesteps trained per sample (an SDE window's size, else steps x fraction)
-    fused_timesteps: int            # timesteps per forward/backward (train.timesteps_per_micro_step resolved)
+    # timesteps trained per sample: the algorithm's own count where its catalog entry names one (AWM:
+    # algorithm.train_timesteps), else an SDE window's size, else int(steps x fraction) (config/batch.py)
+    train_timesteps: int
+    # timesteps per forward/backward: train.timesteps_per_micro_step resolved, or all train_timesteps for an algorithm
+    # that trains them in one forward (catalog AlgorithmSpec.one_forward: AWM's K x B rows)
+    fused_timesteps: int
     activation_checkpointing: bool  # train.activation_checkpointing resolved (auto: by the HBM estimate)
     replicas: int                   # devices the global batch is split over
     processes: int                  # training processes of the whole run
     global_sample_batch: int        # sample.batch_size x replicas: one sampling batch of the whole run
     global_train_batch: int         # train.batch_size x replicas: one train batch of the whole run
     gradient_accumulation_steps: int
-    # trained timesteps per optimizer step (the stepper's window): gradient_accumulation_steps x train_timesteps
+    # trained timesteps per optimizer step (the stepper's window): gradient_accumulation_steps x train_timesteps, in
+    # timesteps for every algorithm (AWM's micro-step counts its one forward's train_timesteps: G train batches)
     accumulation_window: int
     samples_per_epoch: int          # of the whole run
     updates_per_epoch: float        # optimizer steps per epoch

@@ -30,7 +30,7 @@ def check(cfg: RunConfig, tree: dict[str, Any], overridden: frozenset[str] = fro
     # the reference's batch rules, unless a parity problem on the same keys already carries a fix
     if not any(p.key.startswith(("sample.", "train.")) and "parity" in p.reason for p in problems):
         problems += batch.batch_problems(cfg, tree, overridden)
-    elif tot.train_timesteps < 1:
+    elif batch.fraction_steps(cfg) < 1:
         problems += [p for p in batch.batch_problems(cfg, tree, overridden) if p.key == "train.timestep_fraction"]
     problems += memory.memory_problems(cfg)
     problems += components.family_problems(cfg)

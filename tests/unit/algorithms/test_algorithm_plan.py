@@ -72,7 +72,7 @@ class _Stepper:
     """Records what the epoch trainer asks of the optimizer step (training/stepper.py's interface)."""
 
     def __init__(self):
-        self.begun, self.micro = None, 0
+        self.begun, self.micro, self.units = None, 0, set()
 
     def begin(self, epoch, window, total):
         self.begun = (window, total)
@@ -80,6 +80,7 @@ class _Stepper:
     def micro_step(self, fn, units=1):
         fn()
         self.micro += 1
+        self.units.add(units)
 
     def batch_done(self):
         pass
@@ -89,19 +90,22 @@ class _Stepper:
 
 
 def test_awm_trains_the_plans_batch_and_window():
-    """AWM's epoch trainer takes its train batch and accumulation window from the plan: a plan of train batch 8 and
-    2 accumulated batches on a config of 16 and 1 gives 8 batches of 8, lp_old scored before training for the 6 after
-    the first optimizer step (awm:1232), and a window of 2 batches."""
+    """AWM's epoch trainer takes its train batch, its times per sample and its accumulation window from the plan: a
+    plan of train batch 8, 2 timesteps a sample and 2 accumulated batches on a config of 16, 3 and 1 gives 8 batches
+    of 8, each one forward of 2 x 8 rows (awm:1212-1220), lp_old scored before training for the 6 after the first
+    optimizer step (awm:1232), and a window of 2 batches x 2 timesteps, each micro-step counting its 2."""
     from ddpo_tpu.algorithms.awm import AWM
 
     v = compose_and_validate(["+experiment=awm_smoke"])
     cfg = v.cfg
-    assert (cfg.train.batch_size, cfg.train.gradient_accumulation_steps) == (16, 1)
-    plan = dataclasses.replace(v.plan, global_train_batch=8, gradient_accumulation_steps=2)
-    scored = []
+    assert (cfg.train.batch_size, cfg.train.gradient_accumulation_steps, cfg.algorithm.train_timesteps) == (16, 1, 3)
+    plan = dataclasses.replace(v.plan, global_train_batch=8, gradient_accumulation_steps=2, train_timesteps=2,
+                               fused_timesteps=2, accumulation_window=4)
+    scored, rows = [], set()
 
     def velocity_of(autocast):
         def velocity(x, z, i, c):
+            rows.add(x.shape[0])
             t = i.float() / 6
             return x * 0.5 + z * 0.5, x, t
         return velocity
@@ -120,8 +124,11 @@ def test_awm_trains_the_plans_batch_and_window():
     N = 64
     s = SimpleNamespace(latents=torch.randn(N, 2, 1, 2, 2), advantages=torch.randn(N), cond=(torch.randn(N, 3),))
     trainer.train_epoch(0, s)
-    assert stepper.begun == (2, N // 8)           # the plan's window, over the plan's batches
-    assert stepper.micro == N // 8 and len(scored) == N // 8 - 2
+    assert stepper.begun == (4, N // 8 * 2)       # the plan's window, over the plan's batches x timesteps
+    assert stepper.micro == N // 8 and stepper.units == {2} and len(scored) == N // 8 - 2
+    assert rows == {2 * 8}                         # the plan's K x train batch rows in each forward
+    with pytest.raises(ValueError, match="one forward"):  # a plan that fuses fewer than it trains is not AWM's
+        AWM(cfg, dataclasses.replace(plan, fused_timesteps=1)).make_epoch_trainer(ctx)
 
 
 def test_grpo_plans_a_ranks_own_samples_with_the_plans_steps():

@@ -76,9 +76,15 @@ def test_check_prints_the_plan_the_worker_hands_the_loop(experiment, capsys, tmp
 
     # the values, from the references' arithmetic over the config's keys
     tree = to_tree(compose(overrides))
-    s, t, topo = tree["sample"], tree["train"], tree["tpu_topology"]
+    s, t, topo, a = tree["sample"], tree["train"], tree["tpu_topology"], tree["algorithm"]
     window = (s.get("sde_window") or {}).get("size")
     T = window if window is not None else int(s["num_steps"] * t["timestep_fraction"])
+    # AWM trains its own count of times per sample, all in one forward of K x B rows
+    # (scxue/advantage_weighted_matching@be51372 advantage_weighted_matching/scripts/train_sd3_awm.py:1172-1180,
+    # 1212-1220, 1265-1270: config.train.train_timesteps strata, the batch repeated that many times)
+    awm = a["name"] == "awm"
+    if awm:
+        T = a["train_timesteps"]
     R = topo["mesh"]["dp"] * topo["mesh"]["fsdp"] if execution(topo["execution"]).multi_device else 1
     assert (plan.rollout_steps, plan.train_timesteps, plan.replicas) == (s["num_steps"], T, R)
     assert plan.global_sample_batch == s["batch_size"] * R and plan.global_train_batch == t["batch_size"] * R
@@ -90,6 +96,8 @@ def test_check_prints_the_plan_the_worker_hands_the_loop(experiment, capsys, tmp
     assert plan.updates_per_inner_epoch == (s["batch_size"] * s["num_batches_per_epoch"]
                                             // (t["batch_size"] * t["gradient_accumulation_steps"]))
     assert T % plan.fused_timesteps == 0
+    if awm:
+        assert plan.fused_timesteps == T
     if t["timesteps_per_micro_step"] != "auto":
         assert plan.fused_timesteps == t["timesteps_per_micro_step"]
     if t["activation_checkpointing"] != "auto":
@@ -245,3 +253,85 @@ def test_a_job_reuses_its_preflight_validation(monkeypatch):
     assert train._validated_job(compose(overrides), hc) is point.validated
     other = train._validated_job(compose(["+experiment=smoke", "seed=4"]), hc)
     assert other is not point.validated and other.cfg.seed == 4 and other.plan == point.validated.plan
+
+
+# --- an algorithm that counts its own trained timesteps (catalog AlgorithmSpec.trained_timesteps / one_forward) -----
+# AWM (scxue/advantage_weighted_matching@be51372 advantage_weighted_matching/scripts/train_sd3_awm.py) draws
+# config.train.train_timesteps times per sample, one per stratum of the first int(num_steps x timestep_fraction)
+# steps (:1172-1180), repeats the train batch that many times (:1212-1220) and trains all K x B rows in one forward
+# inside accelerate's accumulation of gradient_accumulation_steps train batches (:539, 1265-1270).
+
+def test_awm_smoke_plans_awms_own_timesteps_in_one_forward(capsys, tmp_path, monkeypatch):
+    """awm_smoke: 3 times a sample (algorithm.train_timesteps), not int(6 x 0.9) = 5; all 3 in the one forward; an
+    optimizer step per train batch of 3 timesteps. The same numbers on --check's plan line."""
+    monkeypatch.chdir(tmp_path)
+    plan = compose_and_validate(["+experiment=awm_smoke"]).plan
+    assert (plan.rollout_steps, plan.train_timesteps, plan.fused_timesteps) == (6, 3, 3)
+    assert (plan.gradient_accumulation_steps, plan.accumulation_window) == (1, 3)
+    capsys.readouterr()
+    from unittest import mock
+
+    from tests.helpers import clean_env
+
+    with mock.patch.dict(os.environ, clean_env(), clear=True):
+        train.main(["+experiment=awm_smoke", "--check"])
+    out = capsys.readouterr().out
+    assert "6 rollout steps, 3 trained x 3 per micro-step" in out and "1 train batch(es) x 3 timesteps" in out, out
+
+
+def test_awm_plans_its_key_where_the_fraction_would_give_another_count():
+    """algorithm.train_timesteps=4 with int(6 x 0.5) = 3 and 2 accumulated batches: 4 trained and fused, a window of
+    2 x 4; the fraction still bounds AWM's strata, so a fraction that leaves no step is still refused."""
+    from ddpo_tpu.problems import ConfigError
+
+    base = ["+experiment=awm_smoke", "algorithm.train_timesteps=4", "train.timestep_fraction=0.5",
+            "train.gradient_accumulation_steps=2"]
+    plan = compose_and_validate(base).plan
+    assert (plan.train_timesteps, plan.fused_timesteps, plan.accumulation_window) == (4, 4, 8)
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate(["+experiment=awm_smoke", "train.timestep_fraction=0.1"])  # int(6 x 0.1) = 0
+    assert "train.timestep_fraction" in {p.key for p in e.value.problems}
+
+
+def test_only_awm_counts_its_own_timesteps_and_nft_keeps_the_fraction():
+    """DiffusionNFT trains int(num_steps x timestep_fraction) times per sample (NVlabs/DiffusionNFT@24af5554
+    scripts/train_nft_sd3.py:569, accumulating gradient_accumulation_steps x that many backward passes, :801, one
+    timestep a forward, :855; here fused by train.timesteps_per_micro_step), so its catalog entry counts none of its
+    own; an entry that fuses all in one forward names the key that sets them, a key of its own."""
+    from ddpo_tpu.catalog import ALGORITHMS
+
+    assert {a.name for a in ALGORITHMS if a.trained_timesteps is not None} == {"awm"}
+    for a in ALGORITHMS:
+        if a.one_forward:
+            assert a.trained_timesteps.removeprefix("algorithm.") in a.keys.model_fields
+    plan = compose_and_validate(["+experiment=nft_smoke", "train.timesteps_per_micro_step=1"]).plan
+    cfg = compose_and_validate(["+experiment=nft_smoke"]).cfg
+    assert plan.train_timesteps == int(cfg.sample.num_steps * cfg.train.timestep_fraction) and plan.fused_timesteps == 1
+
+
+# SD 3.5 Medium at 512 px in bf16 on one v6e chip: the estimate's budget holds one timestep of 2 samples without
+# checkpointing, not two (config/memory.py; catalog/families.py's SD3 figures)
+AWM_V6E = ["+experiment=awm_smoke", "model=sd35_medium", "+model.resolution=512", "model.dtype=bfloat16",
+           "train.mixed_precision=bf16", "tpu_topology=v6e-1", "train.batch_size=2"]
+
+
+def test_awm_checkpoints_by_its_one_forwards_shape():
+    """activation_checkpointing=auto decides on AWM's forward of train_timesteps x B rows: 2 x 2 rows do not fit
+    without checkpointing where 1 x 2 do, so 2 times a sample turn it on and 1 leaves it off (deciding on the
+    fraction's int(6 x 0.9) = 5 timesteps fused auto, 1 at a time here, left it off for both); 3 x 2 rows do not fit even checkpointed: refused on
+    algorithm.train_timesteps with the count that fits."""
+    from ddpo_tpu.config import memory
+    from ddpo_tpu.problems import ConfigError
+
+    one, two = (compose_and_validate([*AWM_V6E, f"algorithm.train_timesteps={k}"]) for k in (1, 2))
+    budget = memory.activation_budget(two.cfg)
+    assert budget is not None
+    assert memory.training_activation_gib(two.cfg, 1, checkpointed=False) <= budget  # one timestep fits plain
+    assert memory.training_activation_gib(two.cfg, 2, checkpointed=False) > budget   # AWM's forward does not
+    assert (one.plan.fused_timesteps, one.plan.activation_checkpointing) == (1, False)
+    assert (two.plan.fused_timesteps, two.plan.activation_checkpointing) == (2, True)
+    with pytest.raises(ConfigError) as e:
+        compose_and_validate([*AWM_V6E, "algorithm.train_timesteps=3"])
+    (p,) = [p for p in e.value.problems if p.key == "algorithm.train_timesteps"]
+    assert p.value == 3 and "3 timesteps x 2 samples in one forward" in p.reason
+    assert p.fix.overrides() == ["algorithm.train_timesteps=2"]
