@@ -251,17 +251,23 @@ def out_of_memory_line(error: BaseException, cfg: RunConfig, saved: str, plan: R
     """One line for a device that ran out of memory: what was asked of it (the run plan's fused timesteps and
     activation checkpointing, which the memory estimate chose unless they were set) and the keys that ask less, with
     the same parity. `plan`: the one the run trained with (None: computed from `cfg`)."""
+    from ddpo_tpu.catalog import ALGORITHMS
     from ddpo_tpu.config.plan import run_plan
 
     plan = plan if plan is not None else run_plan(cfg)
     detail = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
     K, on, T = plan.fused_timesteps, plan.activation_checkpointing, plan.train_timesteps
-    fixes = [f"train.timesteps_per_micro_step={k}" for k in range(K - 1, 0, -1) if T % k == 0][:1]
+    spec = ALGORITHMS.get(cfg.algorithm.name)
+    if spec.one_forward and spec.trained_timesteps:  # its K is its trained timesteps, set by its own key (AWM)
+        fused_key, fixes = spec.trained_timesteps, [f"{spec.trained_timesteps}={K - 1}"] if K > 1 else []
+    else:  # K divides the trained timesteps
+        fused_key = "train.timesteps_per_micro_step"
+        fixes = [f"{fused_key}={k}" for k in range(K - 1, 0, -1) if T % k == 0][:1]
     if not on:
         fixes.append("train.activation_checkpointing=true")
     fixes.append("half the per-replica train.batch_size or sample.batch_size with twice the "
                  "train.gradient_accumulation_steps or sample.num_batches_per_epoch (the same parity)")
-    return (f"the device ran out of memory ({detail[:240]}) at train.timesteps_per_micro_step={K}, "
+    return (f"the device ran out of memory ({detail[:240]}) at {fused_key}={K}, "
             f"train.activation_checkpointing={str(on).lower()}, train.batch_size={cfg.train.batch_size}, "
             f"sample.batch_size={cfg.sample.batch_size}. Fix: {', or '.join(fixes)}; {saved}")
 

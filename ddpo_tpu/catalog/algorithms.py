@@ -444,7 +444,8 @@ ALGORITHMS.register(AlgorithmSpec(
 ALGORITHMS.register(AlgorithmSpec(
     "awm", "Advantage Weighted Matching", AwmKeys, "ddpo_tpu.algorithms.awm:AWM", problems=_awm_problems,
     # train_sd3_awm.py@be51372 trains config.train.train_timesteps times per sample, a stratum each of the first
-    # int(num_steps x timestep_fraction) steps, concatenated into one forward of K x B rows (:1172-1180, 1212-1220, 1265-1270)
+    # int(num_steps x timestep_fraction) steps, concatenated into one forward of K x B rows (:1172-1180, 1212-1220,
+    # 1265-1270)
     own_epoch_trainer=True, trained_timesteps="algorithm.train_timesteps", one_forward=True))
 
 

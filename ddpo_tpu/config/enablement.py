@@ -107,9 +107,10 @@ DEPENDENTS: tuple[Dependent, ...] = (
     Dependent(("train.clip_range",), lambda c: c.algorithm.name != "awm",
               "algorithm=awm clips its ratio with its own algorithm.clip_range",
               "set algorithm.clip_range instead (the reference's 1.0 is its default)"),
-    Dependent(("train.timesteps_per_micro_step",), lambda c: c.algorithm.name != "awm",
-              "algorithm=awm trains all its algorithm.train_timesteps times of a train batch in one forward",
-              "remove it; algorithm.train_timesteps sets how many times that forward holds"),
+    Dependent(("train.timesteps_per_micro_step",), lambda c: not ALGORITHMS.get(c.algorithm.name).one_forward,
+              "this algorithm trains all its trained timesteps of a train batch in one forward (algorithm=awm: "
+              "algorithm.train_timesteps)",
+              "remove it; the algorithm's own key sets how many timesteps that forward holds"),
     Dependent(("sample.noise_level", "sample.sde_type"),
               lambda c: c.algorithm.name not in ("nft", "awm") or (c.algorithm.name == "nft"
                                                                    and not c.algorithm.ode_sampling),

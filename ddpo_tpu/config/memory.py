@@ -5,7 +5,7 @@ benchmark that measured it); on TPU topologies and the distributed execution's G
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from ddpo_tpu.catalog import ALGORITHMS, family
 from ddpo_tpu.catalog.families import memory_of
@@ -91,7 +91,7 @@ def train_batch_fits(cfg: RunConfig, batch: int) -> bool:
     return budget is None or training_activation_gib(cfg, 1, batch=batch) <= budget
 
 
-def _asked_fused(cfg: RunConfig) -> int | str:
+def _asked_fused(cfg: RunConfig) -> int | Literal["auto"]:
     """The fused K the config asks for: train.timesteps_per_micro_step ("auto" or a K), or, for an algorithm that
     trains all of a sample's timesteps in one forward (catalog AlgorithmSpec.one_forward: AWM), its trained
     timesteps: that forward is the micro-step the memory decisions are made on."""
@@ -144,7 +144,7 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
     # the key that sets K: train.timesteps_per_micro_step, or the count of an algorithm's one forward (AWM's
     # algorithm.train_timesteps), where a smaller K need not divide anything
     spec = ALGORITHMS.get(cfg.algorithm.name)
-    k_key = spec.trained_timesteps if spec.one_forward else "train.timesteps_per_micro_step"
+    k_key = spec.trained_timesteps if spec.one_forward and spec.trained_timesteps else "train.timesteps_per_micro_step"
     # not even one timestep of the train batch fits: its samples (x 2 with CFG) in one forward/backward, or the frozen
     # models alone (with LoRA: the resident figures count LoRA's state; a full fine-tune has its own rule below)
     batch_too_big = (budget is not None and cfg.model.lora.enabled and tot.train_timesteps >= 1
@@ -172,7 +172,7 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
                                 f"in one forward/backward need about {training_activation_gib(cfg, K):.1f} GiB of "
                                 f"activations per chip (estimate), the chip has {topo.hbm_gib_per_chip} GiB of which "
                                 f"about {resident_gib(cfg):.1f} GiB hold the models", fix))
-    spec = family(cfg.model.family)
+    fam = family(cfg.model.family)
     if not cfg.model.lora.enabled and estimates_memory(topo) and _memory(cfg) is not None:
         need = _memory(cfg).full_finetune_gib
         fsdp = _fsdp(cfg)
@@ -182,7 +182,7 @@ def memory_problems(cfg: RunConfig) -> list[Problem]:
             alt = (f"; tpu_topology.mesh.fsdp={fits[0]} tpu_topology.mesh.dp={topo.chips // fits[0]} splits it to "
                    f"about {need(fits[0]):.1f} GiB" if fits and topo.spec.multi_device else "")
             problems.append(Problem("model.lora.enabled", False,
-                                    f"a full {spec.denoiser} fine-tune with Adam needs about {need(fsdp):.1f} GiB per "
+                                    f"a full {fam.denoiser} fine-tune with Adam needs about {need(fsdp):.1f} GiB per "
                                     f"chip with fsdp={fsdp}, the chip has {topo.hbm_gib_per_chip}{alt}",
                                     Fix.of({"model.lora.enabled": True})))
     return problems

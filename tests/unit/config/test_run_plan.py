@@ -159,6 +159,11 @@ def test_the_out_of_memory_line_reads_the_plan():
     assert "train.timesteps_per_micro_step=4" in line and "train.activation_checkpointing=true," in line
     assert "Fix: train.timesteps_per_micro_step=2" in line  # the largest K < 4 dividing smoke's 8 trained timesteps
     assert "Fix: train.activation_checkpointing=true" in out_of_memory_line(RuntimeError("oom"), v.cfg, "x")
+    # AWM's one forward holds its algorithm.train_timesteps (3 in awm_smoke): that key is what it offers to lower
+    awm = compose_and_validate(["+experiment=awm_smoke"])
+    line = out_of_memory_line(RuntimeError("oom"), awm.cfg, "x", awm.plan)
+    assert "at algorithm.train_timesteps=3," in line and "Fix: algorithm.train_timesteps=2" in line
+    assert "timesteps_per_micro_step" not in line
 
 
 def test_parity_json_keeps_its_rows_and_an_old_one_without_a_plan_still_reads(tmp_path):
@@ -318,7 +323,8 @@ AWM_V6E = ["+experiment=awm_smoke", "model=sd35_medium", "+model.resolution=512"
 def test_awm_checkpoints_by_its_one_forwards_shape():
     """activation_checkpointing=auto decides on AWM's forward of train_timesteps x B rows: 2 x 2 rows do not fit
     without checkpointing where 1 x 2 do, so 2 times a sample turn it on and 1 leaves it off (deciding on the
-    fraction's int(6 x 0.9) = 5 timesteps fused auto, 1 at a time here, left it off for both); 3 x 2 rows do not fit even checkpointed: refused on
+    fraction's int(6 x 0.9) = 5 timesteps fused auto, 1 at a time here, left it off for both); 3 x 2 rows do not fit
+    even checkpointed: refused on
     algorithm.train_timesteps with the count that fits."""
     from ddpo_tpu.config import memory
     from ddpo_tpu.problems import ConfigError

@@ -292,7 +292,7 @@ DIST = ["tpu_topology=cpu_dist2", "sample.batch_size=4", "train.batch_size=2"]  
     # AWM trains all its times of a train batch in one forward of K x B rows (algorithms/awm.py; the reference's
     # train_sd3_awm.py trains its timesteps in one batch): the fused micro-step is NFT's and GRPO's knob
     (["+experiment=awm_smoke", "train.timesteps_per_micro_step=5"], "train.timesteps_per_micro_step",
-     "algorithm=awm trains all", ["+experiment=awm_smoke"]),
+     "trains all its trained timesteps of a train batch in one forward", ["+experiment=awm_smoke"]),
     # d = min(rate x (step - start), max) (NVlabs/DiffusionNFT@24af5554 train_nft_sd3.py return_decay): max 0 is 0
     (["+experiment=nft_smoke", "algorithm.decay_max=0", "algorithm.decay_start=75"], "algorithm.decay_start",
      "algorithm.decay_max=0", None),
