@@ -473,9 +473,7 @@ QWEN_IMAGE_EDIT = FAMILIES.register(FamilySpec(
     lora_example="attn.to_q",
     resolution_multiple=16,  # QwenImageEditPlusPipeline: height and width multiples of vae_scale_factor x 2
     memory=_qwen_image_edit_memory(),
-    # measured 2026-11-29 (+experiment=qwen_image_edit_grpo_smoke tpu_topology=cpu, 2 epochs): epoch 0 compiled 21
-    # sampling graphs, epoch 1 six more: each prompt's pictures are encoded one prompt at a time
-    fixed_shapes=False,
-    varying_shapes="encodes each prompt with its own pictures, one prompt at a time (epoch 1 of the smoke on XLA CPU "
-                   "compiled 6 new sampling graphs)",
+    # fixed shapes: on a runtime that compiles graphs the prompts with their pictures reach the VL encoder as one
+    # batch padded to the family's text length (models/qwen_image_edit.py::encode_edit_prompts); before that, epoch 1
+    # of the smoke on XLA CPU compiled 6 new sampling graphs (2026-11-29). Measured since: docs/families.md
 ))

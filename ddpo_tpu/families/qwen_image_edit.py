@@ -83,15 +83,23 @@ class QwenImageEditFamily(QwenImageFamily):
         return self.cfg.sample.guidance_scale != 1.0
 
     def _encode_rows(self, prompts: list[str], negative: bool) -> tuple[Tensor, ...]:
+        """The rows' ``(embeds, mask, image latents[, negative embeds, negative mask])``: the prompts with their
+        pictures through the VL encoder as one batch (then the negatives, the same batch with " "), each row's
+        pictures through the VAE. On a runtime that compiles graphs the encoder's input is padded to the family's
+        fixed text length, so every batch of a run has the same shapes (models/qwen_image_edit.py::
+        encode_edit_prompts)."""
         from ddpo_tpu.models.qwen_image import NEGATIVE_PROMPT
-        from ddpo_tpu.models.qwen_image_edit import encode_edit_images, encode_edit_prompt
+        from ddpo_tpu.models.qwen_image_edit import encode_edit_images, encode_edit_prompts
 
-        device = self.rt.device
-        rows = []
-        for prompt, images in zip(prompts, self.pictures(prompts)):
-            e, m = encode_edit_prompt(self.c, prompt, images, device, self.text_tokens)
-            # flow_grpo's order: the row's prompt, then its negative, both with the row's pictures, then the latents
-            neg = encode_edit_prompt(self.c, NEGATIVE_PROMPT, images, device, self.text_tokens) if negative else ()
+        device, fixed = self.rt.device, self.rt.compiles_graphs
+        pictures = self.pictures(prompts)
+        # flow_grpo's order: the row's prompt, then its negative, both with the row's pictures, then the latents
+        parts = list(encode_edit_prompts(self.c, prompts, pictures, device, self.text_tokens, fixed_length=fixed))
+        if negative:
+            parts += encode_edit_prompts(self.c, [NEGATIVE_PROMPT] * len(prompts), pictures, device, self.text_tokens,
+                                         fixed_length=fixed)
+        latents = []
+        for prompt, images in zip(prompts, pictures):
             z, shapes = encode_edit_images(self.c, images, device, self.vae_area)
             if self.image_shapes is None:
                 self.image_shapes = shapes
@@ -99,8 +107,9 @@ class QwenImageEditFamily(QwenImageFamily):
                 raise ValueError(f"model.family=qwen_image_edit: the prompt {prompt[:60]!r}'s pictures are "
                                  f"{shapes} latent tokens, others {self.image_shapes}: a batch shares one shape "
                                  "(give every row input images of one size and count)")
-            rows.append((e, m, z[0].to(self.dtype), *neg))
-        return tuple(torch.stack(parts) for parts in zip(*rows))
+            latents.append(z[0].to(self.dtype))
+        embeds, mask, *neg = parts
+        return (embeds, mask, torch.stack(latents), *neg)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> Cond:

@@ -186,32 +186,59 @@ def _image_processor(c):
     return VaeImageProcessor(vae_scale_factor=c.vae_scale_factor * 2)  # the pipeline's (packing: 2 x the VAE's)
 
 
-def encode_edit_prompt(c, prompt: str, images: Sequence, device, max_sequence_length: int,
-                       condition_area: int = CONDITION_IMAGE_SIZE) -> tuple[Tensor, Tensor]:
-    """``(embeds (max_sequence_length, width), mask (max_sequence_length,))`` of one prompt with its PIL input images,
-    as QwenImageEditPlusPipeline.__call__ (step 3) and ``_get_qwen_prompt_embeds``: each image resized to
-    ``condition_area`` at its aspect ratio, "Picture k: ..." per image before the prompt in the edit template, the
-    processor's ids and patches through Qwen2.5-VL, the last hidden state past the first 64 tokens; then zeros and
-    mask 0 up to ``max_sequence_length`` (the pipeline encodes one prompt: no padding)."""
+def encode_edit_prompts(c, prompts: Sequence[str], images: Sequence[Sequence], device, max_sequence_length: int,
+                        condition_area: int = CONDITION_IMAGE_SIZE, fixed_length: bool = False
+                        ) -> tuple[Tensor, Tensor]:
+    """``(embeds (B, max_sequence_length, width), mask (B, max_sequence_length) int64)`` of prompts, each with its PIL
+    input images (``images[i]``: row i's), as QwenImageEditPlusPipeline.__call__ (step 3) and
+    ``_get_qwen_prompt_embeds`` encode one: each image resized to ``condition_area`` at its aspect ratio, "Picture k:
+    ..." per image before the prompt in the edit template, the processor's ids and patches through Qwen2.5-VL, the last
+    hidden state past the first 64 tokens; then zeros and mask 0 up to ``max_sequence_length``.
+
+    The rows go through the encoder as one batch, padded on the right: a row's real tokens come first and (causal
+    attention; Qwen2.5-VL's mrope positions counted over each row's real tokens, ``get_rope_index``) do not see the
+    padding, so each row's kept states are the pipeline's single-prompt ones, which it encodes unpadded. Padded to
+    the batch's longest row (``fixed_length`` False: eager, where the padding would cost time) or to exactly
+    ``64 + max_sequence_length`` tokens (``fixed_length``: a runtime that compiles graphs, where each new longest
+    prompt would be a new encoder graph; measured on XLA CPU, docs/families.md). The states are cut by slicing, not by
+    the mask (a boolean index has a data-dependent shape)."""
+
     proc = _image_processor(c)
-    cond = []
-    for img in images:
-        w, h = calculate_dimensions(condition_area, img.size[0] / img.size[1])
-        cond.append(proc.resize(img, h, w))
-    text = EDIT_TEMPLATE.format("".join(PICTURE.format(k + 1) for k in range(len(images))) + prompt)
-    inputs = c.processor(text=[text], images=cond or None, padding=True, return_tensors="pt").to(device)
+    texts, cond = [], []
+    for prompt, row in zip(prompts, images):
+        for img in row:
+            w, h = calculate_dimensions(condition_area, img.size[0] / img.size[1])
+            cond.append(proc.resize(img, h, w))
+        texts.append(EDIT_TEMPLATE.format("".join(PICTURE.format(k + 1) for k in range(len(row))) + prompt))
+    length = EDIT_TEMPLATE_START + max_sequence_length
+    inputs = c.processor(text=texts, images=cond or None, padding="max_length" if fixed_length else "longest",
+                         max_length=length if fixed_length else None, padding_side="right", return_tensors="pt")
+    real = inputs["attention_mask"].sum(1) - EDIT_TEMPLATE_START  # on the host: the processor's own tensors
+    for prompt, row, n in zip(prompts, images, real.tolist()):
+        if n > max_sequence_length:
+            raise ValueError(f"the prompt {prompt[:60]!r} with its {len(row)} picture(s) is {n} conditioning tokens, "
+                             f"more than the family's {max_sequence_length}: shorten it or use smaller input images")
+    inputs = inputs.to(device)
     out = c.text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                          pixel_values=inputs.get("pixel_values"), image_grid_thw=inputs.get("image_grid_thw"),
                          output_hidden_states=True)
-    hidden = out.hidden_states[-1][0][inputs["attention_mask"][0].bool()][EDIT_TEMPLATE_START:]
-    n = hidden.shape[0]
-    if n > max_sequence_length:
-        raise ValueError(f"the prompt {prompt[:60]!r} with its {len(images)} picture(s) is {n} conditioning tokens, "
-                         f"more than the family's {max_sequence_length}: shorten it or use smaller input images")
-    embeds = torch.nn.functional.pad(hidden, (0, 0, 0, max_sequence_length - n))
-    mask = torch.zeros(max_sequence_length, dtype=torch.long, device=embeds.device)
-    mask[:n] = 1
-    return embeds.to(c.text_encoder.dtype), mask
+    hidden = out.hidden_states[-1][:, EDIT_TEMPLATE_START:length]
+    mask = inputs["attention_mask"][:, EDIT_TEMPLATE_START:length]
+    pad = max_sequence_length - hidden.shape[1]  # 0 when fixed_length
+    if pad > 0:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        mask = torch.nn.functional.pad(mask, (0, pad))
+    embeds = hidden * mask[..., None].to(hidden.dtype)  # the padding's states are zeros, as the pipeline pads
+    return embeds.to(c.text_encoder.dtype), mask.long()
+
+
+def encode_edit_prompt(c, prompt: str, images: Sequence, device, max_sequence_length: int,
+                       condition_area: int = CONDITION_IMAGE_SIZE, fixed_length: bool = False
+                       ) -> tuple[Tensor, Tensor]:
+    """``(embeds (max_sequence_length, width), mask (max_sequence_length,))`` of one prompt with its PIL input images
+    (encode_edit_prompts of one row: unpadded unless ``fixed_length``, as the pipeline encodes it)."""
+    e, m = encode_edit_prompts(c, [prompt], [images], device, max_sequence_length, condition_area, fixed_length)
+    return e[0], m[0]
 
 
 def encode_edit_images(c, images: Sequence, device, vae_area: int = VAE_IMAGE_SIZE) -> tuple[Tensor, list]:

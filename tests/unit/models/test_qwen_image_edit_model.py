@@ -229,17 +229,50 @@ def test_rows_with_different_pictures_differ_in_their_unconditional_half(fam, mo
     assert (neg_embeds[1] - cond[0][1]).abs().max() > 1e-4  # the negative is not the prompt (flow_grpo's slip)
 
 
-def test_true_cfg_composes_and_xla_stays_refused():
-    """Guidance is no longer refused for the family (train.cfg as Qwen-Image's); the XLA refusal still holds."""
-    from ddpo_tpu.config.compose import ConfigError, compose_and_validate
+def test_a_compiling_runtime_feeds_the_vl_encoder_one_shape_and_the_same_conditioning(fam, monkeypatch):
+    """On a runtime that compiles graphs (XLA) prompts of different lengths with their pictures reach Qwen2.5-VL as
+    one batch padded to one length (the template's 64 + the family's text tokens), so each batch is the same encoder
+    graph; the mask hides the padding: the states, mask and velocity equal the eager encoding's (each prompt at its
+    own length), which test_ode_steps_equal_qwen_image_edit_plus_pipeline pins to the pipeline's unpadded call, and
+    the velocity also equals the transformer's on the states cut to the real tokens (no padding at all)."""
+    prompts = ["make the square red", "make the background dark"]
+    seen = []
+    hook = fam.c.text_encoder.register_forward_hook(
+        lambda m, a, kw, out: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        eager = [fam.encode([p]) for p in prompts]
+        monkeypatch.setattr(fam.rt, "compiles_graphs", True)
+        fixed = [fam.encode([p]) for p in prompts]
+        both = fam.encode(prompts)
+    finally:
+        hook.remove()
+    real = [int(e[1][0].sum()) for e in eager]
+    assert real[0] != real[1] and seen[0] == (1, 64 + real[0]) and seen[1] == (1, 64 + real[1])
+    assert seen[2:] == [(1, 64 + fam.text_tokens)] * 2 + [(2, 64 + fam.text_tokens)]
+    x = torch.randn(1, *fam.latent_shape, generator=torch.Generator().manual_seed(5))
+    idx = torch.ones(1, dtype=torch.long)
+    with torch.no_grad():
+        for row, (e, f, n) in enumerate(zip(eager, fixed, real)):
+            for a, b, c in zip(e, f, both):
+                assert a.shape == b.shape == c[row:row + 1].shape
+            torch.testing.assert_close(f[0], e[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(both[0][row:row + 1], e[0], rtol=1e-5, atol=1e-5)
+            assert torch.equal(f[1], e[1]) and torch.equal(both[1][row:row + 1], e[1]) and torch.equal(f[2], e[2])
+            unpadded = fam.velocity(x, idx, (e[0][:, :n], e[1][:, :n], e[2]), None)
+            torch.testing.assert_close(fam.velocity(x, idx, f, None), unpadded, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fam.velocity(x, idx, tuple(t[row:row + 1] for t in both), None), unpadded,
+                                       rtol=1e-5, atol=1e-5)
 
-    cfg = compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
-                                "train.cfg=true"]).cfg
-    assert cfg.sample.guidance_scale == 4.0 and cfg.train.cfg
-    with pytest.raises(ConfigError) as e:
-        compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
-                              "train.cfg=true", "tpu_topology=cpu"])
-    assert "tpu_topology.execution" in str(e.value)
+
+def test_true_cfg_composes_on_eager_and_on_torch_xla():
+    """Guidance is not refused for the family (train.cfg as Qwen-Image's), nor torch_xla (its encoder inputs have one
+    shape on a runtime that compiles graphs: test above; counted in tests/e2e/test_xla_families.py), nor torchrun."""
+    from ddpo_tpu.config.compose import compose_and_validate
+
+    for topology in ("eager_cpu", "cpu", "cpu_dist2"):
+        cfg = compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
+                                    "train.cfg=true", f"tpu_topology={topology}"]).cfg
+        assert cfg.sample.guidance_scale == 4.0 and cfg.train.cfg and cfg.tpu_topology.name == topology
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -285,18 +318,7 @@ def test_the_full_size_config_fits_8_gpus_split_and_is_refused_on_v6e():
     assert memory.resident_gib(split) == pytest.approx(29.7, abs=0.1) and memory.activation_checkpointing(split)
     with pytest.raises(ConfigError) as e:
         compose_and_validate(real + ["tpu_topology=v6e-8", "tpu_topology.mesh.fsdp=8", "tpu_topology.mesh.dp=1"])
-    # the memory rule's refusal, beside the torch_xla one (a v6e-8 runs XLA SPMD: test below)
+    # the memory rule's refusal only (a v6e-8 runs XLA SPMD, which the family's fixed shapes allow)
     problems = {p.key: p for p in e.value.problems}
-    assert set(problems) == {"tpu_topology.name", "tpu_topology.execution"}, problems
+    assert set(problems) == {"tpu_topology.name"}, problems
     assert "43.8 GiB of activations" in problems["tpu_topology.name"].reason
-
-
-def test_torch_xla_executions_are_refused_naming_why():
-    """The pictures are encoded prompt by prompt: on XLA CPU the smoke's epoch 1 compiled 6 new sampling graphs
-    (2026-11-29), so the family is refused where graphs are traced (catalog fixed_shapes), eager and torchrun kept."""
-    from ddpo_tpu.config.compose import ConfigError, compose_and_validate
-
-    with pytest.raises(ConfigError) as e:
-        compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "tpu_topology=cpu"])
-    assert "tpu_topology.execution" in str(e.value) and "its own pictures" in str(e.value), str(e.value)
-    compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "tpu_topology=cpu_dist2"])
