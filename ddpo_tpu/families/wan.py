@@ -115,11 +115,6 @@ class WanFamily(FlowFamily):
             raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) on XLA needs "
                                  "xla.step_compiler=lazy: the expert is chosen on the host per step, which a "
                                  "dynamo-captured step cannot do (families/wan.py). Fix: xla.step_compiler=lazy")
-        if comps.transformer_2 is not None and rt.process_count > 1:
-            # the family calls an expert inside the data-parallel wrapper, past its forward (which arms the
-            # gradient all-reduce): one process until the loop passes the step to the wrapper
-            raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) trains on one process for now. "
-                                 "Fix: a single-process tpu_topology (eager_cpu, or one XLA process)")
         for name in names:
             make_trainable(experts[name], m)  # adapter weights drawn from torch's global generator (seeded)
         for name in cls.PARTS:
@@ -210,20 +205,25 @@ class WanFamily(FlowFamily):
             self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
         if side is None:
             return call(self.call_denoiser())
-        experts = self.call_denoiser()
-        experts = getattr(experts, "module", experts)  # a data-parallel wrapper holds the WanExperts
-        if side != "mixed":
-            return call(experts.high if side == "high" else experts.low)
         assert high_steps is not None and self.c.boundary_timestep is not None  # side is not None: two experts
-        if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
-            keep = (tables.timestep_at(idx) >= self.c.boundary_timestep).view(-1, *([1] * (x.dim() - 1)))
-            return torch.where(keep, call(experts.high), call(experts.low))
-        high = high_steps[idx.detach().cpu().numpy()]  # eager: each expert on its own rows
-        rows_high = torch.as_tensor(np.flatnonzero(high), device=x.device)
-        rows_low = torch.as_tensor(np.flatnonzero(~high), device=x.device)
-        v_high, v_low = call(experts.high, rows_high), call(experts.low, rows_low)
-        out = v_high.new_empty((x.shape[0], *v_high.shape[1:]))
-        return out.index_copy(0, rows_high, v_high).index_copy(0, rows_low, v_low)
+        boundary, table = self.c.boundary_timestep, high_steps  # bound here: the closure sees them narrowed
+
+        def on_experts(experts) -> Tensor:
+            if side != "mixed":
+                return call(experts.high if side == "high" else experts.low)
+            if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
+                keep = (tables.timestep_at(idx) >= boundary).view(-1, *([1] * (x.dim() - 1)))
+                return torch.where(keep, call(experts.high), call(experts.low))
+            high = table[idx.detach().cpu().numpy()]  # eager: each expert on its own rows
+            rows_high = torch.as_tensor(np.flatnonzero(high), device=x.device)
+            rows_low = torch.as_tensor(np.flatnonzero(~high), device=x.device)
+            v_high, v_low = call(experts.high, rows_high), call(experts.low, rows_low)
+            out = v_high.new_empty((x.shape[0], *v_high.shape[1:]))
+            return out.index_copy(0, rows_high, v_high).index_copy(0, rows_low, v_low)
+
+        # one forward of the denoiser (WanExperts.forward runs on_experts): through DDP's / FSDP2's wrapper when the
+        # runtime wrapped it, so the wrapper's forward hooks see every expert call of this velocity
+        return self.call_denoiser()(on_experts)
 
     def policy_step(self, tables: FlowTables, v: Tensor, idx: Tensor, x: Tensor, noise: Tensor | None = None,
                     prev_sample: Tensor | None = None):

@@ -149,8 +149,11 @@ class DistributedRuntime(Runtime):
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # a model whose steps leave some trained weights out of the graph says so (Wan 2.2's experts: models/wan.py
+        # WanExperts); every other model keeps DDP's default (no search for unused weights per forward)
         self._ddp = DDP(model, device_ids=None if self.device.type == "cpu" else [self.device.index],
-                        broadcast_buffers=False)
+                        broadcast_buffers=False,
+                        find_unused_parameters=bool(getattr(model, "ddp_find_unused_parameters", False)))
         return self._ddp
 
     def no_gradient_sync(self, model: torch.nn.Module):

@@ -61,7 +61,13 @@ CASES = {
                        "evaluation.every_n_epochs=1"],
                       ["sample.batch_size=8", "train.batch_size=8"], ["sample.batch_size=4", "train.batch_size=4"],
                       ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"]),
+    # Wan 2.2 A14B's two experts (2 high-noise steps, 3 trained low-noise ones): each velocity is one forward of the
+    # wrapper, DDP told that a step calling one expert leaves the other's LoRA unused (models/wan.py WanExperts)
+    "ddp_wan22_experts": (["+experiment=wan22_grpo_smoke", "sample.num_batches_per_epoch=2"],
+                          ["sample.batch_size=8", "train.batch_size=8"], ["sample.batch_size=4", "train.batch_size=4"],
+                          []),
 }
+EXTENDED = {"ddp_wan22_experts"}  # over 30 s here: CI skips them (measured figures in the test's docstring)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def eager_run(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in CASES])
 def test_two_processes_train_what_one_eager_process_trains(tmp_path, case, eager_run):
     experiment, one, two, mesh = CASES[case]
     common = [*experiment, "num_epochs=1", *LINEAR_ADAM]
