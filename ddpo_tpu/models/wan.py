@@ -354,6 +354,12 @@ class WanExperts(torch.nn.Module):
     # weights out of its graph, which DDP's reducer must be told to expect (families/wan.py: the decision and cost)
     ddp_find_unused_parameters = True
 
+    @property
+    def fsdp_units(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """FSDP2 shards each expert as its own unit (runtime/distributed.py prepare_model): a step gathers the
+        weights of the expert it calls, not both (A14B: one 14B expert's gathered copy at a time)."""
+        return self.high, self.low
+
     def forward(self, run: Callable[["WanExperts"], Tensor]) -> Tensor:
         """``run(self)``: the family's velocity on these experts (it calls ``.high`` / ``.low`` as the step needs),
         called through a data-parallel wrapper's forward so the wrapper sees one forward per velocity: DDP arms its

@@ -143,7 +143,12 @@ class DistributedRuntime(Runtime):
         if self.fsdp > 1:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(model, mesh=self.mesh if self.mesh.shape[0] > 1 else self.mesh["fsdp"])
+            mesh = self.mesh if self.mesh.shape[0] > 1 else self.mesh["fsdp"]
+            # a model of parts a step calls one at a time shards each as its own unit, so a forward gathers only the
+            # part it calls (Wan 2.2's experts: models/wan.py WanExperts.fsdp_units); every other model is one unit
+            for unit in getattr(model, "fsdp_units", ()):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             return model
         if self.process_count == 1:
             return model
