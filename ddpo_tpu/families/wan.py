@@ -41,21 +41,22 @@ host read inside, so each captures whole), pick one by the step index it holds a
 order is not permuted per row), and keep the mixed-batch select out of dynamo (or fuse only same-side timesteps), the
 step that failed in torch_xla 2.9's output deduplication.
 
-Several processes (torchrun: DDP or FSDP2, runtime/distributed.py ``prepare_model``): every velocity is ONE forward
-of the denoiser the runtime wrapped, ``WanExperts.forward(run)`` running this family's expert calls (``run(experts)``),
+Several processes (torchrun: DDP or FSDP2, runtime/distributed.py ``prepare_model``): every velocity is ONE forward of
+the denoiser the runtime wrapped, ``WanExperts.forward(run)`` running this family's expert calls (``run(experts)``),
 so the wrapper's forward hooks see each expert the step calls (also both experts of a mixed batch and the two guided
 passes, all under one forward). DDP: a step whose rows call one expert leaves the other's LoRA out of the graph, so
 WanExperts asks for ``find_unused_parameters`` (every other model keeps DDP's default). Chosen over (a) both experts'
 LoRA always in the graph (a ``0 x`` term: the idle expert then gets zero gradients, which move AdamW's moments and
-decay where one process, whose gradient is None, skips the weight, so the runs would differ) and (b) one DDP per
-expert (an accumulation window whose last, synchronised micro-step calls one expert would never reduce the other's
-accumulated gradient). DDP with ``find_unused_parameters`` instead marks the idle expert's weights ready (a weight
-used anywhere in the accumulation window is reduced with its accumulated gradient; one unused on every rank keeps its
-None) and costs, per forward under grad, a host walk of the autograd graph from the output, and per update one more
-all-reduce of a used flag per trained tensor; the LoRA gradient buckets of both experts are all-reduced every update
-(idle ones as zeros), the same bytes as a step calling both. Measured on the tiny build (the figure and command in
-docs/distributed.md). FSDP2: each expert is its own ``fully_shard`` unit under the pair's (``WanExperts.fsdp_units``),
-so a step gathers the weights of the expert it calls, not both; the idle expert's shards see no reduce-scatter.
+decay where a run today, whose gradient is None, skips the weight: a change to one-process training too) and (b) one
+DDP per expert (an accumulation window whose last, synchronised micro-step calls one expert would never reduce the
+other's accumulated gradient). DDP with ``find_unused_parameters`` instead marks the idle expert's weights ready (a
+weight used anywhere in the accumulation window is reduced with its accumulated gradient; one unused on every rank
+keeps its None) and costs, per forward under grad, a host walk of the autograd graph from the output, and per update
+one more all-reduce of a used flag per trained tensor; the LoRA gradient buckets of both experts are all-reduced every
+update (idle ones as zeros), the same bytes as a step calling both; on the tiny build no time difference above noise
+(docs/distributed.md). FSDP2: each expert is its own ``fully_shard`` unit under the pair's
+(``WanExperts.fsdp_units``), so a step gathers the weights of the expert it calls, not both; the idle expert's shards
+see no reduce-scatter.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ CASES = {
                            ["sample.batch_size=4", "train.batch_size=4"],
                            ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"]),
 }
-EXTENDED = {"ddp_wan22_experts", "fsdp_wan22_experts"}  # over 30 s here: CI skips them (measured figures in the test's docstring)
+EXTENDED = {"ddp_wan22_experts", "fsdp_wan22_experts"}  # over 30 s here: CI skips them (figures in their comment)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,8 @@ def eager_run(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c
+                                  for c in CASES])
 def test_two_processes_train_what_one_eager_process_trains(tmp_path, case, eager_run):
     experiment, one, two, mesh = CASES[case]
     common = [*experiment, "num_epochs=1", *LINEAR_ADAM]
