@@ -33,7 +33,30 @@ so the set is at most three whatever the batches hold. Under dynamo (xla.step_co
 experts are refused at load: a host read breaks the captured graph and torch_xla 2.9's dynamo bridge failed on the
 resumed graphs ("Failed to get computation by hash"), and a step holding both experts failed in its output
 deduplication too ("Executable expected parameter 0 of size 16384 but got buffer with incompatible size 24"), both on
-XLA CPU. A dynamo path needs the loop to hand the step index over as a Python int (one captured step per expert).
+XLA CPU. What a dynamo path needs (not done: it is the loop's, training/loop.py and training/evaluation.py): the loop
+compiles one step function (``rt.compile_step(make_denoise_step(...))`` / ``make_score_step``) whose step index is a
+tensor; it would instead ask the family for one step function per expert (each calling ``.high`` or ``.low`` with no
+host read inside, so each captures whole), pick one by the step index it holds as a Python int on the host (sampling's
+``for j in range(T)``; training's micro-batch timestep column, the same for every row when the trajectories' step
+order is not permuted per row), and keep the mixed-batch select out of dynamo (or fuse only same-side timesteps), the
+step that failed in torch_xla 2.9's output deduplication.
+
+Several processes (torchrun: DDP or FSDP2, runtime/distributed.py ``prepare_model``): every velocity is ONE forward of
+the denoiser the runtime wrapped, ``WanExperts.forward(run)`` running this family's expert calls (``run(experts)``),
+so the wrapper's forward hooks see each expert the step calls (also both experts of a mixed batch and the two guided
+passes, all under one forward). DDP: a step whose rows call one expert leaves the other's LoRA out of the graph, so
+WanExperts asks for ``find_unused_parameters`` (every other model keeps DDP's default). Chosen over (a) both experts'
+LoRA always in the graph (a ``0 x`` term: the idle expert then gets zero gradients, which move AdamW's moments and
+decay where a run today, whose gradient is None, skips the weight: a change to one-process training too) and (b) one
+DDP per expert (an accumulation window whose last, synchronised micro-step calls one expert would never reduce the
+other's accumulated gradient). DDP with ``find_unused_parameters`` instead marks the idle expert's weights ready (a
+weight used anywhere in the accumulation window is reduced with its accumulated gradient; one unused on every rank
+keeps its None) and costs, per forward under grad, a host walk of the autograd graph from the output, and per update
+one more all-reduce of a used flag per trained tensor; the LoRA gradient buckets of both experts are all-reduced every
+update (idle ones as zeros), the same bytes as a step calling both; on the tiny build no time difference above noise
+(docs/distributed.md). FSDP2: each expert is its own ``fully_shard`` unit under the pair's
+(``WanExperts.fsdp_units``), so a step gathers the weights of the expert it calls, not both; the idle expert's shards
+see no reduce-scatter.
 """
 
 from __future__ import annotations
@@ -115,11 +138,6 @@ class WanFamily(FlowFamily):
             raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) on XLA needs "
                                  "xla.step_compiler=lazy: the expert is chosen on the host per step, which a "
                                  "dynamo-captured step cannot do (families/wan.py). Fix: xla.step_compiler=lazy")
-        if comps.transformer_2 is not None and rt.process_count > 1:
-            # the family calls an expert inside the data-parallel wrapper, past its forward (which arms the
-            # gradient all-reduce): one process until the loop passes the step to the wrapper
-            raise ModelLoadError("model.family=wan with two experts (Wan 2.2 A14B) trains on one process for now. "
-                                 "Fix: a single-process tpu_topology (eager_cpu, or one XLA process)")
         for name in names:
             make_trainable(experts[name], m)  # adapter weights drawn from torch's global generator (seeded)
         for name in cls.PARTS:
@@ -210,20 +228,25 @@ class WanFamily(FlowFamily):
             self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
         if side is None:
             return call(self.call_denoiser())
-        experts = self.call_denoiser()
-        experts = getattr(experts, "module", experts)  # a data-parallel wrapper holds the WanExperts
-        if side != "mixed":
-            return call(experts.high if side == "high" else experts.low)
         assert high_steps is not None and self.c.boundary_timestep is not None  # side is not None: two experts
-        if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
-            keep = (tables.timestep_at(idx) >= self.c.boundary_timestep).view(-1, *([1] * (x.dim() - 1)))
-            return torch.where(keep, call(experts.high), call(experts.low))
-        high = high_steps[idx.detach().cpu().numpy()]  # eager: each expert on its own rows
-        rows_high = torch.as_tensor(np.flatnonzero(high), device=x.device)
-        rows_low = torch.as_tensor(np.flatnonzero(~high), device=x.device)
-        v_high, v_low = call(experts.high, rows_high), call(experts.low, rows_low)
-        out = v_high.new_empty((x.shape[0], *v_high.shape[1:]))
-        return out.index_copy(0, rows_high, v_high).index_copy(0, rows_low, v_low)
+        boundary, table = self.c.boundary_timestep, high_steps  # bound here: the closure sees them narrowed
+
+        def on_experts(experts) -> Tensor:
+            if side != "mixed":
+                return call(experts.high if side == "high" else experts.low)
+            if self.rt.compiles_graphs:  # one fixed graph for a mixed batch: both experts on every row, kept per row
+                keep = (tables.timestep_at(idx) >= boundary).view(-1, *([1] * (x.dim() - 1)))
+                return torch.where(keep, call(experts.high), call(experts.low))
+            high = table[idx.detach().cpu().numpy()]  # eager: each expert on its own rows
+            rows_high = torch.as_tensor(np.flatnonzero(high), device=x.device)
+            rows_low = torch.as_tensor(np.flatnonzero(~high), device=x.device)
+            v_high, v_low = call(experts.high, rows_high), call(experts.low, rows_low)
+            out = v_high.new_empty((x.shape[0], *v_high.shape[1:]))
+            return out.index_copy(0, rows_high, v_high).index_copy(0, rows_low, v_low)
+
+        # one forward of the denoiser (WanExperts.forward runs on_experts): through DDP's / FSDP2's wrapper when the
+        # runtime wrapped it, so the wrapper's forward hooks see every expert call of this velocity
+        return self.call_denoiser()(on_experts)
 
     def policy_step(self, tables: FlowTables, v: Tensor, idx: Tensor, x: Tensor, noise: Tensor | None = None,
                     prev_sample: Tensor | None = None):

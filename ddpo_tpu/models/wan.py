@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -350,8 +350,21 @@ class WanExperts(torch.nn.Module):
     def enable_gradient_checkpointing(self, *args) -> None:
         self._each("enable_gradient_checkpointing", *args)
 
-    def forward(self, *args, **kwargs):  # noqa: D401 -- the family calls an expert, never the pair
-        raise RuntimeError("WanExperts has no forward of its own: call .high or .low (families/wan.py chooses)")
+    # DDP (runtime/distributed.py prepare_model): a step whose rows all call one expert leaves the other's trained
+    # weights out of its graph, which DDP's reducer must be told to expect (families/wan.py: the decision and cost)
+    ddp_find_unused_parameters = True
+
+    @property
+    def fsdp_units(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """FSDP2 shards each expert as its own unit (runtime/distributed.py prepare_model): a step gathers the
+        weights of the expert it calls, not both (A14B: one 14B expert's gathered copy at a time)."""
+        return self.high, self.low
+
+    def forward(self, run: Callable[["WanExperts"], Tensor]) -> Tensor:
+        """``run(self)``: the family's velocity on these experts (it calls ``.high`` / ``.low`` as the step needs),
+        called through a data-parallel wrapper's forward so the wrapper sees one forward per velocity: DDP arms its
+        gradient reduction from the output, FSDP2 gathers the experts' shards before and frees them after."""
+        return run(self)
 
 
 # --------------------------------------------------------------------------------------

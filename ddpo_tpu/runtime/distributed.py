@@ -143,14 +143,22 @@ class DistributedRuntime(Runtime):
         if self.fsdp > 1:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(model, mesh=self.mesh if self.mesh.shape[0] > 1 else self.mesh["fsdp"])
+            mesh = self.mesh if self.mesh.shape[0] > 1 else self.mesh["fsdp"]
+            # a model of parts a step calls one at a time shards each as its own unit, so a forward gathers only the
+            # part it calls (Wan 2.2's experts: models/wan.py WanExperts.fsdp_units); every other model is one unit
+            for unit in getattr(model, "fsdp_units", ()):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(model, mesh=mesh)
             return model
         if self.process_count == 1:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # a model whose steps leave some trained weights out of the graph says so (Wan 2.2's experts: models/wan.py
+        # WanExperts); every other model keeps DDP's default (no search for unused weights per forward)
         self._ddp = DDP(model, device_ids=None if self.device.type == "cpu" else [self.device.index],
-                        broadcast_buffers=False)
+                        broadcast_buffers=False,
+                        find_unused_parameters=bool(getattr(model, "ddp_find_unused_parameters", False)))
         return self._ddp
 
     def no_gradient_sync(self, model: torch.nn.Module):

@@ -302,3 +302,47 @@ def test_a_mixed_batch_gives_each_row_its_experts_velocity_on_both_paths(a14b, m
     with torch.no_grad():  # and the experts differ: a row given the other expert would not match
         wrong = fam.velocity(x[1:2], torch.tensor([0]), (cond[0][1:2],), (uncond[0][1:2],))
     assert float((wrong - alone[1:2]).abs().max()) > 1e-3
+
+
+def test_each_velocity_is_one_forward_of_ddps_wrapper_which_expects_the_idle_experts_lora(model_cache):
+    """Two experts on several processes (runtime/distributed.py prepare_model, as torchrun's ranks wrap the model):
+    every velocity is one forward of the DDP wrapper (WanExperts.forward runs the family's expert calls), so its
+    forward arms the gradient reduction; a step that calls one expert leaves the other's LoRA out of the graph, which
+    DDP's reducer, told by WanExperts.ddp_find_unused_parameters, expects. Without it the next step raises (the check
+    can fail). One gloo process (world size 1: the reducer's bookkeeping is the same as on many)."""
+    import types
+
+    import torch.distributed as dist
+
+    from ddpo_tpu.runtime.distributed import DistributedRuntime
+
+    fam = _family(model_cache, trained_adapter=False)
+    cond = fam.encode(["a cat", "a dog"])
+    x = torch.randn(2, *fam.latent_shape, generator=torch.Generator().manual_seed(6))
+    lora = {name: [p for n, p in fam.model.expert(name).named_parameters() if "lora_B" in n]
+            for name in ("high", "low")}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rt = types.SimpleNamespace(fsdp=1, process_count=2, device=torch.device("cpu"), _ddp=None)
+        calls = []
+        fam.denoiser = DistributedRuntime.prepare_model(rt, fam.model)  # type: ignore[arg-type]
+        fam.denoiser.register_forward_pre_hook(lambda mod, args: calls.append(1))
+        assert fam.denoiser.find_unused_parameters
+        score = fam.make_score_step(None)
+        # high only, low only, then a mixed batch (each expert on its row): each a whole DDP iteration
+        for idx, used in (([0, 1], {"high"}), ([3, 4], {"low"}), ([0, 4], {"high", "low"})):
+            fam.model.zero_grad(set_to_none=True)
+            out = score(x, torch.tensor(idx), x * 0.9, cond, None)
+            out.log_prob.sum().backward()
+            for name in ("high", "low"):
+                assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in lora[name]) == (name in used)
+        assert len(calls) == 3  # one forward of the wrapper per velocity
+        # the reducer left to its default (every trained weight in every graph): the step after a one-expert step fails
+        fam.denoiser = torch.nn.parallel.DistributedDataParallel(fam.model, broadcast_buffers=False)
+        fam.model.zero_grad(set_to_none=True)
+        score(x, torch.tensor([0, 1]), x * 0.9, cond, None).log_prob.sum().backward()
+        with pytest.raises(RuntimeError, match="finished reduction"):
+            score(x, torch.tensor([3, 4]), x * 0.9, cond, None).log_prob.sum().backward()
+    finally:
+        fam.denoiser = None
+        dist.destroy_process_group()
