@@ -424,8 +424,8 @@ def test_a_killed_job_restarted_at_once_waits_for_its_lock_instead_of_refusing(t
     env = {**os.environ, "JOB_CODE": JOB}
     waits = []
     for attempt in range(20 if order == "group" else 5):  # (the other orders: 5 each, for the shared CPUs' time)
-        job = subprocess.Popen([sys.executable, "-S", "-c", JOB, str(run_dir)], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+        job = subprocess.Popen([sys.executable, "-S", "-c", JOB, str(run_dir)], cwd=REPO, env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = job.stdout.readline().split()
         assert line[:1] == ["ready"], (attempt, line, job.poll())
         child = int(line[1])
