@@ -184,7 +184,6 @@ def test_check_validates_every_point_and_writes_nothing(tmp_path):
     print(f"--check of 2 points took {cpu:.2f} CPU s")
 
 
-
 def test_check_refuses_an_invalid_point_as_without_it(tmp_path, monkeypatch, capsys):
     """An invalid point: the same one-line errors and exit 2 as without --check (in-process: the refusal path of
     test_invalid_config_is_refused_fast_and_writes_nothing; --check's real process is the test above's)."""
