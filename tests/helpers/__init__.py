@@ -142,10 +142,12 @@ def compose_and_validate_shared(overrides: list[str]):
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from ddpo_tpu.config.compose import ConfigError, _compose_problem, compose, conf_dir, moved, overridden_keys, \
-        validate
+    from ddpo_tpu.config.compose import ConfigError, _compose_problem, compose, compose_and_validate, conf_dir, \
+        moved, overridden_keys, validate
 
     overrides = moved(overrides)
+    if any(o.lstrip("+~").startswith("hydra") for o in overrides):  # Hydra's own node: not in a composed config
+        return compose_and_validate(overrides)
     groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
     choices = tuple(o for o in overrides if o.split("=", 1)[0].lstrip("+~") in groups)
     values = [o for o in overrides if o not in choices]
