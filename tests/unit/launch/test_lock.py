@@ -386,9 +386,7 @@ def test_adopting_a_descriptor_of_another_file_is_refused(paths, tmp_path):
 # --- a whole job SIGKILLed and restarted at once (issue 43) ----------------------------------------------------------
 
 # the front end and its training process as launch/process.py pairs them: the front end takes the run dir's lock and
-# hands it over; the child adopts it (naming itself). Both hold some memory, so their exit takes a moment. Both start
-# with -S (no site: ddpo_tpu is found in the cwd, the repo): the lock needs nothing from site-packages, and the 60
-# interpreter starts of the three cases take half the time (0.24 -> 0.13 s each, measured on the 2-core machine).
+# hands it over; the child adopts it (naming itself). Both hold some memory, so their exit takes a moment.
 JOB = r"""
 import os, subprocess, sys
 from pathlib import Path
@@ -402,7 +400,7 @@ if len(sys.argv) > 2:  # the training process
     sys.exit(0)
 lock = RunDirLock(run_dir).acquire()
 fd = lock.handover_fd()
-child = subprocess.Popen([sys.executable, "-S", "-c", os.environ["JOB_CODE"], str(run_dir), str(fd)], pass_fds=(fd,),
+child = subprocess.Popen([sys.executable, "-c", os.environ["JOB_CODE"], str(run_dir), str(fd)], pass_fds=(fd,),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 os.close(fd)
 assert child.stdout.readline().strip() == "adopted"
@@ -424,8 +422,8 @@ def test_a_killed_job_restarted_at_once_waits_for_its_lock_instead_of_refusing(t
     env = {**os.environ, "JOB_CODE": JOB}
     waits = []
     for attempt in range(20 if order == "group" else 5):  # (the other orders: 5 each, for the shared CPUs' time)
-        job = subprocess.Popen([sys.executable, "-S", "-c", JOB, str(run_dir)], cwd=REPO, env=env,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        job = subprocess.Popen([sys.executable, "-c", JOB, str(run_dir)], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = job.stdout.readline().split()
         assert line[:1] == ["ready"], (attempt, line, job.poll())
         child = int(line[1])
