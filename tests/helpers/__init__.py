@@ -127,8 +127,42 @@ def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: fl
         time.sleep(0.2)
 
 
-__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "HEAVY", "REPO", "clean_env", "front_end_in_process", "heavy_imports",
-           "read_metrics", "run_train", "timed_run", "wait_for_event"]
+_BASES: dict[tuple[str, ...], object] = {}
+
+
+def compose_and_validate_shared(overrides: list[str]):
+    """compose_and_validate(overrides), its composition shared: the group choices (`model=sd14`, `+experiment=smoke`:
+    what Hydra's defaults list reads) are composed once per test session, and the value overrides (`a.b=v`, `resume=x`)
+    applied to a copy of that with Hydra's own parser and the step Hydra's compose ends with
+    (ConfigLoaderImpl._apply_overrides_to_config, after the defaults are merged: the same config), an error of theirs
+    becoming the ConfigError compose() makes of it. For tests that compose many variants of one config (~0.5 s each).
+    Composition itself is what compose_and_validate tests; test_config.py holds the two equal."""
+    import copy
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from ddpo_tpu.config.compose import ConfigError, _compose_problem, compose, compose_and_validate, conf_dir, \
+        moved, overridden_keys, validate
+
+    overrides = moved(overrides)
+    if any(o.lstrip("+~").startswith("hydra") for o in overrides):  # Hydra's own node: not in a composed config
+        return compose_and_validate(overrides)
+    groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
+    choices = tuple(o for o in overrides if o.split("=", 1)[0].lstrip("+~") in groups)
+    values = [o for o in overrides if o not in choices]
+    if choices not in _BASES:
+        _BASES[choices] = compose(list(choices))
+    cfg = copy.deepcopy(_BASES[choices])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(values), cfg)
+    except Exception as e:  # what compose() turns into one problem line
+        raise ConfigError([_compose_problem(e, overrides)]) from e
+    return validate(cfg, overridden_keys(overrides))
+
+
+__all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "HEAVY", "REPO", "clean_env", "compose_and_validate_shared",
+           "front_end_in_process", "heavy_imports", "read_metrics", "run_train", "timed_run", "wait_for_event"]
 
 
 def run_in_pty(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,

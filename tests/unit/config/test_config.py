@@ -14,6 +14,7 @@ import pytest
 
 from ddpo_tpu.config.compose import compose_and_validate, conf_dir
 from ddpo_tpu.problems import ConfigError, Fix, Problem, as_typed
+from tests.helpers import compose_and_validate_shared
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
@@ -354,6 +355,8 @@ XLA = "tpu_topology=cpu"
 
 
 def test_rules_do_not_over_fire(tmp_path):
+    """Each case's composition shares its group choices' (tests.helpers.compose_and_validate_shared: the same config,
+    test_shared_composition_is_hydras holds them equal); ~30 compositions of 0.5 s were most of this test."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\na dog\n")
     for sub in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):  # what models/loading.py loads
@@ -385,7 +388,27 @@ def test_rules_do_not_over_fire(tmp_path):
         ["tpu_topology=v5e-8", "model=sd14", "model.lora.enabled=false"],  # 16 GiB is enough
         [COMP, "train.learning_rate=0.0003", "sample.eta=1"],  # equal values in another spelling keep parity
     ):
-        compose_and_validate(overrides)
+        compose_and_validate_shared(overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    [XLA, 'xla.flags=["--xla_dump_to=/tmp/dump","--xla_foo"]', "xla.profile_steps=[0]", "num_epochs=1"],
+    ["+experiment=flow_grpo_smoke", "seed=3", "sample.num_steps=4", "run_name=a.b"],
+    [COMP, "sample.batch_size=3", "stat_tracking.min_count=32"],  # refused by validation
+    ["+experiment=smoke", "prompts.path=x", "+prompts.extra=1"],  # refused by composition
+    ["prompts=dataset", "prompts.path=[a"],  # the override's grammar
+])
+def test_shared_composition_is_hydras(overrides):
+    """tests.helpers.compose_and_validate_shared gives what compose_and_validate gives: the same config (nested and
+    top-level values, lists, an added key) or the same problems."""
+    def outcome(fn):
+        try:
+            v = fn(overrides)
+        except ConfigError as e:
+            return [str(p) for p in e.problems] or e.context
+        return v.tree, v.cfg
+
+    assert outcome(compose_and_validate_shared) == outcome(compose_and_validate)
 
 
 # following the printed fix of a single mistake gives a valid config

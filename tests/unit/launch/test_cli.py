@@ -1,10 +1,16 @@
 """The front end as users run it: `python -m ddpo_tpu.train ...` in a subprocess, in an empty directory, with the
 environment's owned variables removed. None of these tests starts a training run: an invalid config must be refused
-before anything is written or started. (test_legacy_variable_is_refused's cases after its first call the front end's
-main() in-process: the same refusal path, without a process start each.)"""
+before anything is written or started.
+
+One real process per path the front end has proves its exit code and console: a refusal before Hydra
+(test_invalid_config_is_refused_fast_and_writes_nothing, and the first legacy variable), HYDRA_FULL_ERROR's traceback,
+--help, Hydra's own commands (--cfg job), and --check. The other cases of those paths call the front end's main() in
+this process (tests.helpers.front_end_in_process: the same code, where only the process start differs, ~0.8 CPU s
+of imports each): the other refusals, the second --check, --hydra-help and --info."""
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
@@ -31,6 +37,23 @@ def cli(cwd: Path, *args: str, env: dict[str, str] | None = None):
 
 def written(cwd: Path) -> list[str]:
     return sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*"))
+
+
+def cli_in_process(tmp: Path, monkeypatch, capsys, *args: str):
+    """The front end's main(args) in this process, in tmp/cwd (a process-like result, and that cwd). Hydra's own
+    commands configure logging (handlers on this test's captured stderr): the loggers are put back afterwards, or
+    a later test's log line would go to a closed stream."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    saved = {id(lg): (lg.handlers[:], lg.level, lg.disabled, lg.propagate) for lg in loggers}
+    try:
+        proc, *_ = front_end_in_process(tmp, list(args), monkeypatch, capsys)
+    finally:
+        for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+            if isinstance(lg, logging.Logger):
+                lg.handlers[:], lg.level, lg.disabled, lg.propagate = saved.get(id(lg), ([], logging.NOTSET,
+                                                                                          False, True))
+    return proc, tmp / "cwd"
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
@@ -88,8 +111,10 @@ def test_legacy_variable_is_refused(tmp_path, name, value, key, monkeypatch, cap
     assert written(cwd) == []
 
 
-def test_multirun_validates_every_point_before_starting(tmp_path):
-    proc, _ = cli(tmp_path, "-m", "+experiment=smoke", "train.clip_range=0.0001,-1")
+def test_multirun_validates_every_point_before_starting(tmp_path, monkeypatch, capsys):
+    """In-process: the refusal path of test_invalid_config_is_refused_fast_and_writes_nothing, for a sweep."""
+    proc, tmp_path = cli_in_process(tmp_path, monkeypatch, capsys, "-m", "+experiment=smoke",
+                                    "train.clip_range=0.0001,-1")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert "train.clip_range=-1" in proc.stderr and "greater than 0" in proc.stderr
@@ -99,8 +124,9 @@ def test_multirun_validates_every_point_before_starting(tmp_path):
     assert not (tmp_path / "outputs").exists() and written(tmp_path) == []
 
 
-def test_unknown_group_option_is_refused(tmp_path):
-    proc, _ = cli(tmp_path, "model=nope")
+def test_unknown_group_option_is_refused(tmp_path, monkeypatch, capsys):
+    """In-process: the refusal path of test_invalid_config_is_refused_fast_and_writes_nothing."""
+    proc, tmp_path = cli_in_process(tmp_path, monkeypatch, capsys, "model=nope")
     assert proc.returncode == 2
     assert "error: model=" in proc.stderr and "no such option" in proc.stderr
     assert "Traceback" not in proc.stderr and written(tmp_path) == []
@@ -139,8 +165,9 @@ def test_help_says_what_to_run(tmp_path):
     print(f"--help took {cpu:.2f} CPU s")
 
 
-def test_hydra_help_is_still_there(tmp_path):
-    proc, _ = cli(tmp_path, "--hydra-help")
+def test_hydra_help_is_still_there(tmp_path, monkeypatch, capsys):
+    """In-process: Hydra's own commands' path, whose real process is test_cfg_job_prints_the_composed_config's."""
+    proc, tmp_path = cli_in_process(tmp_path, monkeypatch, capsys, "--hydra-help")
     assert proc.returncode == 0, proc.stderr
     assert "Hydra (" in proc.stdout and written(tmp_path) == []
 
@@ -155,14 +182,20 @@ def test_check_validates_every_point_and_writes_nothing(tmp_path):
     assert "2 run(s) valid" in out and "nothing was written" in out
     assert written(tmp_path) == [], "--check wrote something"
     print(f"--check of 2 points took {cpu:.2f} CPU s")
-    # an invalid point: the same one-line errors and exit 2 as without --check
-    proc, _ = cli(tmp_path, "+experiment=compressibility_parity", "sample.batch_size=3", "--check")
+
+
+def test_check_refuses_an_invalid_point_as_without_it(tmp_path, monkeypatch, capsys):
+    """An invalid point: the same one-line errors and exit 2 as without --check (in-process: the refusal path of
+    test_invalid_config_is_refused_fast_and_writes_nothing; --check's real process is the test above's)."""
+    proc, tmp_path = cli_in_process(tmp_path, monkeypatch, capsys, "+experiment=compressibility_parity",
+                                    "sample.batch_size=3", "--check")
     assert proc.returncode == 2 and "error: sample.batch_size=3" in proc.stderr and proc.stdout == ""
     assert written(tmp_path) == []
 
 
-def test_info(tmp_path):
-    proc, _ = cli(tmp_path, "--info")
+def test_info(tmp_path, monkeypatch, capsys):
+    """In-process: Hydra's own commands' path, whose real process is test_cfg_job_prints_the_composed_config's."""
+    proc, tmp_path = cli_in_process(tmp_path, monkeypatch, capsys, "--info")
     assert proc.returncode == 0, proc.stderr
     assert "Hydra" in proc.stdout and str(conf_dir()) in proc.stdout
     assert written(tmp_path) == []
@@ -189,10 +222,11 @@ def test_multirun_runs_each_point_in_its_own_process_and_dir(tmp_path, model_cac
     assert proc.stdout.index("run complete") < proc.stdout.rindex("sampling start")
 
 
-def test_unwritable_output_root_is_refused_before_anything_starts(tmp_path):
+def test_unwritable_output_root_is_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """In-process: the refusal path of test_invalid_config_is_refused_fast_and_writes_nothing."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    proc, _ = cli(tmp_path, "+experiment=smoke", f"output_root={blocker}/runs")
+    proc, _ = cli_in_process(tmp_path, monkeypatch, capsys, "+experiment=smoke", f"output_root={blocker}/runs")
     assert proc.returncode == 2
     assert "output_root=" in proc.stderr and "not a writable directory" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -167,15 +167,19 @@ def test_a_video_model_needs_pyav_for_its_mp4_samples(monkeypatch):
     assert machine.video_problems(wan) == []  # av is installed (a pinned requirement)
 
 
-def test_gardo_s_gate_and_feature_models_are_looked_for_as_the_reward_s(tmp_path, monkeypatch):
+def test_gardo_s_gate_and_feature_models_are_looked_for_as_the_reward_s(tmp_path, monkeypatch, capsys):
     """Issue 43: GARDO's auxiliary rewards (algorithm.kl_gate_rewards) and feature model (algorithm.diversity_features)
     load CLIP models with local_files_only as the run's reward does (rewards/aesthetic.py, rewards/clip_features.py);
-    the machine check never looked for them, so the run stopped (exit 1) after its run dir was written."""
+    the machine check never looked for them, so the run stopped (exit 1) after its run dir was written.
+    In-process (the cache's path as huggingface_hub reads it at import, set where it keeps it): the refusal whose
+    real process is test_hub_model_missing_from_the_local_cache's."""
     work, cache = tmp_path / "work", tmp_path / "hf"
     work.mkdir(), cache.mkdir()
     clip = "openai/clip-vit-large-patch14"
-    errors, _ = refused(work, "+experiment=gardo_smoke", f"algorithm.diversity_features.clip_model={clip}",
-                        HF_HUB_CACHE=str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.file_download.HF_HUB_CACHE", str(cache), raising=False)
+    errors = refused_in_process(work, monkeypatch, capsys, "+experiment=gardo_smoke",
+                                f"algorithm.diversity_features.clip_model={clip}")
     assert errors == [f"error: algorithm.diversity_features.clip_model={clip}: the clip_features reward loads it with "
                       f"local_files_only and the local Hugging Face cache ({cache}) lacks its config.json (download it "
                       f"once: `hf download {clip}`; or point algorithm.diversity_features.clip_model=DIR at a local "

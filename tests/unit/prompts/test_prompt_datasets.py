@@ -23,6 +23,7 @@ import pytest
 from ddpo_tpu.config.compose import ConfigError, compose_and_validate
 from ddpo_tpu.prompts import DatasetSource, PromptError, make_prompt_source
 from ddpo_tpu.rundir import events as ev
+from tests.helpers import compose_and_validate_shared
 
 DATA = Path(__file__).parents[2] / "data" / "flow_grpo"
 GENEVAL, OCR = DATA / "geneval", DATA / "ocr"
@@ -113,8 +114,10 @@ def test_grpo_groups_of_a_dataset_share_a_prompt_and_its_metadata():
 # --- refusals at compose time: one line, the key, the reason, the fix --------------------------------------------
 
 def refusal(*overrides: str) -> str:
+    """The one prompts.* problem of these overrides; the composition shares its group choices'
+    (tests.helpers.compose_and_validate_shared: the same config, tests/unit/config/test_config.py holds them equal)."""
     with pytest.raises(ConfigError) as e:
-        compose_and_validate(["+experiment=flow_grpo_smoke", "prompts=dataset", *overrides])
+        compose_and_validate_shared(["+experiment=flow_grpo_smoke", "prompts=dataset", *overrides])
     found = [str(p) for p in e.value.problems if p.key.startswith("prompts.")]
     assert len(found) == 1 and "\n" not in found[0], e.value.render()
     return found[0]

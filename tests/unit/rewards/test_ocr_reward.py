@@ -18,7 +18,7 @@ from ddpo_tpu.problems import ConfigError
 from ddpo_tpu.rewards import make_reward
 from ddpo_tpu.rewards.base import RewardError
 from ddpo_tpu.rewards.ocr import levenshtein, ocr_score, quoted_target
-from tests.helpers import reward_stubs
+from tests.helpers import compose_and_validate_shared, reward_stubs
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
@@ -90,8 +90,10 @@ def _quoted_prompts(tmp_path, lines):
 
 
 def _refusal(overrides):
+    """The problems of these overrides; the composition shares its group choices' (tests.helpers.
+    compose_and_validate_shared: the same config, tests/unit/config/test_config.py holds them equal)."""
     with pytest.raises(ConfigError) as e:
-        compose_and_validate(overrides)
+        compose_and_validate_shared(overrides)
     return e.value.problems
 
 

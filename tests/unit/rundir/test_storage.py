@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpo_tpu.rundir import storage
-from tests.helpers import REPO, clean_env, run_train
+from tests.helpers import REPO, clean_env, front_end_in_process, run_train
 from tests.helpers_gcs import fake_gcs, gcs_server  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
@@ -165,22 +165,39 @@ def test_sigkill_during_a_checkpoint_upload_leaves_the_previous_checkpoint_as_th
 
 @pytest.mark.parametrize("root, words", [("gs://Bad_Bucket/x", "not a valid bucket name"),
                                          ("gs://", "no bucket name"), ("s3://bkt/x", "s3:// is not supported")])
-def test_a_gs_url_that_does_not_parse_is_refused_before_anything_is_written(tmp_path, root, words):
+def test_a_gs_url_that_does_not_parse_is_refused_before_anything_is_written(tmp_path, root, words, monkeypatch,
+                                                                            capsys):
+    """The first case in a real process (what proves the exit code and the console); the others call the front end's
+    main() in this process (tests.helpers.front_end_in_process: the same refusal path, only the process start
+    differs)."""
     t0 = time.monotonic()
-    proc = run_train(["+experiment=smoke", f"output_root={root}"], tmp_path, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    if root == "gs://Bad_Bucket/x":
+        proc, cwd = run_train(["+experiment=smoke", f"output_root={root}"], tmp_path,
+                              XDG_CACHE_HOME=str(tmp_path / "cache")), tmp_path
+    else:
+        proc, cwd = _in_process(["+experiment=smoke", f"output_root={root}"], tmp_path, monkeypatch, capsys)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and errors[0].startswith(f"error: output_root={root}: ") and words in errors[0]
-    assert list(tmp_path.iterdir()) == [], "nothing may be written"
+    assert list(cwd.iterdir()) == [], "nothing may be written"
     assert time.monotonic() - t0 < 60
 
 
-def test_a_missing_bucket_is_refused_before_anything_is_written(fake_gcs, tmp_path):
-    proc = run_train(["+experiment=smoke", "output_root=gs://no-such-bucket/runs"], tmp_path,
-                     XDG_CACHE_HOME=str(tmp_path / "cache"))
+def _in_process(args: list[str], tmp_path: Path, monkeypatch, capsys):
+    """The front end's main(args) in this process, in tmp_path/cwd, with the cache there as run_train's: (a
+    process-like result, that cwd); nothing else may appear beside it in tmp_path."""
+    proc, *_ = front_end_in_process(tmp_path, args, monkeypatch, capsys, XDG_CACHE_HOME=str(tmp_path / "cwd" / "c"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd"]
+    return proc, tmp_path / "cwd"
+
+
+def test_a_missing_bucket_is_refused_before_anything_is_written(fake_gcs, tmp_path, monkeypatch, capsys):
+    """In-process: the refusal path whose real process is test_a_gs_url_that_does_not_parse's first case."""
+    proc, cwd = _in_process(["+experiment=smoke", "output_root=gs://no-such-bucket/runs"], tmp_path, monkeypatch,
+                            capsys)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(errors) == 1 and "bucket no-such-bucket does not exist" in errors[0]
     assert "gcloud storage buckets create" in errors[0]
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
     assert not storage.filesystem().exists("no-such-bucket")

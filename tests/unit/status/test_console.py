@@ -183,7 +183,10 @@ def _front_end(tmp_path: Path) -> tuple[list[str], dict]:
     return [sys.executable, "-c", code, str(run_dir)], env
 
 
-def test_a_terminal_gets_bars_and_a_summary_per_epoch_a_pipe_gets_plain_lines(tmp_path):
+def test_a_terminal_gets_bars_and_a_summary_per_epoch_a_pipe_gets_plain_lines(tmp_path, monkeypatch, capfd):
+    """The terminal in a real front-end process (what proves its exit code and console on a pseudo-terminal); the
+    pipe calls the same run_training in this process, its stdout captured (not a terminal, as `| cat`): the same
+    code, with the fake worker still its own process, where only the front end's process start differs."""
     cmd, env = _front_end(tmp_path)
     code, raw = run_in_pty(cmd, tmp_path, env, timeout=60)
     assert code == 0, raw
@@ -196,10 +199,17 @@ def test_a_terminal_gets_bars_and_a_summary_per_epoch_a_pipe_gets_plain_lines(tm
     assert log.count("sampling batch") == 6  # train.log keeps every line
 
     (tmp_path / "run" / "train.log").unlink()
-    piped = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # `| cat`
-    assert piped.returncode == 0
-    assert "\x1b[" not in piped.stdout and BAR not in piped.stdout
-    assert piped.stdout.count("sampling batch") == 6 and piped.stdout.count("] done: reward") == 3
+    from ddpo_tpu.launch import process
+
+    monkeypatch.setattr(process, "WORKER_MODULE", "fake_worker")  # what _front_end's command sets
+    monkeypatch.setattr(process._LiveStatus, "POLL_S", 0.05)
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    code = process.run_training(env, tmp_path / "run" / "train.log")  # `| cat`
+    piped = capfd.readouterr()
+    assert code == 0, piped.out + piped.err
+    assert "\x1b[" not in piped.out and BAR not in piped.out
+    assert piped.out.count("sampling batch") == 6 and piped.out.count("] done: reward") == 3
 
 
 @pytest.mark.needs_torch

@@ -172,7 +172,22 @@ def _eval(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_ddpo_eval_refuses_bad_input_in_one_line_without_torch(tmp_path):
+def _eval_in_process(args: list[str], cwd: Path, monkeypatch, capsys) -> SimpleNamespace:
+    """ddpo-eval's main(argv) in this process (what `python -m ddpo_tpu.eval` runs): a process-like result."""
+    from ddpo_tpu import eval as ddpo_eval
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ddpo_eval.main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=e.value.code, stdout=out.out, stderr=out.err)
+
+
+def test_ddpo_eval_refuses_bad_input_in_one_line_without_torch(tmp_path, monkeypatch, capsys):
+    """The first bad input in a real process (what proves the exit code and the console); the others call ddpo-eval's
+    main() in this process (the same refusal path, where only the process start differs). The config refusal runs in
+    a real process too: only a fresh interpreter can show that torch was not imported."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("run_name: x\n")
@@ -183,8 +198,8 @@ def test_ddpo_eval_refuses_bad_input_in_one_line_without_torch(tmp_path):
              ([str(tmp_path / "w.bin")], "not a run's weights file"),
              ([str(run), str(run)], "a second target"),
              ([str(run), "--bogus"], "unknown option")]
-    for args, said in cases:
-        p = _eval(args, tmp_path)
+    for i, (args, said) in enumerate(cases):
+        p = _eval(args, tmp_path) if i == 0 else _eval_in_process(args, tmp_path, monkeypatch, capsys)
         assert p.returncode == 2, (args, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("ddpo-eval: error: ") and said in lines[0], (args, p.stderr)
