@@ -78,9 +78,12 @@ class ZImageFamily(FlowFamily):
 
     def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
                  detach_uncond: bool = False) -> Tensor:
-        from ddpo_tpu.models.z_image import z_velocity
+        from ddpo_tpu.models.z_image import z_velocity, z_velocity_fixed
 
         tables = tables or self.tables
+        if self.rt.compiles_graphs:  # one shape for every set of prompt lengths (models/z_image.py::z_forward_fixed)
+            return z_velocity_fixed(self.call_denoiser(), x.float(), tables.timestep_at(idx), cond, uncond,
+                                    self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
         neg = self._captions(uncond) if uncond is not None else None
         return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), self._captions(cond), neg,
                           self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)

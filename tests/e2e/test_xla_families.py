@@ -32,7 +32,9 @@ HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_g
                         # Qwen-Image-Edit: the images, and 13 reads inside Qwen2.5-VL's forward with pictures (its mask
                         # checks, the image grid read for the vision tower's positions, windows and segments, the
                         # rope index, the split of the picture features), one encoder call a batch (measured)
-                        "qwen_image_edit_grpo_smoke": 14}
+                        "qwen_image_edit_grpo_smoke": 14,
+                        # Z-Image: the images, and Qwen3's causal mask check twice (as FLUX.2-klein's)
+                        "z_image_grpo_smoke": 3}
 # host reads a training epoch makes beyond the metrics copy of each of its 2 optimizer steps: wan22's step indices,
 # once per score call (the policy's and the KL reference's) of each micro-step (5 trained timesteps x 2 train batches)
 TRAIN_READS = {"wan22_grpo_smoke": 2 * 5 * 2}
@@ -50,7 +52,8 @@ FALLBACKS = {"qwen_image_edit_grpo_smoke": {"aten::repeat_interleave.Tensor", "a
 # over ~30 s here. CI compiles FLUX (the MMDiT with two text encoders) and Wan (video); Qwen-Image (~105 s) and
 # FLUX.2-klein, whose text encoders are the other decoder LMs, in the extended tier (docs/testing.md, 2026-11-29)
 # qwen_image_edit_grpo_smoke (2026-11-29): 23 graphs in epoch 0 (12 sampling, 11 training), none in epoch 1; ~80-97 s
-EXTENDED = {"wan22_grpo_smoke", "qwen_image_grpo_smoke", "flux2_grpo_smoke", "qwen_image_edit_grpo_smoke"}
+EXTENDED = {"wan22_grpo_smoke", "qwen_image_grpo_smoke", "flux2_grpo_smoke", "qwen_image_edit_grpo_smoke",
+            "z_image_grpo_smoke"}
 
 
 @pytest.mark.parametrize("experiment", [pytest.param(e, marks=[pytest.mark.extended] if e in EXTENDED else [])
