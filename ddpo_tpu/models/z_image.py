@@ -19,8 +19,9 @@ The model call (``z_velocity``), as ZImagePipeline.__call__ (pipeline_z_image.py
   No ``cfg_normalization`` / ``cfg_truncation`` (the pipeline's defaults: off and 1.0, which never truncates).
 
 Prompts: ``TEXT_TOKENS`` = 512 (the pipeline's ``max_sequence_length``) tokens padded on the right; the mask picks the
-real ones. The transformer takes variable-length caption lists, so the call's shapes follow the prompts' lengths:
-exact on an eager runtime; a compiling runtime compiles a graph per new set of lengths (see docs/families.md).
+real ones. The transformer takes variable-length caption lists, so the call's shapes follow the prompts' lengths: fine
+on an eager runtime. A runtime that compiles graphs calls ``z_forward_fixed`` instead (below): the padded batch with
+each row's caption bucket as data, equal to the list forward, one shape for every set of lengths (docs/families.md).
 
 The tiny build (``build_tiny_z_image`` / ``ensure_tiny_z_image``, version ``TINY_Z_IMAGE_VERSION``: bump it when
 anything below changes) is saved as a real checkpoint (``ZImagePipeline.save_pretrained``):
