@@ -42,6 +42,10 @@ class ZImageFamily(FlowFamily):
         self._caption_memo: list[tuple[tuple[Tensor, Tensor], list[Tensor]]] = []  # _captions
         self.model = components.transformer
         self.dtype = self.model.dtype
+        if rt.compiles_graphs:
+            from ddpo_tpu.models.z_image import rope_tables_to
+
+            rope_tables_to(self.model, rt.device)  # not host constants in the compiled graphs
         factor = components.vae_scale_factor
         pixels = cfg.model.resolution or (TINY_PIXELS if cfg.model.builder is not None else DEFAULT_PIXELS)
         # ZImagePipeline.prepare_latents: a latent side a multiple of 2 (the transformer's 2x2 patches)

@@ -273,6 +273,17 @@ def _layer(model, layer, *args):
     return layer(*args)
 
 
+def rope_tables_to(transformer, device) -> None:
+    """Put the transformer's RoPE tables on ``device`` once. RopeEmbedder computes them on the host at its first call
+    and keeps them as plain attributes (complex values), so moving the model leaves them behind: under torch_xla's
+    dynamo bridge each compiled graph would hold them as CPU constants ("Found tensor with shape torch.Size([1024, 4])
+    on cpu", seen on the z_image smoke). Once they are on the device, its per-call ``.to`` is skipped."""
+    rope = transformer.rope_embedder
+    if rope.freqs_cis is None:
+        rope.freqs_cis = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens, theta=rope.theta)
+    rope.freqs_cis = [f.to(device) for f in rope.freqs_cis]
+
+
 def z_forward_fixed(model, latents: Tensor, t: Tensor, states: Tensor, lengths: Tensor,
                     patch_size: int = 2, f_patch_size: int = 1) -> Tensor:
     """ZImageTransformer2DModel's basic-mode output (B, C, H, W) for latents (B, C, H, W) at its time ``t`` (B,) in
