@@ -8,6 +8,10 @@ Turbo and base differ in configuration only (conf/model/z_image_turbo.yaml, z_im
 and samples without guidance in few steps (Z-Image's guidance_scale 0 = sample.guidance_scale 1); base samples with
 Z-Image's guidance 4 (sample.guidance_scale 5, the usual CFG form) in more steps. The unconditional prompt is "", as
 ZImagePipeline's and Flow-Factory's default negative prompt.
+
+On a runtime that compiles graphs (torch_xla) the velocity goes through models/z_image.py::z_forward_fixed on the
+padded prompt batch and its mask (one shape for every set of prompt lengths, equal to diffusers' list forward); eager
+runtimes call the transformer on the caption lists as ZImagePipeline does.
 """
 
 from __future__ import annotations
