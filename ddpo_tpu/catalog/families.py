@@ -362,7 +362,8 @@ Z_IMAGE = FAMILIES.register(FamilySpec(
     resolution_multiple=16,  # ZImagePipeline.__call__: height and width divisible by vae_scale_factor x 2
     memory=_split_transformer_memory(Z_IMAGE_BILLIONS, ("text_encoder",), Z_IMAGE_STATE_GIB, Z_IMAGE_EAGER_GIB,
                                      Z_IMAGE_ATTENTION_SCORES_GIB_512),
-    fixed_shapes=False,  # ZImageTransformer2DModel takes the captions as a list, each at its own length
+    # fixed shapes: on a runtime that compiles graphs every caption row is held at the encoder's 512 tokens and its
+    # own 32-token bucket is data (models/z_image.py::z_forward_fixed, equal to diffusers' list forward)
 ))
 
 # --- FLUX.2-klein ----------------------------------------------------------------------------------------------------

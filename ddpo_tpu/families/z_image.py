@@ -8,6 +8,10 @@ Turbo and base differ in configuration only (conf/model/z_image_turbo.yaml, z_im
 and samples without guidance in few steps (Z-Image's guidance_scale 0 = sample.guidance_scale 1); base samples with
 Z-Image's guidance 4 (sample.guidance_scale 5, the usual CFG form) in more steps. The unconditional prompt is "", as
 ZImagePipeline's and Flow-Factory's default negative prompt.
+
+On a runtime that compiles graphs (torch_xla) the velocity goes through models/z_image.py::z_forward_fixed on the
+padded prompt batch and its mask (one shape for every set of prompt lengths, equal to diffusers' list forward); eager
+runtimes call the transformer on the caption lists as ZImagePipeline does.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class ZImageFamily(FlowFamily):
         self._caption_memo: list[tuple[tuple[Tensor, Tensor], list[Tensor]]] = []  # _captions
         self.model = components.transformer
         self.dtype = self.model.dtype
+        if rt.compiles_graphs:
+            from ddpo_tpu.models.z_image import rope_tables_to
+
+            rope_tables_to(self.model, rt.device)  # not host constants in the compiled graphs
         factor = components.vae_scale_factor
         pixels = cfg.model.resolution or (TINY_PIXELS if cfg.model.builder is not None else DEFAULT_PIXELS)
         # ZImagePipeline.prepare_latents: a latent side a multiple of 2 (the transformer's 2x2 patches)
@@ -78,9 +86,12 @@ class ZImageFamily(FlowFamily):
 
     def velocity(self, x: Tensor, idx: Tensor, cond: Cond, uncond: Cond | None, tables: FlowTables | None = None,
                  detach_uncond: bool = False) -> Tensor:
-        from ddpo_tpu.models.z_image import z_velocity
+        from ddpo_tpu.models.z_image import z_velocity, z_velocity_fixed
 
         tables = tables or self.tables
+        if self.rt.compiles_graphs:  # one shape for every set of prompt lengths (models/z_image.py::z_forward_fixed)
+            return z_velocity_fixed(self.call_denoiser(), x.float(), tables.timestep_at(idx), cond, uncond,
+                                    self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
         neg = self._captions(uncond) if uncond is not None else None
         return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), self._captions(cond), neg,
                           self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)

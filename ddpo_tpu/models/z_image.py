@@ -19,8 +19,9 @@ The model call (``z_velocity``), as ZImagePipeline.__call__ (pipeline_z_image.py
   No ``cfg_normalization`` / ``cfg_truncation`` (the pipeline's defaults: off and 1.0, which never truncates).
 
 Prompts: ``TEXT_TOKENS`` = 512 (the pipeline's ``max_sequence_length``) tokens padded on the right; the mask picks the
-real ones. The transformer takes variable-length caption lists, so the call's shapes follow the prompts' lengths:
-exact on an eager runtime; a compiling runtime compiles a graph per new set of lengths (see docs/families.md).
+real ones. The transformer takes variable-length caption lists, so the call's shapes follow the prompts' lengths: fine
+on an eager runtime. A runtime that compiles graphs calls ``z_forward_fixed`` instead (below): the padded batch with
+each row's caption bucket as data, equal to the list forward, one shape for every set of lengths (docs/families.md).
 
 The tiny build (``build_tiny_z_image`` / ``ensure_tiny_z_image``, version ``TINY_Z_IMAGE_VERSION``: bump it when
 anything below changes) is saved as a real checkpoint (``ZImagePipeline.save_pretrained``):
@@ -235,3 +236,127 @@ def decode_z_image(vae, latents: Tensor) -> Tensor:
     z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
     image = vae.decode(z, return_dict=False)[0]
     return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+# --------------------------------------------------------------------------------------
+# the fixed-shape forward (runtimes that compile graphs)
+# --------------------------------------------------------------------------------------
+# diffusers 0.42.1's ZImageTransformer2DModel.forward in basic mode (transformer_z_image.py: patchify_and_embed
+# 590-625, _pad_with_ids 553-588, _prepare_sequence 766-810, _build_unified_sequence 812-895, forward 897-1080) pads
+# each caption to its OWN multiple of 32 with cap_pad_token (attended: part of the row), starts the image tokens' RoPE
+# frame index at that padded length + 1, and then pads the rows to the batch's longest sequence with a MASK (invisible
+# to the row). A row's output therefore depends on its own caption bucket only, never on how much masked batch padding
+# follows it. `z_forward_fixed` pads every row to the same length (the encoder's padded width rounded up to 32) and
+# makes the per-row lengths data: the pad-token choice, the RoPE positions and the masks are computed from the mask's
+# row sums with `where`/gathers, so one graph serves every set of prompt lengths. The order [image, caption] of the
+# basic mode puts the fixed-length image tokens first, so the unified sequence is a plain concatenation.
+
+SEQ_MULTI_OF = 32  # transformer_z_image.py's SEQ_MULTI_OF
+
+
+def _patchify(x: Tensor, p: int) -> Tensor:
+    """(B, C, H, W) -> (B, (H/p)(W/p), p p C), the token and channel order of _patchify_image (frames 1, pF 1)."""
+    b, c, h, w = x.shape
+    return x.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, (h // p) * (w // p), p * p * c)
+
+
+def _unpatchify(tokens: Tensor, c: int, h: int, w: int, p: int) -> Tensor:
+    """The inverse of `_patchify` (unpatchify's "f h w pf ph pw c -> c (f pf) (h ph) (w pw)" with one frame)."""
+    b = tokens.shape[0]
+    return tokens.view(b, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
+
+
+def _layer(model, layer, *args):
+    """One block, through the model's own gradient checkpointing when it is on (as forward does)."""
+    if torch.is_grad_enabled() and model.gradient_checkpointing:
+        return model._gradient_checkpointing_func(layer, *args)
+    return layer(*args)
+
+
+def rope_tables_to(transformer, device) -> None:
+    """Put the transformer's RoPE tables on ``device`` once. RopeEmbedder computes them on the host at its first call
+    and keeps them as plain attributes (complex values), so moving the model leaves them behind: under torch_xla's
+    dynamo bridge each compiled graph would hold them as CPU constants ("Found tensor with shape torch.Size([1024, 4])
+    on cpu", seen on the z_image smoke). Once they are on the device, its per-call ``.to`` is skipped."""
+    rope = transformer.rope_embedder
+    if rope.freqs_cis is None:
+        rope.freqs_cis = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens, theta=rope.theta)
+    rope.freqs_cis = [f.to(device) for f in rope.freqs_cis]
+
+
+def z_forward_fixed(model, latents: Tensor, t: Tensor, states: Tensor, lengths: Tensor,
+                    patch_size: int = 2, f_patch_size: int = 1) -> Tensor:
+    """ZImageTransformer2DModel's basic-mode output (B, C, H, W) for latents (B, C, H, W) at its time ``t`` (B,) in
+    [0, 1], with each row's caption the first ``lengths[i]`` rows of ``states`` (B, L, cap_feat_dim) -- in shapes
+    that do not depend on ``lengths``. Runs the model's own submodules (embedders, refiners, layers, final layer:
+    its weights and any LoRA layers on them)."""
+    if f_patch_size != 1:
+        raise ValueError("z_forward_fixed: image latents have one frame (f_patch_size 1)")
+    b, c, h, w = latents.shape
+    p, dev = patch_size, latents.device
+    adaln = model.t_embedder(t * model.t_scale).type_as(latents)
+
+    # image tokens: patches, x_embedder, x_pad_token up to a multiple of 32 (the same count in every row)
+    n_img = (h // p) * (w // p)
+    pad_img = (-n_img) % SEQ_MULTI_OF
+    x = model.all_x_embedder[f"{p}-{f_patch_size}"](_patchify(latents, p))
+    if pad_img:
+        x = torch.cat([x, model.x_pad_token.to(x.dtype).expand(b, pad_img, -1)], dim=1)
+
+    # caption tokens: padded to the caption's own multiple of 32 with cap_pad_token; rows past that are masked
+    lengths = lengths.to(dev).long().reshape(b)
+    bucket = (lengths + SEQ_MULTI_OF - 1) // SEQ_MULTI_OF * SEQ_MULTI_OF  # (B,) each row's padded caption length
+    width = states.shape[1] + (-states.shape[1]) % SEQ_MULTI_OF
+    if width > states.shape[1]:
+        states = torch.cat([states, states.new_zeros(b, width - states.shape[1], states.shape[2])], dim=1)
+    j = torch.arange(width, device=dev)
+    cap = model.cap_embedder(states.to(adaln.dtype))
+    cap = torch.where((j[None, :] >= lengths[:, None])[..., None], model.cap_pad_token.to(cap.dtype), cap)
+    cap_mask = j[None, :] < bucket[:, None]  # (B, width)
+
+    # RoPE positions (frame, row, column): captions (1 + j, 0, 0); image tokens (bucket + 1, r, c); image padding 0
+    zeros = torch.zeros_like(j)
+    cap_ids = torch.stack([1 + j, zeros, zeros], dim=-1)  # the same for every row
+    rows, cols = torch.meshgrid(torch.arange(h // p, device=dev), torch.arange(w // p, device=dev), indexing="ij")
+    grid = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(1, n_img, 3)
+    offset = torch.nn.functional.pad((bucket + 1)[:, None], (0, 2)).unsqueeze(1)  # (B, 1, 3): (bucket + 1, 0, 0)
+    img_ids = torch.cat([grid + offset, torch.zeros(b, pad_img, 3, dtype=torch.long, device=dev)], dim=1)
+    rope = model.rope_embedder
+    x_freqs = rope(img_ids.reshape(-1, 3)).reshape(b, n_img + pad_img, -1)
+    cap_freqs = rope(cap_ids).unsqueeze(0).expand(b, -1, -1)
+
+    for layer in model.noise_refiner:  # every row's image sequence is full: no mask, as forward's
+        x = _layer(model, layer, x, None, x_freqs, adaln)
+    for layer in model.context_refiner:
+        cap = _layer(model, layer, cap, cap_mask, cap_freqs)
+
+    unified = torch.cat([x, cap], dim=1)
+    freqs = torch.cat([x_freqs, cap_freqs], dim=1)
+    mask = torch.cat([torch.ones(b, x.shape[1], dtype=torch.bool, device=dev), cap_mask], dim=1)
+    for layer in model.layers:
+        unified = _layer(model, layer, unified, mask, freqs, adaln)
+    out = model.all_final_layer[f"{p}-{f_patch_size}"](unified, c=adaln)
+    return _unpatchify(out[:, :n_img], model.out_channels, h, w, p)
+
+
+def z_velocity_fixed(transformer, latents: Tensor, timestep: Tensor, cond: tuple[Tensor, Tensor],
+                     neg: tuple[Tensor, Tensor] | None = None, guidance_scale: float = 1.0,
+                     detach_uncond: bool = False) -> Tensor:
+    """`z_velocity` in fixed shapes: the conditioning stays (states (B, L, D), mask (B, L)) and each row's caption
+    length is the mask's row sum (the tokenizer pads on the right: the real tokens are a prefix)."""
+    b = latents.shape[0]
+    t = (1000 - timestep.reshape(-1).expand(b).to(latents.dtype)) / 1000
+    x = latents.to(transformer.dtype)
+    states, mask = cond
+    guided = neg is not None and guidance_scale != 1.0
+    if guided:
+        n_states, n_mask = (u.expand(b, *u.shape[1:]) for u in neg)
+        x, t = torch.cat([x, x]), torch.cat([t, t])
+        states, mask = torch.cat([states, n_states]), torch.cat([mask, n_mask])
+    out = z_forward_fixed(transformer, x, t, states, mask.long().sum(-1)).float()
+    if guided:
+        pos, neg_out = out[:b], out[b:]
+        if detach_uncond:
+            neg_out = neg_out.detach()
+        out = neg_out + guidance_scale * (pos - neg_out)
+    return -out

@@ -1,7 +1,7 @@
 """The flow families beyond SD 3 on torch_xla's PJRT CPU device, through the real launcher: FLUX, Wan (video),
-Qwen-Image, FLUX.2-klein and Qwen-Image-Edit each compile their graphs in epoch 0 and nothing after, run no op on the
-host while sampling but the text encoders' mask checks (and Qwen2.5-VL's vision tables: FALLBACKS), and copy to the
-host only what is counted below (torch_xla's own counters, exact).
+Qwen-Image, FLUX.2-klein, Qwen-Image-Edit and Z-Image each compile their graphs in epoch 0 and nothing after, run no
+op on the host while sampling but the text encoders' mask checks (and Qwen2.5-VL's vision tables: FALLBACKS), and copy
+to the host only what is counted below (torch_xla's own counters, exact).
 
 What this caught (both fixed in ddpo_tpu/models): Wan's VAE decode raised on XLA ("Value out of range": diffusers'
 AutoencoderKLWan slices x[:, :, -2:] on a one-frame axis) and both video VAEs ran each 2x upsampling on the host
@@ -32,7 +32,9 @@ HOST_READS_PER_BATCH = {"flux_grpo_smoke": 1, "wan_grpo_smoke": 2, "qwen_image_g
                         # Qwen-Image-Edit: the images, and 13 reads inside Qwen2.5-VL's forward with pictures (its mask
                         # checks, the image grid read for the vision tower's positions, windows and segments, the
                         # rope index, the split of the picture features), one encoder call a batch (measured)
-                        "qwen_image_edit_grpo_smoke": 14}
+                        "qwen_image_edit_grpo_smoke": 14,
+                        # Z-Image: the images, and Qwen3's causal mask check twice (as FLUX.2-klein's)
+                        "z_image_grpo_smoke": 3}
 # host reads a training epoch makes beyond the metrics copy of each of its 2 optimizer steps: wan22's step indices,
 # once per score call (the policy's and the KL reference's) of each micro-step (5 trained timesteps x 2 train batches)
 TRAIN_READS = {"wan22_grpo_smoke": 2 * 5 * 2}
@@ -50,7 +52,10 @@ FALLBACKS = {"qwen_image_edit_grpo_smoke": {"aten::repeat_interleave.Tensor", "a
 # over ~30 s here. CI compiles FLUX (the MMDiT with two text encoders) and Wan (video); Qwen-Image (~105 s) and
 # FLUX.2-klein, whose text encoders are the other decoder LMs, in the extended tier (docs/testing.md, 2026-11-29)
 # qwen_image_edit_grpo_smoke (2026-11-29): 23 graphs in epoch 0 (12 sampling, 11 training), none in epoch 1; ~80-97 s
-EXTENDED = {"wan22_grpo_smoke", "qwen_image_grpo_smoke", "flux2_grpo_smoke", "qwen_image_edit_grpo_smoke"}
+# z_image_grpo_smoke (2026-11-29): 17 graphs in epoch 0 (4 sampling, 13 training), none in epoch 1; ~400 s here with
+# the machine shared (its captions held at 512 tokens with their 32-token buckets as data: models/z_image.py)
+EXTENDED = {"wan22_grpo_smoke", "qwen_image_grpo_smoke", "flux2_grpo_smoke", "qwen_image_edit_grpo_smoke",
+            "z_image_grpo_smoke"}
 
 
 @pytest.mark.parametrize("experiment", [pytest.param(e, marks=[pytest.mark.extended] if e in EXTENDED else [])

@@ -207,3 +207,83 @@ def test_the_ode_sampler_and_decode_equal_zimagepipelines_output(which, request)
     torch.testing.assert_close(x, ref_latents, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(images, ref_images, rtol=1e-5, atol=1e-5)
     assert (x - init).abs().mean() > 0.1  # the sampler moved the latents
+
+
+# --- the fixed-shape forward (compiling runtimes) against the transformer's own forward -------------------------------
+
+def _tiny_transformer(seed=3):
+    """The tiny build's transformer, every parameter nonzero (its pad tokens and final layer start at zero)."""
+    from ddpo_tpu.models.z_image import _build_transformer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _build_transformer().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.abs().sum() == 0:
+                    p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("side", [8, 6])  # 16 image tokens, and 9 (padded with x_pad_token to 32)
+def test_the_fixed_shape_forward_equals_diffusers_forward_on_captions_of_different_buckets(side):
+    """z_forward_fixed on captions of 5, 40 and 70 tokens (buckets 32, 64 and 96) held in one (3, 100, D) batch
+    equals ZImageTransformer2DModel.forward on the list of those captions (diffusers 0.42.1, basic mode: its own
+    per-row caption padding with cap_pad_token, RoPE offsets and batch mask), row by row to float32 rounding. The
+    batch's shape is the same for any lengths: a compiling runtime traces one graph."""
+    from ddpo_tpu.models.z_image import z_forward_fixed
+
+    model = _tiny_transformer()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([5, 40, 70])
+    states = torch.randn(3, 100, 32, generator=g)
+    states = states * (torch.arange(100)[None, :] < lengths[:, None])[..., None]  # zero past each caption
+    latents = torch.randn(3, 16, side, side, generator=g)
+    t = torch.tensor([0.1, 0.5, 0.9])
+    with torch.no_grad():
+        ref = model([x.unsqueeze(1) for x in latents], t, [s[:n] for s, n in zip(states, lengths)],
+                    return_dict=False)[0]
+        ref = torch.stack([r.squeeze(1) for r in ref])
+        ours = z_forward_fixed(model, latents, t, states, lengths)
+        # each row alone: a row's output does not depend on the others (the observation the fixed shapes rest on)
+        alone = torch.cat([z_forward_fixed(model, latents[i:i + 1], t[i:i + 1], states[i:i + 1], lengths[i:i + 1])
+                           for i in range(3)])
+    assert ours.shape == ref.shape == (3, 16, side, side)
+    assert ref.abs().mean() > 0.1  # a velocity that depends on its inputs
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)
+    # the caption bucket matters (a wrong pad or RoPE offset would show): 40 tokens read as 33 is another output
+    with torch.no_grad():
+        other = z_forward_fixed(model, latents, t, states, torch.tensor([5, 33, 70]))
+    assert (other[1] - ref[1]).abs().max() > 1e-3
+
+
+def test_the_fixed_shape_velocity_is_z_velocity_guided_and_not_and_trains_the_same_lora_gradients():
+    """z_velocity_fixed on the conditioning tuple equals z_velocity on the caption lists (guided, with the
+    negative prompt's single row broadcast, and not), and gives the same gradients to the transformer's weights."""
+    from ddpo_tpu.models.z_image import caption_list, z_velocity, z_velocity_fixed
+
+    model = _tiny_transformer()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.arange(64)[None, :] < torch.tensor([[3], [33], [64]])
+    states = torch.randn(3, 64, 32, generator=g) * mask[..., None]
+    neg_mask = torch.arange(64)[None, :] < torch.tensor([[7]])
+    neg_states = torch.randn(1, 64, 32, generator=g) * neg_mask[..., None]
+    latents = torch.randn(3, 16, 8, 8, generator=g)
+    timestep = torch.tensor([900.0, 500.0, 100.0])
+    caps, neg_caps = caption_list(states, mask), caption_list(neg_states, neg_mask) * 3
+    with torch.no_grad():
+        for s in (1.0, 5.0):
+            ref = z_velocity(model, latents, timestep, caps, neg_caps, s)
+            ours = z_velocity_fixed(model, latents, timestep, (states, mask), (neg_states, neg_mask), s)
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    grads = []
+    for fn in (lambda: z_velocity(model, latents, timestep, caps, neg_caps, 5.0, detach_uncond=True),
+               lambda: z_velocity_fixed(model, latents, timestep, (states, mask), (neg_states, neg_mask), 5.0,
+                                        detach_uncond=True)):
+        model.zero_grad()
+        (fn() ** 2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "cap_pad_token" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)

@@ -179,11 +179,36 @@ def test_one_diffusion_nft_epoch_trains_on_the_velocity(tmp_path, model_cache):
     assert np.isfinite(epoch["reward_mean"]) and len(steps) >= 1 and all(np.isfinite(s["loss"]) for s in steps)
 
 
-@pytest.mark.parametrize("topology", ["cpu", "cpu_spmd4"])
-def test_torch_xla_executions_are_refused_naming_why(topology):
-    """Each caption reaches the transformer at its own length (ZImagePipeline's list of tensors): on torch_xla every
-    new set of prompt lengths would be a new graph, so the family says so at compose time (catalog fixed_shapes)."""
-    with pytest.raises(ConfigError) as e:
-        compose_and_validate(["+experiment=z_image_grpo_smoke", f"tpu_topology={topology}"])
-    assert "tpu_topology.execution" in str(e.value) and "own length" in str(e.value), str(e.value)
-    compose_and_validate(["+experiment=z_image_grpo_smoke", "tpu_topology=cpu_dist2"])  # torchrun: not torch_xla
+@pytest.mark.parametrize("topology", ["cpu", "cpu_spmd4", "cpu_dist2"])
+def test_torch_xla_executions_compose(topology):
+    """The family keeps one shape for every set of prompt lengths where the runtime compiles graphs (catalog
+    fixed_shapes; models/z_image.py::z_forward_fixed), so torch_xla's executions compose as torchrun's does (before
+    2026-11-29 they were refused at compose time)."""
+    v = compose_and_validate(["+experiment=z_image_grpo_smoke", f"tpu_topology={topology}"])
+    assert v.cfg.model.family == "z_image"
+
+
+def test_a_compiling_runtime_takes_the_fixed_shape_velocity_equal_to_the_eager_one(comps):
+    """ZImageFamily.velocity on a runtime that compiles graphs goes through z_velocity_fixed on the padded prompt
+    batch (no caption list is cut from the mask) and equals the eager runtime's diffusers call, guided and not; its
+    RoPE tables were put on the runtime's device at construction."""
+    from ddpo_tpu.families.z_image import ZImageFamily
+    from ddpo_tpu.models.z_image import encode_prompts_z
+
+    cfg = SimpleNamespace(model=SimpleNamespace(resolution=None, builder="tiny_z_image"),
+                          sample=SimpleNamespace(num_steps=3, guidance_scale=5.0))
+    rts = [SimpleNamespace(compiles_graphs=c, device=torch.device("cpu")) for c in (False, True)]
+    eager, fixed = (ZImageFamily(cfg, rt, comps) for rt in rts)
+    assert fixed.c.transformer.rope_embedder.freqs_cis is not None
+    with torch.no_grad():
+        cond = encode_prompts_z(comps, ["a cat", "a much longer prompt about a dog in a field of flowers " * 3], "cpu")
+        uncond = encode_prompts_z(comps, ["", ""], "cpu")
+    buckets = (cond[1].sum(1) + 31) // 32
+    assert buckets[0] != buckets[1], buckets  # two caption buckets
+    x = torch.randn(2, *eager.latent_shape, generator=torch.Generator().manual_seed(0))
+    idx = torch.tensor([0, 1])
+    with torch.no_grad():
+        for u in (None, uncond):
+            ref = eager.velocity(x, idx, cond, u)
+            torch.testing.assert_close(fixed.velocity(x, idx, cond, u), ref, rtol=1e-5, atol=1e-5)
+    assert fixed._caption_memo == [] and eager._caption_memo != []
