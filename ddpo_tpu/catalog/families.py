@@ -44,12 +44,6 @@ class FamilySpec:
     # what decode makes: uint8 images (B, H, W, 3) or videos (B, F, H, W, 3). The rewards say what they take
     # (catalog/rewards.py RewardSpec.takes): an image reward scores a video's frames, a video reward needs videos
     output: Literal["images", "videos"] = "images"
-    # the denoiser's calls keep one shape whatever the prompts (padded to a fixed length): torch_xla then compiles a
-    # fixed set of graphs. False (Z-Image: its transformer takes each caption at its own length): refused where the
-    # execution traces graphs with torch_xla, which would compile a new graph for every new set of prompt lengths
-    fixed_shapes: bool = True
-    # with fixed_shapes False: what changes shape from batch to batch (the refusal says it)
-    varying_shapes: str = "gives its denoiser each prompt at its own length"
 
 
 FAMILIES: Registry[FamilySpec] = Registry("model family")

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from ddpo_tpu.catalog import ALGORITHMS, FAMILIES, REWARDS, SAMPLERS, family
-from ddpo_tpu.catalog.executions import EXECUTIONS
 from ddpo_tpu.catalog.families import family_of_builder, models_making
 from ddpo_tpu.catalog.samplers import sampler_keys
 from ddpo_tpu.config.batch import Totals
@@ -64,12 +63,6 @@ def family_problems(cfg: RunConfig) -> list[Problem]:
             problems.append(Problem("model.resolution", m.resolution, f"the {m.family} family's image sizes are "
                                     f"multiples of {r} pixels", Fix.of({"model.resolution": near}, verb="try")))
     problems.extend(frame_problems(m, spec))
-    if not spec.fixed_shapes and cfg.tpu_topology.spec.torch_xla:
-        eager = next(e.name for e in EXECUTIONS if not e.torch_xla and not e.multi_device)
-        problems.append(Problem("tpu_topology.execution", cfg.tpu_topology.execution, f"the {m.family} family "
-                                f"{spec.varying_shapes}, so torch_xla would compile new graphs after the first epoch",
-                                f"use a topology whose execution is not torch_xla's (e.g. one with execution={eager})"
-                                ", or a family with fixed shapes"))
     if m.dtype == "bfloat16" and cfg.train.mixed_precision != "bf16":
         problems.append(Problem("model.dtype", m.dtype, "bfloat16 weights need bfloat16 compute",
                                 Fix.of({"train.mixed_precision": "bf16"}, {"model.dtype": "float32"})))

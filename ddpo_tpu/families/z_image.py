@@ -90,8 +90,10 @@ class ZImageFamily(FlowFamily):
 
         tables = tables or self.tables
         if self.rt.compiles_graphs:  # one shape for every set of prompt lengths (models/z_image.py::z_forward_fixed)
-            return z_velocity_fixed(self.call_denoiser(), x.float(), tables.timestep_at(idx), cond, uncond,
-                                    self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+            neg_fixed = None if uncond is None else (uncond[0], uncond[1])
+            scale = self.cfg.sample.guidance_scale if uncond is not None else 1.0
+            return z_velocity_fixed(self.call_denoiser(), x.float(), tables.timestep_at(idx), (cond[0], cond[1]),
+                                    neg_fixed, scale, detach_uncond)
         neg = self._captions(uncond) if uncond is not None else None
         return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), self._captions(cond), neg,
                           self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
