@@ -46,7 +46,11 @@ class ZImageFamily(FlowFamily):
         self._caption_memo: list[tuple[tuple[Tensor, Tensor], list[Tensor]]] = []  # _captions
         self.model = components.transformer
         self.dtype = self.model.dtype
-        if rt.compiles_graphs:
+        # the fixed-shape forward (models/z_image.py::z_forward_fixed) where torch_xla traces graphs: it calls the
+        # transformer's submodules, which a data-parallel wrapper's forward would not see (torchrun: DDP's gradient
+        # reduction, FSDP2's gathers), and torch.compile there takes each caption length as it comes
+        self.fixed_shapes = cfg.tpu_topology.spec.torch_xla
+        if self.fixed_shapes:
             from ddpo_tpu.models.z_image import rope_tables_to
 
             rope_tables_to(self.model, rt.device)  # not host constants in the compiled graphs
@@ -89,14 +93,14 @@ class ZImageFamily(FlowFamily):
         from ddpo_tpu.models.z_image import z_velocity, z_velocity_fixed
 
         tables = tables or self.tables
-        if self.rt.compiles_graphs:  # one shape for every set of prompt lengths (models/z_image.py::z_forward_fixed)
+        if self.fixed_shapes:  # one shape for every set of prompt lengths (models/z_image.py::z_forward_fixed)
             neg_fixed = None if uncond is None else (uncond[0], uncond[1])
             scale = self.cfg.sample.guidance_scale if uncond is not None else 1.0
             return z_velocity_fixed(self.call_denoiser(), x.float(), tables.timestep_at(idx), (cond[0], cond[1]),
                                     neg_fixed, scale, detach_uncond)
         neg = self._captions(uncond) if uncond is not None else None
         return z_velocity(self.call_denoiser(), x.float(), tables.timestep_at(idx), self._captions(cond), neg,
-                          self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond)
+                          self.cfg.sample.guidance_scale if uncond is not None else 1.0, detach_uncond, self.dtype)
 
     def _captions(self, cond: Cond) -> list[Tensor]:
         """The caption list of (states, mask), cut once per conditioning rather than at every step: the mask's

@@ -208,7 +208,7 @@ def z_tables(scheduler, num_steps: int, image_seq_len: int, device):
 
 
 def z_velocity(transformer, latents: Tensor, timestep: Tensor, caps: list[Tensor], neg_caps: list[Tensor] | None = None,
-               guidance_scale: float = 1.0, detach_uncond: bool = False) -> Tensor:
+               guidance_scale: float = 1.0, detach_uncond: bool = False, dtype: torch.dtype | None = None) -> Tensor:
     """The velocity (B, C, H, W) float32 at latents (B, C, H, W) and the schedule's ``timestep`` (B,) (sigma x 1000):
     the transformer on the list of (C, 1, H, W) latents at time ``(1000 - timestep) / 1000`` with the caption list,
     negated (Z-Image predicts -v). With a negative caption list and ``guidance_scale`` s != 1: both halves in one call
@@ -216,7 +216,8 @@ def z_velocity(transformer, latents: Tensor, timestep: Tensor, caps: list[Tensor
     gradient through the negative half."""
     b = latents.shape[0]
     t = (1000 - timestep.reshape(-1).expand(b).to(latents.dtype)) / 1000
-    x = latents.to(transformer.dtype).unsqueeze(2)
+    # dtype: the transformer's, given by the caller where it is wrapped (DDP's wrapper has no `dtype`)
+    x = latents.to(transformer.dtype if dtype is None else dtype).unsqueeze(2)
     guided = neg_caps is not None and guidance_scale != 1.0
     if guided:
         x, t, caps = torch.cat([x, x]), torch.cat([t, t]), list(caps) + list(neg_caps)

@@ -188,17 +188,21 @@ def test_torch_xla_executions_compose(topology):
     assert v.cfg.model.family == "z_image"
 
 
-def test_a_compiling_runtime_takes_the_fixed_shape_velocity_equal_to_the_eager_one(comps):
-    """ZImageFamily.velocity on a runtime that compiles graphs goes through z_velocity_fixed on the padded prompt
-    batch (no caption list is cut from the mask) and equals the eager runtime's diffusers call, guided and not; its
+def test_torch_xla_takes_the_fixed_shape_velocity_equal_to_the_other_runtimes(comps):
+    """ZImageFamily.velocity on torch_xla goes through z_velocity_fixed on the padded prompt
+    batch (no caption list is cut from the mask) and equals the diffusers call of the other runtimes (torchrun's
+    compiled ones included: there the wrapper's forward must run), guided and not; its
     RoPE tables were put on the runtime's device at construction."""
     from ddpo_tpu.families.z_image import ZImageFamily
     from ddpo_tpu.models.z_image import encode_prompts_z
 
-    cfg = SimpleNamespace(model=SimpleNamespace(resolution=None, builder="tiny_z_image"),
-                          sample=SimpleNamespace(num_steps=3, guidance_scale=5.0))
-    rts = [SimpleNamespace(compiles_graphs=c, device=torch.device("cpu")) for c in (False, True)]
-    eager, fixed = (ZImageFamily(cfg, rt, comps) for rt in rts)
+    def cfg(torch_xla: bool):  # the fixed path is torch_xla's (ZImageFamily.__init__), not any compiling runtime's
+        return SimpleNamespace(model=SimpleNamespace(resolution=None, builder="tiny_z_image"),
+                               sample=SimpleNamespace(num_steps=3, guidance_scale=5.0),
+                               tpu_topology=SimpleNamespace(spec=SimpleNamespace(torch_xla=torch_xla)))
+
+    rt = SimpleNamespace(compiles_graphs=True, device=torch.device("cpu"))
+    eager, fixed = ZImageFamily(cfg(False), rt, comps), ZImageFamily(cfg(True), rt, comps)
     assert fixed.c.transformer.rope_embedder.freqs_cis is not None
     with torch.no_grad():
         cond = encode_prompts_z(comps, ["a cat", "a much longer prompt about a dog in a field of flowers " * 3], "cpu")
