@@ -75,15 +75,16 @@ CASES = {
                            ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"]),
 }
 # the other families of issue 40 on two processes (DDP, LoRA): each smoke shrunk to one update of 16 samples
-# (Qwen-Image-Edit is refused on several processes: its update differed from one process's, catalog/edit_checks.py).
-# Measured 2026-11-29 on this machine: FLUX.2-klein's weights 4e-12 apart (its LoRA B update 5e-7 of itself)
-for _name in ("flux2", "z_image"):
-    CASES[f"ddp_{_name}"] = ([f"+experiment={_name}_grpo_smoke", "sample.num_batches_per_epoch=2",
-                              "train.gradient_accumulation_steps=2"],
-                             ["sample.batch_size=8", "train.batch_size=8"],
-                             ["sample.batch_size=4", "train.batch_size=4"], [])
+# (Qwen-Image-Edit under FSDP2: DDP is refused for it, its update differed from one process's, catalog/edit_checks.py).
+# Measured 2026-11-29 on this machine: FLUX.2-klein's weights 4e-12 apart (its LoRA B update 5e-7 of itself),
+# Qwen-Image-Edit's under FSDP2 2e-11 (2.8e-7 of its update; under DDP 0.97 of it)
+for _name, _mesh in (("flux2", []), ("z_image", []),
+                     ("qwen_image_edit", ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"])):
+    CASES[f"{'fsdp' if _mesh else 'ddp'}_{_name}"] = (
+        [f"+experiment={_name}_grpo_smoke", "sample.num_batches_per_epoch=2", "train.gradient_accumulation_steps=2"],
+        ["sample.batch_size=8", "train.batch_size=8"], ["sample.batch_size=4", "train.batch_size=4"], _mesh)
 # over 30 s here: CI skips them (figures in their comment, or in docs/algorithms.md's table)
-EXTENDED = {"ddp_wan22_experts", "fsdp_wan22_experts", "ddp_flux2", "ddp_z_image"}
+EXTENDED = {"ddp_wan22_experts", "fsdp_wan22_experts", "ddp_flux2", "ddp_z_image", "fsdp_qwen_image_edit"}
 
 
 @pytest.fixture(scope="module")

@@ -266,19 +266,20 @@ def test_a_compiling_runtime_feeds_the_vl_encoder_one_shape_and_the_same_conditi
 
 def test_true_cfg_composes_on_eager_and_on_torch_xla():
     """Guidance is not refused for the family (train.cfg as Qwen-Image's), nor torch_xla (its encoder inputs have one
-    shape on a runtime that compiles graphs: test above; counted in tests/e2e/test_xla_families.py). Several
-    processes are (the next test)."""
+    shape on a runtime that compiles graphs: test above; counted in tests/e2e/test_xla_families.py), nor several
+    processes under FSDP2 (DDP is: the next test)."""
     from ddpo_tpu.config.compose import compose_and_validate
 
-    for topology in ("eager_cpu", "cpu", "cpu_spmd4"):
+    for topology in ("eager_cpu", "cpu", "cpu_spmd4", "cpu_dist2"):
+        fsdp = ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"] if topology == "cpu_dist2" else []
         cfg = compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
-                                    "train.cfg=true", f"tpu_topology={topology}"]).cfg
+                                    "train.cfg=true", f"tpu_topology={topology}", *fsdp]).cfg
         assert cfg.sample.guidance_scale == 4.0 and cfg.train.cfg and cfg.tpu_topology.name == topology
 
 
 @pytest.mark.parametrize("overrides, key", [
-    # two processes trained other updates than one on the same samples (catalog/edit_checks.py: measured)
-    (["tpu_topology=cpu_dist2"], "tpu_topology.name=cpu_dist2: model.family=qwen_image_edit on several processes"),
+    # under DDP two processes trained other updates than one on the same samples (catalog/edit_checks.py: measured)
+    (["tpu_topology=cpu_dist2"], "tpu_topology.mesh.fsdp=1: model.family=qwen_image_edit under DDP"),
     (["reward=jpeg_compressibility", "~reward.components"],
      "reward.name=jpeg_compressibility: model.family=qwen_image_edit"),
     (["reward.components=[{name: jpeg_compressibility, weight: 1.0}]"],  # no component sees the sources
