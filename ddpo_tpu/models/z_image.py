@@ -222,8 +222,13 @@ def z_velocity(transformer, latents: Tensor, timestep: Tensor, caps: list[Tensor
     if guided:
         x, t, caps = torch.cat([x, x]), torch.cat([t, t]), list(caps) + list(neg_caps)
     out = torch.stack([o.float() for o in transformer(list(x.unbind(0)), t, caps, return_dict=False)[0]])
-    out = out.squeeze(2)
-    if guided:
+    return _guided_velocity(out.squeeze(2), b, guidance_scale if guided else None, detach_uncond)
+
+
+def _guided_velocity(out: Tensor, b: int, guidance_scale: float | None, detach_uncond: bool) -> Tensor:
+    """The transformer's output (cond rows first, then the negative's when guided) as the velocity: Z-Image predicts
+    -v; guided, ``neg + s (pos - neg)`` with the negative half detached on request."""
+    if guidance_scale is not None:
         pos, neg = out[:b], out[b:]
         if detach_uncond:
             neg = neg.detach()
@@ -355,9 +360,4 @@ def z_velocity_fixed(transformer, latents: Tensor, timestep: Tensor, cond: tuple
         x, t = torch.cat([x, x]), torch.cat([t, t])
         states, mask = torch.cat([states, n_states]), torch.cat([mask, n_mask])
     out = z_forward_fixed(transformer, x, t, states, mask.long().sum(-1)).float()
-    if guided:
-        pos, neg_out = out[:b], out[b:]
-        if detach_uncond:
-            neg_out = neg_out.detach()
-        out = neg_out + guidance_scale * (pos - neg_out)
-    return -out
+    return _guided_velocity(out, b, guidance_scale if guided else None, detach_uncond)
