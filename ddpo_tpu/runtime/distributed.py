@@ -41,8 +41,10 @@ def unreached_parameter_names(model: torch.nn.Module) -> list[str]:
     ``UNREACHED_MODULES``), the base weights and any LoRA on them. A declared module the model lacks raises: a
     declaration that matched nothing would leave DDP waiting on those gradients again."""
     modules = tuple(getattr(model, "ddp_unreached_modules", ()))
-    for name in modules:
-        model.get_submodule(name)  # AttributeError naming it
+    have = dict(model.named_modules())
+    missing = [m for m in modules if m not in have]
+    if missing:
+        raise ValueError(f"{type(model).__name__}.ddp_unreached_modules names {missing}, which it does not have")
     return [n for n, _ in model.named_parameters() if any(n.startswith(m + ".") for m in modules)]
 
 
