@@ -81,7 +81,8 @@ CASES = {
 # so DDP's reducer reduced nothing and each rank stepped on its own rows' gradients (Qwen-Image: weights 9.4e-5 apart,
 # the LoRA B update 1.04 of itself, grad norm 0.00189 against 0.00154; the edit family's B 0.97 of its update); with
 # those weights left out of DDP (models/qwen_image.py unreached_modules, runtime/distributed.py wrap_ddp), measured
-# 2026-11-29: Qwen-Image 1.9e-11 (B 2.0e-7 of its update), 52 s; Qwen-Image-Edit EDIT_FIGURES
+# 2026-11-29: Qwen-Image 1.9e-11 (B 2.0e-7 of its update), 52 s; Qwen-Image-Edit 1.7e-11 (B 2.8e-7 of
+# its update), 53 s (docs/families.md, Qwen-Image under DDP)
 for _name, _mesh in (("flux2", []), ("z_image", []), ("qwen_image", []), ("qwen_image_edit", []),
                      ("qwen_image_edit", ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"])):
     CASES[f"{'fsdp' if _mesh else 'ddp'}_{_name}"] = (
