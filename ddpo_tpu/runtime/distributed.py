@@ -38,7 +38,7 @@ def _dtensor():
 def unreached_parameter_names(model: torch.nn.Module) -> list[str]:
     """The names of the weights under the modules a model declares its forward never reaches
     (``model.ddp_unreached_modules``: Qwen-Image's last block's text stream, models/qwen_image.py
-    ``UNREACHED_MODULES``), the base weights and any LoRA on them. A declared module the model lacks raises: a
+    ``unreached_modules``), the base weights and any LoRA on them. A declared module the model lacks raises: a
     declaration that matched nothing would leave DDP waiting on those gradients again."""
     modules = tuple(getattr(model, "ddp_unreached_modules", ()))
     have = dict(model.named_modules())
@@ -62,7 +62,10 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     * weights that are never reached by construction (``ddp_unreached_modules``: Qwen-Image's last block's text
       stream, whose output the transformer discards) are left out of DDP altogether
       (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``): nothing to wait for, no per-forward
-      cost, and one process leaves them at a None gradient too (their LoRA never moves either way);
+      cost, and one process leaves them at a None gradient too (their LoRA never moves either way). DDP then skips
+      them in its start-up broadcast too: each rank keeps its own seeded draw, which no output reads. The call is
+      torch's provisional hook for this (its source calls it a workaround until the API is final);
+      tests/unit/models/test_qwen_image_ddp.py fails if it stops working;
     * weights that a step may or may not reach (Wan 2.2's experts: the idle expert's LoRA, models/wan.py
       WanExperts) need ``ddp_find_unused_parameters``: a walk of the autograd graph from the output per forward.
 
