@@ -1,7 +1,12 @@
 """Compose-time checks of the edit task (issue 40 item 3): an edit family's prompts must name their input pictures,
 and its reward must see them (true CFG is the family's: each row's negative prompt is encoded with the row's
 pictures, families/qwen_image_edit.py, so sample.guidance_scale is free). Its own module: it reads the reward catalog
-(catalog/rewards.py), which imports catalog/reward_checks.py, so it cannot live there."""
+(catalog/rewards.py), which imports catalog/reward_checks.py, so it cannot live there.
+
+DDP is not refused (it was until 2026-11-29): its update differed from one process's because the last transformer
+block's text-stream weights get no gradient and DDP's reducer then reduced nothing; the model now declares them and
+DDP leaves them out (models/qwen_image.py ``unreached_modules``, runtime/distributed.py ``wrap_ddp``), measured equal
+to one process (tests/e2e/test_distributed.py ``ddp_qwen_image_edit``)."""
 
 from __future__ import annotations
 
@@ -28,15 +33,4 @@ def edit_family_problems(cfg: Any) -> list[Problem]:
                                 "cannot see the source pictures (an edit scored without them rewards any image)",
                                 "use a reward that takes them, e.g. reward=edit_consistency (or as a reward=weighted "
                                 "component)"))
-    topo = cfg.tpu_topology
-    if topo.spec.torchrun and topo.expected_processes > 1 and topo.mesh.fsdp == 1:
-        # measured 2026-11-29 (tests/e2e/test_distributed.py's shrunk smoke, two gloo ranks against one eager process):
-        # under DDP the same samples and rewards, re-scoring exact (approx_kl 0), but another update (grad norm
-        # 0.00133 against 0.00104; the LoRA B weights 97% of the update apart); under FSDP2 the same update (2.8e-7
-        # of it). Likely cause, not proven: LoRA weights a step leaves without a gradient, which DDP (without
-        # find_unused_parameters) never reduces when no later forward checks. Refused rather than trained differently
-        problems.append(Problem("tpu_topology.mesh.fsdp", topo.mesh.fsdp, "model.family=qwen_image_edit under DDP "
-                                "(several processes, fsdp=1) trains other updates than one process (measured; FSDP2 "
-                                "trains the same)", f"tpu_topology.mesh.fsdp={topo.expected_processes} "
-                                "tpu_topology.mesh.dp=1 (FSDP2), or one process"))
     return problems

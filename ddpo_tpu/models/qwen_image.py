@@ -217,7 +217,22 @@ def load_qwen_image(pretrained: str | os.PathLike, revision: str | None = None, 
     for name in ("transformer", "text_encoder"):
         parts[name] = frozen(parts[name], dtype)
     parts["vae"] = frozen(parts["vae"], vae_dtype)
+    parts["transformer"].ddp_unreached_modules = unreached_modules(parts["transformer"])
     return QwenImageComponents(**parts)
+
+
+def unreached_modules(transformer) -> tuple[str, ...]:
+    """The transformer's modules no forward reaches backwards: the last block's text-stream output, its attention's
+    text projection (``attn.to_add_out``) and text MLP (``txt_mlp``). Every double-stream block returns both streams;
+    the model feeds only the image stream to ``norm_out`` / ``proj_out`` after the last one and drops the text
+    stream (diffusers 0.42.1 transformers/transformer_qwenimage.py, ``QwenImageTransformer2DModel.forward``
+    lines 949-983; SD 3's MMDiT instead builds its last block ``context_pre_only``, without them). So these weights,
+    and the LoRA flow_grpo's target list puts on them (``to_add_out``, ``txt_mlp.net.0.proj``, ``txt_mlp.net.2``),
+    get no gradient in any step: one process leaves them untouched (gradient None), and DDP is told to leave them out
+    (runtime/distributed.py ``wrap_ddp``, which reads this as ``transformer.ddp_unreached_modules``, set at load):
+    otherwise the reducer waits on them and never reduces (docs/families.md, Qwen-Image under DDP)."""
+    last = len(transformer.transformer_blocks) - 1
+    return (f"transformer_blocks.{last}.attn.to_add_out", f"transformer_blocks.{last}.txt_mlp")
 
 
 # --------------------------------------------------------------------------------------

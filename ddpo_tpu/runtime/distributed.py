@@ -35,6 +35,50 @@ def _dtensor():
     return DTensor
 
 
+def unreached_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The names of the weights under the modules a model declares its forward never reaches
+    (``model.ddp_unreached_modules``: Qwen-Image's last block's text stream, models/qwen_image.py
+    ``unreached_modules``), the base weights and any LoRA on them. A declared module the model lacks raises: a
+    declaration that matched nothing would leave DDP waiting on those gradients again."""
+    modules = tuple(getattr(model, "ddp_unreached_modules", ()))
+    have = dict(model.named_modules())
+    missing = [m for m in modules if m not in have]
+    if missing:
+        raise ValueError(f"{type(model).__name__}.ddp_unreached_modules names {missing}, which it does not have")
+    return [n for n, _ in model.named_parameters() if any(n.startswith(m + ".") for m in modules)]
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP over all ranks, told what the model declares about the weights its forward leaves without a gradient.
+
+    DDP's reducer (find_unused_parameters off) all-reduces a gradient bucket when every weight in it has been marked
+    ready by its gradient hook, and writes the reduced gradients back only when every bucket has. A trained weight
+    the forward never reaches has no hook call, so its bucket never launches, the backward ends with every rank's
+    gradients its own rows' (no error: the optimizer steps on them), and the next forward under gradient raises
+    "Expected to have finished reduction in the prior iteration" (measured on two gloo ranks and a two-layer toy
+    whose second layer is unused: rank 0's gradient 4.0 and rank 1's 8.0 where the mean is 6.0, then that error at the
+    next update). Two ways out, chosen per model:
+
+    * weights that are never reached by construction (``ddp_unreached_modules``: Qwen-Image's last block's text
+      stream, whose output the transformer discards) are left out of DDP altogether
+      (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``): nothing to wait for, no per-forward
+      cost, and one process leaves them at a None gradient too (their LoRA never moves either way). DDP then skips
+      them in its start-up broadcast too: each rank keeps its own seeded draw, which no output reads. The call is
+      torch's provisional hook for this (its source calls it a workaround until the API is final);
+      tests/unit/models/test_qwen_image_ddp.py fails if it stops working;
+    * weights that a step may or may not reach (Wan 2.2's experts: the idle expert's LoRA, models/wan.py
+      WanExperts) need ``ddp_find_unused_parameters``: a walk of the autograd graph from the output per forward.
+
+    Every other model keeps DDP's default."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    unreached = unreached_parameter_names(model)
+    if unreached:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, unreached)
+    return DDP(model, device_ids=None if device.type == "cpu" else [device.index], broadcast_buffers=False,
+               find_unused_parameters=bool(getattr(model, "ddp_find_unused_parameters", False)))
+
+
 class DistributedRuntime(Runtime):
     def __init__(self, cfg: RunConfig):
         topo = cfg.tpu_topology
@@ -138,8 +182,9 @@ class DistributedRuntime(Runtime):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """What the step functions call. mesh.fsdp > 1: FSDP2's fully_shard on the 2-D mesh (HSDP when dp > 1 too),
         in place: every weight (frozen ones too) is split over the fsdp ranks and gathered per forward, gradients
-        reduce-scattered. Otherwise DDP over all ranks: the trainable weights replicated, gradients all-reduced; the
-        model is called through the DDP wrapper (its forward arms the gradient hooks)."""
+        reduce-scattered. Otherwise DDP over all ranks (``wrap_ddp``: what the model declares about weights its
+        forward leaves without a gradient): the trainable weights replicated, gradients all-reduced; the model is
+        called through the DDP wrapper (its forward arms the gradient hooks)."""
         if self.fsdp > 1:
             from torch.distributed.fsdp import fully_shard
 
@@ -152,13 +197,7 @@ class DistributedRuntime(Runtime):
             return model
         if self.process_count == 1:
             return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # a model whose steps leave some trained weights out of the graph says so (Wan 2.2's experts: models/wan.py
-        # WanExperts); every other model keeps DDP's default (no search for unused weights per forward)
-        self._ddp = DDP(model, device_ids=None if self.device.type == "cpu" else [self.device.index],
-                        broadcast_buffers=False,
-                        find_unused_parameters=bool(getattr(model, "ddp_find_unused_parameters", False)))
+        self._ddp = wrap_ddp(model, self.device)
         return self._ddp
 
     def no_gradient_sync(self, model: torch.nn.Module):

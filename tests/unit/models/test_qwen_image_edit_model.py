@@ -267,19 +267,19 @@ def test_a_compiling_runtime_feeds_the_vl_encoder_one_shape_and_the_same_conditi
 def test_true_cfg_composes_on_eager_and_on_torch_xla():
     """Guidance is not refused for the family (train.cfg as Qwen-Image's), nor torch_xla (its encoder inputs have one
     shape on a runtime that compiles graphs: test above; counted in tests/e2e/test_xla_families.py), nor several
-    processes under FSDP2 (DDP is: the next test)."""
+    processes under FSDP2 or DDP (DDP was refused until its update equalled one process's:
+    tests/e2e/test_distributed.py ddp_qwen_image_edit, runtime/distributed.py wrap_ddp)."""
     from ddpo_tpu.config.compose import compose_and_validate
 
-    for topology in ("eager_cpu", "cpu", "cpu_spmd4", "cpu_dist2"):
-        fsdp = ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"] if topology == "cpu_dist2" else []
+    for topology, mesh in (("eager_cpu", []), ("cpu", []), ("cpu_spmd4", []), ("cpu_dist2", []),
+                           ("cpu_dist2", ["tpu_topology.mesh.dp=1", "tpu_topology.mesh.fsdp=2"])):
         cfg = compose_and_validate(["+experiment=qwen_image_edit_grpo_smoke", "sample.guidance_scale=4.0",
-                                    "train.cfg=true", f"tpu_topology={topology}", *fsdp]).cfg
+                                    "train.cfg=true", f"tpu_topology={topology}", *mesh]).cfg
         assert cfg.sample.guidance_scale == 4.0 and cfg.train.cfg and cfg.tpu_topology.name == topology
+        assert cfg.tpu_topology.mesh.fsdp == (2 if mesh else 1)
 
 
 @pytest.mark.parametrize("overrides, key", [
-    # under DDP two processes trained other updates than one on the same samples (catalog/edit_checks.py: measured)
-    (["tpu_topology=cpu_dist2"], "tpu_topology.mesh.fsdp=1: model.family=qwen_image_edit under DDP"),
     (["reward=jpeg_compressibility", "~reward.components"],
      "reward.name=jpeg_compressibility: model.family=qwen_image_edit"),
     (["reward.components=[{name: jpeg_compressibility, weight: 1.0}]"],  # no component sees the sources
