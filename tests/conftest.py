@@ -54,6 +54,17 @@ def _one_torch_thread_in_pytest():
 
 
 
+@pytest.fixture(autouse=True)
+def _hydra_compose_where_marked(request, monkeypatch):
+    """A test marked `hydra_compose` composes with Hydra whole (the tests of composition itself)."""
+    if request.node.get_closest_marker("hydra_compose") is not None:
+        import ddpo_tpu.config.compose as module
+        from tests.helpers import hydra_compose
+
+        monkeypatch.setattr(module, "compose", hydra_compose)
+    yield
+
+
 NO_TORCH_DIR = Path(__file__).resolve().parent / "helpers" / "no_torch"
 
 
@@ -78,8 +89,13 @@ def _torch_free(item) -> bool:
 
 
 def pytest_configure(config):
-    """`--torch-free=only`: torch made unimportable here (this process: the hook runs before any test module is
-    imported) and in every process the tests start (tests/helpers/no_torch/sitecustomize.py, first on PYTHONPATH)."""
+    """Compositions in this process shared (tests.helpers.share_compositions: most fast tests compose a variant of a
+    few configs; Hydra's whole composition was ~90% of tests/unit/config's time). `--torch-free=only`: torch made
+    unimportable here (this process: the hook runs before any test module is imported) and in every process the tests
+    start (tests/helpers/no_torch/sitecustomize.py, first on PYTHONPATH)."""
+    from tests.helpers import share_compositions
+
+    share_compositions()
     if config.getoption("torch_free") != "only":
         return
     loaded = [m for m in ("torch", "diffusers", "transformers") if sys.modules.get(m) is not None]

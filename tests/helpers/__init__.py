@@ -127,41 +127,81 @@ def wait_for_event(run_dir: Path, kind: str, proc: subprocess.Popen, timeout: fl
         time.sleep(0.2)
 
 
-_BASES: dict[tuple[str, ...], object] = {}
+_BASES: dict[tuple[str, tuple[str, ...]], object] = {}
+_HYDRA_COMPOSE: list = []  # ddpo_tpu.config.compose.compose as the package defines it (share_compositions keeps it)
 
 
-def compose_and_validate_shared(overrides: list[str]):
-    """compose_and_validate(overrides), its composition shared: the group choices (`model=sd14`, `+experiment=smoke`:
-    what Hydra's defaults list reads) are composed once per test session, and the value overrides (`a.b=v`, `resume=x`)
-    applied to a copy of that with Hydra's own parser and the step Hydra's compose ends with
+def hydra_compose(overrides: list[str]):
+    """ddpo_tpu.config.compose.compose itself: Hydra's whole composition, whatever share_compositions installed."""
+    import ddpo_tpu.config.compose as module
+
+    return (_HYDRA_COMPOSE[0] if _HYDRA_COMPOSE else module.compose)(overrides)
+
+
+def _is_choice(override: str, groups: set[str]) -> bool:
+    """A config group choice (`model=sd14`, `+experiment=smoke`, `~logger`, `reward_local/x=y`): what Hydra's
+    defaults list reads; a dotted key (`model.lora.rank=8`) is a value."""
+    head = override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+    return "." not in head and head.split("/", 1)[0] in groups
+
+
+def shared_compose(overrides: list[str]):
+    """compose(overrides), its composition shared: the group choices (`model=sd14`, `+experiment=smoke`: what Hydra's
+    defaults list reads) are composed by Hydra once per test process and conf/, and the value overrides (`a.b=v`,
+    `resume=x`) applied to a copy of that with Hydra's own parser and the step Hydra's compose ends with
     (ConfigLoaderImpl._apply_overrides_to_config, after the defaults are merged: the same config), an error of theirs
-    becoming the ConfigError compose() makes of it. For tests that compose many variants of one config (~0.5 s each).
-    Composition itself is what compose_and_validate tests; test_config.py holds the two equal."""
+    becoming the ConfigError compose() makes of it. Hydra's own node (`hydra.*`), a sweep (`a=1,2`, which compose
+    refuses outside -m) and a grammar error go to Hydra's compose whole. ~0.02 CPU-s against ~0.25 for a composition
+    (measured 2026-11-29); test_config.py's test_shared_composition_is_hydras holds the two equal."""
     import copy
 
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from ddpo_tpu.config.compose import ConfigError, _compose_problem, compose, compose_and_validate, conf_dir, \
-        moved, overridden_keys, validate
+    from ddpo_tpu.config.compose import ConfigError, _compose_problem, conf_dir, moved
 
     overrides = moved(overrides)
-    if any(o.lstrip("+~").startswith("hydra") for o in overrides):  # Hydra's own node: not in a composed config
-        return compose_and_validate(overrides)
-    groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
-    choices = tuple(o for o in overrides if o.split("=", 1)[0].lstrip("+~") in groups)
-    values = [o for o in overrides if o not in choices]
-    if choices not in _BASES:
-        _BASES[choices] = compose(list(choices))
-    cfg = copy.deepcopy(_BASES[choices])
     try:
-        ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(values), cfg)
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # the grammar problem, worded by compose
+        return hydra_compose(overrides)
+    if any(o.key_or_group.startswith("hydra") or o.is_sweep_override() for o in parsed):
+        return hydra_compose(overrides)
+    root = conf_dir()
+    groups = {p.name for p in root.iterdir() if p.is_dir()}
+    choices = tuple(o for o in overrides if _is_choice(o, groups))
+    values = [p for o, p in zip(overrides, parsed) if not _is_choice(o, groups)]
+    key = (str(root), choices)
+    if key not in _BASES:
+        _BASES[key] = hydra_compose(list(choices))
+    cfg = copy.deepcopy(_BASES[key])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     except Exception as e:  # what compose() turns into one problem line
         raise ConfigError([_compose_problem(e, overrides)]) from e
-    return validate(cfg, overridden_keys(overrides))
+    return cfg
+
+
+def compose_and_validate_shared(overrides: list[str]):
+    """compose_and_validate(overrides) through shared_compose (whether or not share_compositions is on)."""
+    from ddpo_tpu.config.compose import overridden_keys, validate
+
+    return validate(shared_compose(overrides), overridden_keys(overrides))
+
+
+def share_compositions() -> None:
+    """Every composition made in this test process goes through shared_compose: the front end's main(argv) run
+    in-process, compose_and_validate, the sweep's points (tests/conftest.py, pytest_configure). The processes the
+    tests start compose with Hydra whole, as does a test marked `hydra_compose` (the tests of composition itself)."""
+    import ddpo_tpu.config.compose as module
+
+    if not _HYDRA_COMPOSE:
+        _HYDRA_COMPOSE.append(module.compose)
+    module.compose = shared_compose
 
 
 __all__ = ["FAST_XLA_CPU", "FAST_XLA_FLAGS", "HEAVY", "REPO", "clean_env", "compose_and_validate_shared",
+           "hydra_compose", "share_compositions", "shared_compose",
            "front_end_in_process", "heavy_imports", "read_metrics", "run_train", "timed_run", "wait_for_event"]
 
 

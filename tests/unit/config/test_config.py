@@ -391,6 +391,7 @@ def test_rules_do_not_over_fire(tmp_path):
         compose_and_validate_shared(overrides)
 
 
+@pytest.mark.hydra_compose  # compose_and_validate below composes with Hydra whole
 @pytest.mark.parametrize("overrides", [
     [XLA, 'xla.flags=["--xla_dump_to=/tmp/dump","--xla_foo"]', "xla.profile_steps=[0]", "num_epochs=1"],
     ["+experiment=flow_grpo_smoke", "seed=3", "sample.num_steps=4", "run_name=a.b"],

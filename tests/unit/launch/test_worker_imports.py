@@ -23,6 +23,8 @@ print(sys.modules.get("torch_xla") is not None, is_torch_xla_available(), accele
 """
 
 
+@pytest.mark.slow  # each case starts a fresh interpreter that imports torch and diffusers: 13-17 s here, over the
+# fast tier's ~2 s a test (docs/testing.md)
 @pytest.mark.requires("torch_xla")
 @pytest.mark.parametrize("topology, imported", [("tpu_topology=eager_cpu", False), ("tpu_topology=cpu", True)])
 def test_only_an_xla_execution_imports_torch_xla(topology, imported):
