@@ -1,10 +1,10 @@
 """The digits demo model: an SD 1.x-shaped pipeline (diffusers' UNet2DConditionModel with cross-attention, an
 AutoencoderKL with 4 latent channels and 4x down-sampling, the CLIP text encoder, byte-level tokenizer and DDIM
 scheduler of models/tiny.py), narrower than the tiny model so that it pretrains in minutes on a CPU, pretrained here
-on scikit-learn's 8x8 handwritten digits upscaled to 32x32, with the prompts "a handwritten digit N". Built once per
-machine into the model cache (proc/build_cache.py: a killed or concurrent build never leaves half a model) and loaded
-through the same from_pretrained code as real checkpoints, so the trainer cannot tell it from a downloaded SD 1.x
-model.
+on the UCI 8x8 handwritten digits (scikit-learn's copy, in models/assets) upscaled to 32x32, with the prompts "a
+handwritten digit N". Built once per machine into the model cache (proc/build_cache.py: a killed or concurrent build
+never leaves half a model) and loaded through the same from_pretrained code as real checkpoints, so the trainer cannot
+tell it from a downloaded SD 1.x model.
 
 The build, in three stages on one CPU thread (all seeded; minutes: benchmarks/RESULTS.md):
 1. the VAE as an autoencoder of the digit images (reconstruction + a small KL term); its scaling factor is then set
@@ -44,17 +44,17 @@ EMA_DECAY = 0.995            # the saved UNet and text encoder are the EMA of th
 UNET_CHANNELS = (16, 32)     # the tiny model's (32, 64) would cost 4x the FLOPs per step
 VAE_CHANNELS = (8, 16, 16)   # (32, 64, 64) in the tiny model: 32x32 RGB <-> 4x8x8 latents either way
 NORM_GROUPS = 8
+DIGITS_FILE = pathlib.Path(__file__).resolve().parent / "assets" / "digits.csv.gz"
 
 
 def digit_images(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits (1797 images, 8x8, values 0-16) as float32 (N, size, size) in [0, 1], white on black,
-    upscaled bilinearly; and their labels."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.from_numpy(data.images.astype(np.float32) / 16.0)[:, None]
+    """The UCI handwritten digits (1797 images, 8x8, values 0-16; scikit-learn's `load_digits()` data, shipped in
+    models/assets: its README says why) as float32 (N, size, size) in [0, 1], white on black, upscaled bilinearly;
+    and their labels."""
+    rows = np.loadtxt(DIGITS_FILE, delimiter=",", dtype=np.float32)
+    x = torch.from_numpy(rows[:, :64].reshape(-1, 1, 8, 8) / 16.0)
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).clamp(0, 1)
-    return x[:, 0].numpy(), data.target.astype(np.int64)
+    return x[:, 0].numpy(), rows[:, 64].astype(np.int64)
 
 
 def prompts_for(labels) -> list[str]:

@@ -1,5 +1,5 @@
-"""The digits demo's reward: a small CNN digit classifier, trained here on the same scikit-learn digits the demo
-model is pretrained on (models/digits.py), built once per machine into the model cache. A person can judge it by
+"""The digits demo's reward: a small CNN digit classifier, trained here on the same UCI digits (models/assets) the
+demo model is pretrained on (models/digits.py), built once per machine into the model cache. A person can judge it by
 looking at the sample grid.
 
 `reward.target=N` (the demo's default, 7): the classifier's probability that an image is the digit N ("make every

@@ -41,7 +41,7 @@ def test_wheel_ships_conf_and_uses_it(tmp_path):
                      "ddpo_tpu/conf/tpu_topology/v6e-16.yaml", "ddpo_tpu/conf/reward_local/aesthetic_tiny.yaml",
                      "ddpo_tpu/prompts/assets/imagenet_classes.txt", "ddpo_tpu/env.py",
                      "ddpo_tpu/prompts/assets/edit_tiny/train_metadata.jsonl",
-                     "ddpo_tpu/prompts/assets/edit_tiny/images/0_ref.png"):
+                     "ddpo_tpu/prompts/assets/edit_tiny/images/0_ref.png", "ddpo_tpu/models/assets/digits.csv.gz"):
         assert required in names, required
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
