@@ -88,14 +88,16 @@ for _name, _mesh in (("flux2", []), ("z_image", []), ("qwen_image", []), ("qwen_
     CASES[f"{'fsdp' if _mesh else 'ddp'}_{_name}"] = (
         [f"+experiment={_name}_grpo_smoke", "sample.num_batches_per_epoch=2", "train.gradient_accumulation_steps=2"],
         ["sample.batch_size=8", "train.batch_size=8"], ["sample.batch_size=4", "train.batch_size=4"], _mesh)
-# over 30 s here: CI skips them (figures in their comment, or in docs/algorithms.md's table)
-EXTENDED = {"ddp_wan22_experts", "fsdp_wan22_experts", "ddp_flux2", "ddp_z_image", "fsdp_qwen_image_edit",
+# over 30 s here: CI skips them (figures in their comment, or in docs/algorithms.md's table). ddp_full (~67 s): CI's
+# DDP of the full smoke UNet against one process is test_checkpoints_resume_across_world_sizes[one_then_two] (1e-5)
+EXTENDED = {"ddp_full", "ddp_wan22_experts", "fsdp_wan22_experts", "ddp_flux2", "ddp_z_image", "fsdp_qwen_image_edit",
             "ddp_qwen_image", "ddp_qwen_image_edit"}
 
 
 @pytest.fixture(scope="module")
 def eager_run(tmp_path_factory):
-    """The one-process run of a command, run once per module: ddp_full and fsdp_full compare with the same one."""
+    """The one-process run of a command, run once per module: ddp_full (extended) and fsdp_full compare with the same
+    one (in CI fsdp_full makes it alone)."""
     done: dict[tuple[str, ...], Path] = {}
 
     def run(args: list[str]) -> Path:
@@ -148,12 +150,12 @@ def test_two_processes_train_what_one_eager_process_trains(tmp_path, case, eager
 def test_compiled_steps_compile_in_epoch_0_only(tmp_path, experiment):
     """torch.compile (aot_eager: dynamo and AOTAutograd, as inductor, without its C++ build) compiles the sampling
     and training steps in epoch 0 and nothing after, counted from dynamo's counters (unique graphs)."""
-    run = train(tmp_path, "compiled", [*experiment, "num_epochs=3", "tpu_topology=cpu_dist2",
+    run = train(tmp_path, "compiled", [*experiment, "num_epochs=2", "tpu_topology=cpu_dist2",
                                        "distributed.compile=aot_eager"], timeout=1200)
     epochs = read_metrics(run, "epoch")
-    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    assert [e["epoch"] for e in epochs] == [0, 1]
     assert epochs[0]["phases"]["sampling"]["compilations"] > 0 and epochs[0]["phases"]["training"]["compilations"] > 0
-    assert [e["new_compilations"] for e in epochs[1:]] == [0, 0]
+    assert [e["new_compilations"] for e in epochs[1:]] == [0]
 
 
 def test_ranks_that_keep_their_samples_train_them_with_the_whole_epochs_advantages(tmp_path, model_cache):
@@ -230,7 +232,7 @@ def test_a_stopped_or_killed_rank_ends_the_job_naming_it_and_the_run_resumes_exa
     half-second look and the ranks' teardown; a rank killed (SIGKILL) within seconds. Each in one `error:` line that
     names the rank (no traceback, no second line from the launcher), and the same command resumes, twice, to the
     weights of an uninterrupted run."""
-    args = ["+experiment=smoke", "sample.batch_size=2", "train.batch_size=1", "num_epochs=6", "save_freq=1", *DIST,
+    args = ["+experiment=smoke", "sample.batch_size=2", "train.batch_size=1", "num_epochs=3", "save_freq=1", *DIST,
             f"distributed.hang_timeout_s={HANG_BOUND_S}", "run_name=killed", f"output_root={tmp_path}/runs"]
     run_dir = tmp_path / "runs" / "killed"
     for epoch, signum, bound, named in ((0, signal.SIGSTOP, HANG_BOUND_S + 20, "distributed.hang_timeout_s=10"),

@@ -1,7 +1,8 @@
 """The held-out evaluation end to end (issue 39's "done when"): `+experiment=smoke evaluation.every_n_epochs=1` on
 a test split of 10 prompts, more than one evaluation batch holds, with a two-reward panel, on one eager process, on
 two processes (tpu_topology=cpu_dist2) and on XLA CPU (tpu_topology=cpu); then `python -m ddpo_tpu.eval` on the
-finished run. Each run is 2 epochs of a 3-step tiny SD1.
+finished run. Each run is 1 epoch of a 3-step tiny SD1 (evaluated before training and after its epoch: the XLA
+run's evaluation after training, with moved weights, reuses the graphs compiled before it).
 
 What is proved: results.jsonl has one line per test prompt and image, no padding row counted; a prompt's image is the
 same byte for byte whichever process count and batch draws it (its own seeded noise); on XLA the evaluation compiles
@@ -32,7 +33,7 @@ TWO = ["sample.batch_size=2", "train.batch_size=1", "evaluation.batch_size=3", "
 
 
 def common(ds: Path, cache: Path) -> list[str]:
-    return ["+experiment=smoke", "num_epochs=2", "sample.num_batches_per_epoch=1", "sample.num_steps=3",
+    return ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1", "sample.num_steps=3",
             "train.gradient_accumulation_steps=2", "evaluation.every_n_epochs=1", "prompts=dataset",
             f"prompts.path={ds}", "evaluation.split=test", PANEL, "reward.host_workers=0", f"model.cache_dir={cache}"]
 
@@ -69,8 +70,8 @@ def results(run: Path, name: str) -> list[dict]:
 def test_every_test_prompt_is_evaluated_once_by_every_reward(runs, name):
     run = runs[name]
     evals = read_metrics(run, "eval")
-    assert [e["epoch"] for e in evals] == [-1, 0, 1]  # before training, each epoch (the last one included)
-    for e, d in zip(evals, ["before_training", "epoch_0000", "epoch_0001"]):
+    assert [e["epoch"] for e in evals] == [-1, 0]  # before training, each epoch (the last one included)
+    for e, d in zip(evals, ["before_training", "epoch_0000"]):
         rows = results(run, d)
         assert [r["prompt"] for r in rows] == TEST_PROMPTS  # one line each: the last batch's padding dropped
         assert len({(r["prompt"], r["image_index"]) for r in rows}) == len(rows)
@@ -120,10 +121,10 @@ def same_evaluation(a: Path, b: Path) -> None:
 
 def test_ddpo_eval_reproduces_the_last_evaluation_and_base_the_first(runs, tmp_path):
     run = runs["eager"]
-    _eval([str(run)], tmp_path)  # the newest checkpoint: epoch 1's, the run's last
-    same_evaluation(run / "eval/epoch_0001", run / "eval/checkpoint_epoch_0001")
-    rec = json.loads((run / "eval" / "checkpoint_epoch_0001" / "metrics.jsonl").read_text().splitlines()[0])
-    assert (rec["epoch"], rec["global_step"]) == (1, read_metrics(run, "eval")[-1]["global_step"])
+    _eval([str(run)], tmp_path)  # the newest checkpoint: epoch 0's, the run's last (trained: not the base)
+    same_evaluation(run / "eval/epoch_0000", run / "eval/checkpoint_epoch_0000")
+    rec = json.loads((run / "eval" / "checkpoint_epoch_0000" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (rec["epoch"], rec["global_step"]) == (0, read_metrics(run, "eval")[-1]["global_step"])
     # the frozen model, evaluated on two processes into a directory of the user's: the evaluation before training
     _eval([str(run), "--base", "--out", str(tmp_path / "mine"), *TWO[-2:], "sample.batch_size=2",
            "train.batch_size=1"], tmp_path)
@@ -135,5 +136,5 @@ def test_ddpo_eval_of_a_weights_file_is_the_evaluation_of_those_weights(runs, tm
     run's last evaluation; the record names the epoch the file stands for."""
     run = runs["eager"]
     _eval([str(run / "weights" / "final.safetensors"), "--out", str(tmp_path / "w")], tmp_path)
-    same_evaluation(run / "eval/epoch_0001", tmp_path / "w" / "weights_final")
-    assert json.loads((tmp_path / "w" / "weights_final" / "summary.json").read_text())["epoch"] == 1
+    same_evaluation(run / "eval/epoch_0000", tmp_path / "w" / "weights_final")
+    assert json.loads((tmp_path / "w" / "weights_final" / "summary.json").read_text())["epoch"] == 0

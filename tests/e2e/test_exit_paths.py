@@ -175,8 +175,15 @@ def _ranks(front_end: int) -> list:
     return [p for p in psutil.Process(front_end).children(recursive=True) if module(p.cmdline()) == WORKER]
 
 
+# both extended (docs/testing.md); CI makes their checks on siblings:
 @pytest.mark.slow
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+@pytest.mark.parametrize("topology", [
+    # ~45 s here: one process killed, exit 1 in one `error:` line, no traceback: tests/e2e/test_faults.py's
+    # test_a_killed_training_process_exits_1_with_one_line
+    pytest.param("one", marks=pytest.mark.extended),
+    # ~72 s here: a killed rank named in one line and an exact resume: tests/e2e/test_distributed.py's
+    # test_a_stopped_or_killed_rank_ends_the_job_naming_it_and_the_run_resumes_exactly
+    pytest.param("two", marks=pytest.mark.extended)])
 def test_a_killed_rank_is_one_line_and_the_same_command_resumes(tmp_path, topology):
     args = [*BASE, *TOPOLOGIES[topology], f"output_root={tmp_path / 'runs'}"]
     run_dir = tmp_path / "runs" / "faulty"

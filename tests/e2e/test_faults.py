@@ -188,7 +188,10 @@ def test_a_killed_training_process_exits_1_with_one_line(tmp_path, model_cache):
     worker.send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, out[-2000:]  # not 247 (-9 leaking through)
-    assert "training process was killed by SIGKILL" in out
+    # one `error:` line and no traceback, as test_exit_paths' assert_one_line (its one-process kill is extended)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "training process was killed by SIGKILL" in errors[0], out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
     assert "killed by SIGKILL" in (tmp_path / "outputs" / "smoke" / "train.log").read_text()
 
 

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 SHORT = ["+experiment=smoke", "num_epochs=1", "sample.num_batches_per_epoch=1"]
 
 
-@pytest.mark.parametrize("reward", ["aesthetic", "clip_score"])
+# aesthetic extended (~18 s here): CI trains on it in tests/e2e/test_training.py's runs (reward=aesthetic)
+@pytest.mark.parametrize("reward", [pytest.param("aesthetic", marks=pytest.mark.extended), "clip_score"])
 def test_smoke_with_clip_rewards_on_tiny_local_models(tmp_path, model_cache, reward):
     proc = run_train([*SHORT, f"reward={reward}", f"model.cache_dir={model_cache}"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -24,6 +25,9 @@ def test_smoke_with_clip_rewards_on_tiny_local_models(tmp_path, model_cache, rew
     assert math.isfinite(epoch["reward_mean"]) and epoch["reward_std"] > 0
 
 
+# extended (~40 s here): CI's are tests/unit/rewards/test_remote_reward.py::test_weighted_sum_of_local_and_remote and
+# tests/unit/prompts/test_prompt_datasets.py's weighted launcher run (slow tier)
+@pytest.mark.extended
 def test_smoke_with_a_weighted_sum_of_jpeg_and_a_remote_reward(tmp_path, model_cache):
     server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", "0",
                                "--idle-timeout", "120"], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, text=True)

@@ -22,7 +22,7 @@ SMOKE = ["+experiment=smoke", "reward.host_workers=0", FAST_XLA_CPU]
 def runs(tmp_path_factory, model_cache):
     """name -> run dir. Global batch 8 (sampling) and 4 (training) everywhere."""
     specs = {
-        "single_3ep": ["tpu_topology=cpu", "num_epochs=3", "save_freq=1"],
+        "single_2ep": ["tpu_topology=cpu", "num_epochs=2", "save_freq=1"],
         # the same run as steps12_nb1, SPMD over 4 devices (same global batches)
         "spmd4": ["tpu_topology=cpu_spmd4", "num_epochs=2", "sample.batch_size=2", "train.batch_size=1",
                   "sample.num_steps=12", "sample.num_batches_per_epoch=1"],
@@ -30,7 +30,7 @@ def runs(tmp_path_factory, model_cache):
         "fsdp": ["tpu_topology=cpu_spmd4", "tpu_topology.mesh.dp=2", "tpu_topology.mesh.fsdp=2", "num_epochs=2",
                  "save_freq=1", "sample.batch_size=2", "train.batch_size=1", "sample.num_steps=12",
                  "sample.num_batches_per_epoch=1"],
-        # 12 steps and one sampling batch and one optimizer step per epoch (single_3ep: 8 steps, two of each): the
+        # 12 steps and one sampling batch and one optimizer step per epoch (single_2ep: 8 steps, two of each): the
         # graph count must depend on neither
         "steps12_nb1": ["tpu_topology=cpu", "num_epochs=2", "sample.num_steps=12", "sample.num_batches_per_epoch=1"],
     }
@@ -44,8 +44,8 @@ def runs(tmp_path_factory, model_cache):
 
 
 def test_no_new_compilations_after_the_first_epoch(runs):
-    epochs = read_metrics(runs["single_3ep"], "epoch")
-    assert [e["epoch"] for e in epochs] == [0, 1, 2]
+    epochs = read_metrics(runs["single_2ep"], "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1]
     assert epochs[0]["new_compilations"] > 0
     for e in epochs[1:]:
         assert e["new_compilations"] == 0, e["phases"]  # sampling, reward, advantages, training and checkpointing
@@ -55,7 +55,7 @@ def test_no_new_compilations_after_the_first_epoch(runs):
 def test_epoch_0_says_what_it_compiles_and_later_epochs_compile_nothing_to_say(runs):
     """Each stage's compile is announced and ended in events.jsonl and in the run's console log, in epoch 0 only
     (ddpo-status reading an open compile is tests/unit/status/test_events.py's, extended)."""
-    run = runs["single_3ep"]
+    run = runs["single_2ep"]
     recs = [r for r in ev.read_events(run) if r["event"].startswith("compile_")]
     assert [(r["event"], r["epoch"], r["stage"], r["index"], r["of"]) for r in recs
             if r["event"] != "compile_progress"] == [
@@ -68,14 +68,14 @@ def test_epoch_0_says_what_it_compiles_and_later_epochs_compile_nothing_to_say(r
 
 
 def test_graph_count_does_not_depend_on_steps_or_batches(runs):
-    counts = {name: read_metrics(runs[name], "epoch")[0]["new_compilations"] for name in ("single_3ep", "steps12_nb1")}
+    counts = {name: read_metrics(runs[name], "epoch")[0]["new_compilations"] for name in ("single_2ep", "steps12_nb1")}
     assert len(set(counts.values())) == 1, counts
     # with a single optimizer step per epoch the steady-state update first runs in epoch 1: still no new graph
     assert read_metrics(runs["steps12_nb1"], "epoch")[1]["new_compilations"] == 0
 
 
 def test_cpu_fallbacks_only_where_allowed(runs):
-    for e in read_metrics(runs["single_3ep"], "epoch"):
+    for e in read_metrics(runs["single_2ep"], "epoch"):
         phases = e["phases"]
         assert "cpu_fallbacks" not in phases["sampling"], phases["sampling"]
         for phase, data in phases.items():
@@ -84,7 +84,7 @@ def test_cpu_fallbacks_only_where_allowed(runs):
 
 
 def test_host_transfers_are_bounded_per_batch_and_per_step(runs):
-    for e in read_metrics(runs["single_3ep"], "epoch"):
+    for e in read_metrics(runs["single_2ep"], "epoch"):
         p = e["phases"]
         assert p["sampling"]["host_transfers"] == 2  # one copy of uint8 images per sampling batch (2 batches)
         updates = 2

@@ -4,8 +4,9 @@ and, where it has a control, ends above the same run at train.learning_rate=1e-9
 that does not move). One table, one test: a new family or algorithm adds a row. The bounds are z-scores (rises in
 standard errors); each row says what was measured when its bound was set.
 
-The CI tier keeps one curve per algorithm kind it gates on (GRPO's and AWM's here, DDPO's in test_training.py); the
-rest are `extended` (docs/testing.md: run `-m extended` after changing the learning path). The digits demo's two
+The CI tier keeps DDPO's curve (tests/e2e/test_training.py) as the loop's learning check; every row here is `extended`
+(docs/testing.md: run `-m extended` after changing the learning path): each algorithm's epoch is checked in CI against
+its reference's own code instead (flow_grpo_smoke and awm_smoke: see their rows). The digits demo's two
 curves, with their own model and a different shape of claim, are tests/learning/test_digits_learns.py."""
 
 from __future__ import annotations
@@ -48,12 +49,16 @@ def _dppo_mask_acted(run_dir: Path) -> None:
 
 
 CURVES = [
+    # extended (~192 s here): CI checks a GRPO epoch against flow_grpo's code (tests/parity/test_flow_grpo_parity.py,
+    # test_flow_grpo_parity_xla.py); DDPO's curve (test_training) stays in CI as the loop's learning check
     Curve("flow_grpo_smoke", 20, 5, 0.05, {"algorithm.name": "grpo", "model.family": "sd3"},
           "seed 1 z = 6.5 (+0.0106 kB); at learning rate 1e-9 z = 0.8; with kl_beta 0.04: seed 0 z = 12.2, seed 1 "
-          "z = 2.4 (the KL pulled it back)", control=None, extended=False),
+          "z = 2.4 (the KL pulled it back)", control=None),
+    # extended (~58 s here): CI checks an AWM epoch against the reference's code
+    # (tests/unit/algorithms/test_awm.py::test_one_epoch_on_tiny_sd3_equals_the_reference)
     Curve("awm_smoke", 10, 4, None, {"algorithm.name": "awm", "model.family": "sd3"},
           "rise +0.0199 kB, z = 5.2; the gain over the control +0.0236 kB, z = 14 (paired)",
-          control="paired", extended=False),
+          control="paired"),
     Curve("nft_smoke", 20, 5, None, {"algorithm.name": "nft", "algorithm.ode_sampling": True},
           "the official dpm2 rollouts, random training times and KL term: rise +0.0318 kB, z = 11.8; the gain over "
           "the control +0.0334 kB, z = 15.0 (paired)", control="paired"),

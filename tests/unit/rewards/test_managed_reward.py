@@ -280,6 +280,9 @@ def test_pod_leaves_the_interpreter_path_to_the_workers(tmp_path):
 
 @pytest.mark.needs_torch
 @pytest.mark.slow
+# extended (~39 s here): CI's are test_a_model_reward_built_from_the_run_config_scores_as_in_the_trainer (the same
+# scores) and test_a_run_whose_reward_process_dies_twice_stops_resumable (a run with its reward in a process)
+@pytest.mark.extended
 def test_smoke_run_with_its_reward_in_a_process_equals_the_in_process_run(tmp_path, model_cache):
     args = ["+experiment=smoke", "num_epochs=2", "sample.num_batches_per_epoch=1", "save_freq=1",
             f"model.cache_dir={model_cache}"]
