@@ -1,13 +1,11 @@
-"""The digits demo's data, shipped in ddpo_tpu/models/assets (its README says why: no scikit-learn, hence no SciPy, in
-the training venv): the UCI handwritten digits test set as scikit-learn 1.9.1's `load_digits()` reads it."""
+"""The digits demo's data, shipped in ddpo_tpu/models/assets (its README says why: no scikit-learn in the training
+venvs): the UCI handwritten digits test set as scikit-learn 1.9.1's `load_digits()` reads it."""
 
 from __future__ import annotations
 
 import hashlib
 
 import numpy as np
-
-from tests.helpers import REPO
 
 # the bytes of scikit-learn 1.9.1's sklearn/datasets/data/digits.csv.gz (checked equal to load_digits()'s images and
 # targets when it was copied, 2026-11-29)
@@ -35,11 +33,3 @@ def test_the_images_are_upscaled_white_on_black():
     # UCI's 32x32 bitmaps are normalised to fill the frame's height: the side columns stay dark, ink in the middle
     assert x[:, :, :3].mean() < 0.05 and x[:, 12:20, 12:20].mean() > 0.4
 
-
-def test_the_lockfiles_pin_no_scipy():
-    """With SciPy installed, transformers imports scipy.optimize (its object-detection loss) in every process that
-    imports its models: ~0.6-1.3 CPU-s each, measured 2026-11-29; nothing of ours needs it."""
-    for lock in ("requirements.txt", "requirements-torchtpu.txt"):
-        names = {ln.split("==")[0].strip().lower() for ln in (REPO / lock).read_text().splitlines()
-                 if ln.strip() and not ln.startswith("#")}
-        assert not names & {"scipy", "scikit-learn"}, (lock, names & {"scipy", "scikit-learn"})
