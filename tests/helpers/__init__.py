@@ -169,8 +169,9 @@ def shared_compose(overrides: list[str]):
         return hydra_compose(overrides)
     root = conf_dir()
     groups = {p.name for p in root.iterdir() if p.is_dir()}
-    choices = tuple(o for o in overrides if _is_choice(o, groups))
-    values = [p for o, p in zip(overrides, parsed) if not _is_choice(o, groups)]
+    choice = [_is_choice(o, groups) for o in overrides]
+    choices = tuple(o for o, c in zip(overrides, choice) if c)
+    values = [p for p, c in zip(parsed, choice) if not c]
     key = (str(root), choices)
     if key not in _BASES:
         _BASES[key] = hydra_compose(list(choices))
