@@ -9,9 +9,13 @@ a warm cache truncated to half or overwritten with random bytes, then the same c
 - a compiled kernel (XX/cKEY.so, XX/cKEY.main.so): truncated, the process dies of SIGBUS with no message at all
   (exit 135); random bytes, an ImportError traceback; every run. A SIGKILL while the C++ compiler writes one leaves
   exactly this (the compiler writes the .so in place, under inductor's lock locks/cKEY.lock);
-- a C++ source beside its .so: never read while the .so exists.
-So a damaged entry either warns forever or crashes the same command again. Each kind is checked here without importing
-torch (the front end runs this before the training process starts):
+- a C++ source beside its .so: never read while the .so exists;
+- one of inductor's CPU-feature probes (XX/cKEY.so of a `__avx_chk_kernel` program, cpu_vec_isa.py, loaded in a
+  subprocess) cut short: nothing crashes, inductor decides the CPU lacks that instruction set and compiles other
+  kernels: with the AVX-512 probe truncated, exit 0 and a sum of 8.2e31 where it is 47.0; with every probe, a C++
+  compile error (measured 2026-11-29, an AVX-512 machine).
+So a damaged entry warns forever, crashes the same command again or changes its numbers. Each kind is checked here
+without importing torch (the front end runs this before the training process starts):
 - pickles are named by the sha256 of their bytes (codecache.py FxGraphCache._write_to_local_cache, autograd_cache.py
   AOTAutogradCache._write_to_local_cache, torch 2.9): a name that does not match its bytes is damaged, bit flips too;
 - generated modules are named by the hash of their stripped source (codecache.py write() with code_hash): one that does
