@@ -1,11 +1,18 @@
-"""Flow-GRPO end to end on the tiny SD3 model through the real launcher: XLA CPU and SPMD compile nothing after epoch
-0 (sampling, the KL reference's forward, the GRPO micro-step, the EMA update and evaluation's ODE included), the KL
-stays bounded, the EMA weights are written beside the trained ones, and a SIGKILL resumes to the same weights (EMA
-included) as a run that was never interrupted."""
+"""Flow-GRPO end to end on the tiny SD3 model through the real launcher: on XLA CPU one run compiles nothing after
+epoch 0 while everything that could change a graph moves between epochs (the SDE window slides, groups of equal
+rewards come and go, evaluation and the EMA update run every epoch); SPMD does the same (extended); the KL stays
+bounded, the EMA weights are written beside the trained ones, and a SIGKILL resumes to the same weights (EMA included)
+as a run that was never interrupted."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
+import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from safetensors.torch import load_file
@@ -41,12 +48,66 @@ def _check_run(run, epochs_expected: int, late: int = 0) -> list[dict]:
     return epochs
 
 
+# per sampling batch (2 an epoch, one scoring request each): True = one reward per prompt, so all its groups have std 0
+EQUAL = {2: True, 6: True, 7: True}  # epoch 1's batch 0; both batches of epoch 3
+
+
+@contextlib.contextmanager
+def scheduled_reward_server():
+    """An in-process reward=remote server that answers the requests EQUAL names with one reward per prompt and the
+    others with a different value per image."""
+    count = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            r = count[0]
+            count[0] += 1
+            if EQUAL.get(r):
+                rewards = [int(hashlib.sha256(p.encode()).hexdigest()[:4], 16) / 65536 for p in body["prompts"]]
+            else:
+                rewards = [int(hashlib.sha256(base64.b64decode(im["data"])).hexdigest()[:6], 16) / 2**24
+                           for im in body["images"]]
+            out = json.dumps({"rewards": rewards}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.mark.xla
-def test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0(tmp_path, model_cache):
-    proc = run_train([*FLOW, "tpu_topology=cpu", "num_epochs=2", f"model.cache_dir={model_cache}", FAST_XLA_CPU],
-                     tmp_path, timeout=1200)
+def test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0_whatever_moves(tmp_path, model_cache):
+    """Four epochs on XLA CPU, each different from the one before: the SDE window slides one step an epoch (steps 0-1,
+    1-2, 2-3, 3-4); zero-advantage groups come and go (none, half the epoch, none, all: GRPO's filter weights them 0
+    and keeps the train batch's shape, so the same graphs run even when nothing is trained); evaluation (its own ODE,
+    scored by a local reward so the server's schedule counts training batches only) and the EMA update run every
+    epoch. Epoch 0 compiles; no later epoch compiles anything, in any phase."""
+    with scheduled_reward_server() as url:
+        proc = run_train([*FLOW, "tpu_topology=cpu", "num_epochs=4", "reward=remote", f"reward.url={url}",
+                          "reward.retries=0", "evaluation.rewards=[{name: jpeg_compressibility}]",
+                          "sample.sde_window.size=2", "sample.sde_window.placement=sliding",
+                          f"model.cache_dir={model_cache}", FAST_XLA_CPU], tmp_path, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    _check_run(tmp_path / "outputs" / "flow_grpo_smoke", 2)
+    epochs = _check_run(tmp_path / "outputs" / "flow_grpo_smoke", 4)
+    kept = [e["kept_fraction"] for e in epochs]
+    zero_std = [e["zero_std_ratio"] for e in epochs]
+    assert kept[0] == kept[2] == 1.0 and zero_std[0] == zero_std[2] == 0.0, (kept, zero_std)
+    assert 0 < kept[1] < 1 and zero_std[1] > 0, (kept, zero_std)  # half the epoch's groups had equal rewards
+    assert kept[3] == 0.0 and zero_std[3] == 1.0, (kept, zero_std)  # every group: nothing trained, the same graphs
+    assert all(math.isfinite(e["loss"]) for e in epochs)
 
 
 @pytest.mark.xla

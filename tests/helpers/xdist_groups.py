@@ -44,11 +44,9 @@ MEASURED_S: dict[str, float] = {
     "tests/e2e/test_training.py::test_smoke_run_learns_jpeg_compressibility": 110,
     "tests/e2e/test_xla_families.py::test_a_flow_family_compiles_its_graphs_once_and_samples_on_the_device[qwen_image_grpo_smoke]":
         105,
-    "tests/e2e/test_flow_grpo_e2e.py::test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0": 95,
+    "tests/e2e/test_flow_grpo_e2e.py::test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0_whatever_moves": 100,
     "tests/e2e/test_distributed.py::test_compiled_steps_compile_in_epoch_0_only[sd1_ddpo]": 92,
     "tests/e2e/test_evaluation_e2e.py::test_every_test_prompt_is_evaluated_once_by_every_reward[xla]": 91,
-    "tests/parity/test_flow_grpo_parity_xla.py::test_zero_advantage_groups_coming_and_going_compile_nothing_after_epoch_0":
-        86,
     "tests/e2e/test_distributed.py::test_compiled_steps_compile_in_epoch_0_only[sd3_grpo]": 84,
     "tests/e2e/test_bucket_e2e.py::test_a_bucket_outage_past_the_deadline_ends_in_one_line_and_the_same_command_finishes":
         82,
@@ -57,7 +55,6 @@ MEASURED_S: dict[str, float] = {
     "tests/e2e/test_rank_hang.py::test_a_rank_whose_reward_call_never_returns_is_named_and_the_same_command_resumes":
         68,
     "tests/e2e/test_distributed.py::test_two_processes_train_what_one_eager_process_trains[ddp_full]": 67,
-    "tests/unit/diffusion/test_sde_window.py::test_a_sliding_window_compiles_nothing_after_epoch_0_on_xla": 66,
     "tests/e2e/test_nft_e2e.py::test_kill_then_resume_is_exact": 66,
     "tests/e2e/test_xla_families.py::test_a_flow_family_compiles_its_graphs_once_and_samples_on_the_device[wan_grpo_smoke]":
         66,

@@ -50,7 +50,7 @@ def _dppo_mask_acted(run_dir: Path) -> None:
 
 CURVES = [
     # extended (~192 s here): CI checks a GRPO epoch against flow_grpo's code (tests/parity/test_flow_grpo_parity.py,
-    # test_flow_grpo_parity_xla.py); DDPO's curve (test_training) stays in CI as the loop's learning check
+    # tests/e2e/test_flow_grpo_e2e.py's XLA run); DDPO's curve (test_training) stays in CI as the loop's learning check
     Curve("flow_grpo_smoke", 20, 5, 0.05, {"algorithm.name": "grpo", "model.family": "sd3"},
           "seed 1 z = 6.5 (+0.0106 kB); at learning rate 1e-9 z = 0.8; with kl_beta 0.04: seed 0 z = 12.2, seed 1 "
           "z = 2.4 (the KL pulled it back)", control=None),
