@@ -88,6 +88,12 @@ CURVES = [
           "+0.0106 over the control's last 3 epochs (paired z 6.8). edit_consistency alone: paired z 0.2 (the tiny "
           "random VAE's colours hardly follow the latents). 250 s of CPU for both runs", control="paired"),
     # the tiny random Z-Image's samples vary little (reward std 0.012 kB within an epoch): the weakest curve here
+    # and the one that depends on the machine: on 2026-11-29's sixth-session machine (the same code and pins as the
+    # commit that set the figures below, 75e1f36 and 602ac88 rerun there) seed 0 gives -1.5097 -> -1.5058 (rise z 0.2,
+    # 2.0 over the control: this row fails there), while seeds 1 and 2 rise (-1.5100 -> -1.4870, -1.5112 -> -1.4939);
+    # learning rate 2e-2 did not rescue seed 0 (-> -1.5032). A float difference between CPUs (one torch thread either
+    # way) is enough to send this run elsewhere: the row needs a run that learns on every seed tried before it can be
+    # trusted across machines
     Curve("z_image_grpo_smoke", 10, 4, 0.1, {"model.family": "z_image", "sample.name": "flow_sde"},
           "z = 4.25 (+0.0124 kB: -1.5096 -> -1.4915), 10.7 standard errors above the control (+0.0004 kB, z = 0.6); "
           "with 3 epochs a side z = 3.8 (18.2 over the control), so the window is 4; worse: learning rate 5e-2 "
