@@ -90,10 +90,10 @@ CURVES = [
     # the tiny random Z-Image's samples vary little (reward std 0.012 kB within an epoch): the weakest curve here
     # and the one that depends on the machine: on 2026-11-29's sixth-session machine (the same code and pins as the
     # commit that set the figures below, 75e1f36 and 602ac88 rerun there) seed 0 gives -1.5097 -> -1.5058 (rise z 0.2,
-    # 2.0 over the control: this row fails there), while seeds 1 and 2 rise (-1.5100 -> -1.4870, -1.5112 -> -1.4939);
-    # learning rate 2e-2 did not rescue seed 0 (-> -1.5032). A float difference between CPUs (one torch thread either
-    # way) is enough to send this run elsewhere: the row needs a run that learns on every seed tried before it can be
-    # trusted across machines
+    # 2.0 over the control: this row fails there), while seeds 1 and 2 rise (z 5.4 and 4.4, window 4). Tried there
+    # (rise z, window 4): learning rate 2e-2 seeds 0/1 z 0.8/5.1, 1e-2 seed 0 z 2.7; noise_level 0.7 (Flow-Factory's)
+    # seeds 0/1/2 z 5.1/1.7/4.1. A float difference between CPUs (one torch thread either way) is enough to send this
+    # run elsewhere: the row needs a run that learns on every seed tried before it can be trusted across machines
     Curve("z_image_grpo_smoke", 10, 4, 0.1, {"model.family": "z_image", "sample.name": "flow_sde"},
           "z = 4.25 (+0.0124 kB: -1.5096 -> -1.4915), 10.7 standard errors above the control (+0.0004 kB, z = 0.6); "
           "with 3 epochs a side z = 3.8 (18.2 over the control), so the window is 4; worse: learning rate 5e-2 "
