@@ -7,17 +7,14 @@ as a run that was never interrupted."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
-import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import FAST_XLA_CPU, read_metrics, run_train
+from tests.helpers.reward_server import recording_server
 
 pytestmark = pytest.mark.slow
 
@@ -52,40 +49,12 @@ def _check_run(run, epochs_expected: int, late: int = 0) -> list[dict]:
 EQUAL = {2: True, 6: True, 7: True}  # epoch 1's batch 0; both batches of epoch 3
 
 
-@contextlib.contextmanager
-def scheduled_reward_server():
-    """An in-process reward=remote server that answers the requests EQUAL names with one reward per prompt and the
-    others with a different value per image."""
-    count = [0]
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            r = count[0]
-            count[0] += 1
-            if EQUAL.get(r):
-                rewards = [int(hashlib.sha256(p.encode()).hexdigest()[:4], 16) / 65536 for p in body["prompts"]]
-            else:
-                rewards = [int(hashlib.sha256(base64.b64decode(im["data"])).hexdigest()[:6], 16) / 2**24
-                           for im in body["images"]]
-            out = json.dumps({"rewards": rewards}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score"
-    finally:
-        server.shutdown()
-        server.server_close()
+def scheduled_rewards(request: dict, index: int) -> dict:
+    """The requests EQUAL names get one reward per prompt, the others a different value per image."""
+    if EQUAL.get(index):
+        return {"rewards": [int(hashlib.sha256(p.encode()).hexdigest()[:4], 16) / 65536 for p in request["prompts"]]}
+    return {"rewards": [int(hashlib.sha256(base64.b64decode(im["data"])).hexdigest()[:6], 16) / 2**24
+                        for im in request["images"]]}
 
 
 @pytest.mark.xla
@@ -95,7 +64,7 @@ def test_flow_grpo_on_xla_cpu_compiles_nothing_after_epoch_0_whatever_moves(tmp_
     and keeps the train batch's shape, so the same graphs run even when nothing is trained); evaluation (its own ODE,
     scored by a local reward so the server's schedule counts training batches only) and the EMA update run every
     epoch. Epoch 0 compiles; no later epoch compiles anything, in any phase."""
-    with scheduled_reward_server() as url:
+    with recording_server(scheduled_rewards) as (url, _):
         proc = run_train([*FLOW, "tpu_topology=cpu", "num_epochs=4", "reward=remote", f"reward.url={url}",
                           "reward.retries=0", "evaluation.rewards=[{name: jpeg_compressibility}]",
                           "sample.sde_window.size=2", "sample.sde_window.placement=sliding",

@@ -12,11 +12,9 @@ import selectors
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
 import numpy as np
@@ -29,6 +27,7 @@ from ddpo_tpu.rewards.remote import RemoteReward, decode_image, encode_image, en
 from ddpo_tpu.rewards.weighted import WeightedReward
 
 from tests.helpers import REPO, clean_env
+from tests.helpers.reward_server import recording_server
 
 pytestmark = pytest.mark.torch_free  # no torch in the test or what it starts (tests/conftest.py)
 
@@ -79,32 +78,10 @@ def reward_server(*args: str, idle_timeout: float = 60) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def canned_server(status: int, body: bytes) -> Iterator[tuple[str, list[int]]]:
-    """In-process server answering every POST with (status, body); yields (url, [request count])."""
-    count = [0]
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):  # quiet
-            pass
-
-        def do_POST(self):  # noqa: N802
-            count[0] += 1
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score", count
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+def canned_server(status: int, body: bytes) -> Iterator[tuple[str, list[dict]]]:
+    """In-process server answering every POST with (status, body); yields (url, the requests)."""
+    with recording_server(lambda request, index: body, status) as served:
+        yield served
 
 
 def _closed_port() -> int:
@@ -234,11 +211,11 @@ def test_reference_server_rejects_bad_requests_with_400():
     (b"<html>oops</html>", r"the reply is not JSON"),
 ])
 def test_malformed_reply_raises_without_retry(body, match):
-    with canned_server(200, body) as (url, count):
+    with canned_server(200, body) as (url, requests):
         with pytest.raises(RewardError, match=match) as info:
             RemoteReward(url, timeout_s=5, retries=3, backoff_s=0.01)(_images(2), PROMPTS7[:2])
     assert f"reward.url={url}: malformed reply" in str(info.value)
-    assert count[0] == 1
+    assert len(requests) == 1
 
 
 def test_nan_reward_passes_through():
@@ -248,53 +225,22 @@ def test_nan_reward_passes_through():
 
 
 def test_4xx_raises_at_once_with_the_servers_text():
-    with canned_server(422, b'{"error": "images must be 512x512"}') as (url, count):
+    with canned_server(422, b'{"error": "images must be 512x512"}') as (url, requests):
         with pytest.raises(RewardError) as info:
             RemoteReward(url, timeout_s=5, retries=3, backoff_s=0.01)(_images(2), PROMPTS7[:2])
-    assert count[0] == 1  # not retried
+    assert len(requests) == 1  # not retried
     message = str(info.value)
     assert f"reward.url={url}" in message and "HTTP 422" in message and "images must be 512x512" in message
 
 
 def test_5xx_is_retried_then_raises():
-    with canned_server(500, b"internal trouble") as (url, count):
+    with canned_server(500, b"internal trouble") as (url, requests):
         with pytest.raises(RewardError, match=r"server error after 2 retries \(HTTP 500: internal trouble\)"):
             RemoteReward(url, timeout_s=5, retries=2, backoff_s=0.01)(_images(1), PROMPTS7[:1])
-    assert count[0] == 3
+    assert len(requests) == 3
 
 
 # --- metadata in, extras out (wire version 1's optional fields) ----------------------------------------------------
-
-
-@contextlib.contextmanager
-def recording_server(reply) -> Iterator[tuple[str, list[dict]]]:
-    """In-process server answering each POST with reply(request_json, index) (a JSON-able object); yields (url, the
-    decoded requests)."""
-    seen: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):  # quiet
-            pass
-
-        def do_POST(self):  # noqa: N802
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(request)
-            data = json.dumps(reply(request, len(seen) - 1)).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score", seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 def _metadata_reply(request: dict, index: int) -> dict:
@@ -339,10 +285,10 @@ def test_an_old_server_reply_without_extras_still_scores():
     ('[1, 2]', r'"extras" must be an object of lists'),
 ])
 def test_malformed_extras_raise_without_retry(extras, match):
-    with canned_server(200, f'{{"rewards": [1, 2], "extras": {extras}}}'.encode()) as (url, count):
+    with canned_server(200, f'{{"rewards": [1, 2], "extras": {extras}}}'.encode()) as (url, requests):
         with pytest.raises(RewardError, match=match):
             RemoteReward(url, timeout_s=5, retries=3, backoff_s=0.01).score(_images(2), PROMPTS7[:2])
-    assert count[0] == 1
+    assert len(requests) == 1
 
 
 def test_metadata_that_is_not_json_is_refused_before_sending():
